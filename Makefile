@@ -1,0 +1,28 @@
+# Every target creates .venv on first use, so a fresh machine needs only `make demo` / `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch 2.13.0; a bare `torch` would pull a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: venv demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	OMP_NUM_THREADS=1 $(PY) examples/ppo_pendulum.py
+
+test: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+bench: venv
+	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py --quick
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,8 @@
+"""Train torchrl losses on one CPU, one GPU, or many GPUs under DDP or FSDP, unchanged."""
+
+from fabric_learner.fabric import FabricLearner
+from fabric_learner.learner import Capabilities, Learner
+from fabric_learner.local import LocalLearner
+
+__all__ = ["Capabilities", "FabricLearner", "Learner", "LocalLearner"]
+__version__ = "0.1.0"

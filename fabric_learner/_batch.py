@@ -1,0 +1,87 @@
+"""Carrying a TensorDict batch through Fabric's module wrapper intact.
+
+Fabric's ``_FabricModule.forward`` converts inputs with ``apply_to_collection``, which rebuilds
+a TensorDict as a plain mapping (losing ``batch_size``, device, lazy stacks and in-place
+writes). Here the batch travels inside an opaque ``Carrier``; the loss forwarder applies the
+precision's input conversion and any device move itself, and writes what the loss stored into
+its input back into the caller's batch, as it would land without a learner.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+
+class Carrier:
+    """An opaque box: Fabric's and DDP's input/output traversals do not look inside."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class LossForwarder(nn.Module):
+    """The module Fabric wraps: calls the loss on the caller's batch, or on a converted copy.
+
+    ``convert`` maps each batch tensor to what the loss must see (device move and precision
+    cast) or is ``None`` when the batch goes in untouched. The output is returned as
+    ``(Carrier(output), leaves)``: the leaves let DDP's unused-parameter search see the graph.
+    """
+
+    def __init__(self, loss_module: nn.Module, device: torch.device, convert: Callable | None) -> None:
+        super().__init__()
+        self.loss_module = loss_module
+        self._device = device
+        self._convert = convert
+
+    def forward(self, carrier: Carrier):
+        batch: TensorDictBase = carrier.value
+        if self._convert is None and _on_device(batch, self._device):
+            output = self.loss_module(batch)
+        else:
+            output = self._forward_converted(batch)
+        leaves = tuple(output.values(include_nested=True, leaves_only=True)) if isinstance(output, TensorDictBase) else ()
+        return Carrier(output), leaves
+
+    def _forward_converted(self, batch: TensorDictBase):
+        device, convert = self._device, self._convert
+
+        def to_loss(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(device, non_blocking=True)
+            return convert(t) if convert is not None else t
+
+        moves = batch.device is not None and batch.device != device
+        fed = batch.apply(to_loss, device=device) if moves else batch.apply(to_loss)
+        given = dict(fed.items(include_nested=True, leaves_only=True))
+        output = self.loss_module(fed)
+        written = [
+            (key, value)
+            for key, value in fed.items(include_nested=True, leaves_only=True)
+            if given.get(key) is not value
+        ]
+        for key, value in written:
+            original = batch.get(key, None) if key in given else None
+            dtype = original.dtype if isinstance(original, torch.Tensor) else value.dtype
+            batch.set(key, value.to(device=_device_of(batch, key, value), dtype=dtype))
+        return output
+
+
+def _on_device(batch: TensorDictBase, device: torch.device) -> bool:
+    bdev = batch.device
+    if bdev is not None:
+        return bdev == device
+    return all(t.device == device for t in batch.values(include_nested=True, leaves_only=True))
+
+
+def _device_of(batch: TensorDictBase, key, value: torch.Tensor) -> torch.device:
+    if batch.device is not None:
+        return batch.device
+    original = batch.get(key, None)
+    if isinstance(original, torch.Tensor):
+        return original.device
+    return next(iter(batch.values(include_nested=True, leaves_only=True)), value).device

@@ -1,0 +1,79 @@
+"""Checkpoint files: atomic writes and weights-only reads."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "fabric_learner/1"
+
+
+def file_state(learner_state: dict[str, Any]) -> dict[str, Any]:
+    """What a single-file checkpoint holds: the learner state plus a format tag."""
+    return {"format": FORMAT, **learner_state}
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then an atomic rename onto it.
+
+    A crash at any point leaves either the previous file or the new one at ``path``, never a
+    partial file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"{path} is a directory; a single-file checkpoint would replace it. Pass a file path."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress_os_error():
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def weights_only_load(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint file without unpickling code (``weights_only=True``)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"No checkpoint at {path}.")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    check_format(state, path)
+    return state
+
+
+def check_format(state: Any, path: str | os.PathLike) -> None:
+    if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:
+        raise ValueError(f"{path} is not a fabric_learner checkpoint (no 'model' and 'optimizer' entries).")
+
+
+class _suppress_os_error:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return exc_type is not None and issubclass(exc_type, OSError)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,45 @@
+"""Reading a torchrl loss output: which entries are losses, and their sum."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+
+def loss_keys(output: TensorDictBase) -> list[str]:
+    """Top-level keys starting with ``"loss"``.
+
+    The prefix is ``"loss"``, not ``"loss_"``: DQN, GAIL and OnlineDT emit a bare ``"loss"``.
+    """
+    return [k for k in output.keys() if isinstance(k, str) and k.startswith("loss")]
+
+
+def total_loss(output: TensorDictBase) -> torch.Tensor:
+    """Sum of the loss entries of ``output``, checked to be a scalar.
+
+    Raises ``ValueError`` (before anything is differentiated) when there is no loss entry
+    or when the sum is not a scalar, which is what ``reduction="none"`` produces.
+    """
+    if not isinstance(output, TensorDictBase):
+        raise TypeError(
+            f"The loss module returned {type(output).__name__}; a torchrl LossModule must return a "
+            "TensorDict whose 'loss'-prefixed entries are summed."
+        )
+    keys = loss_keys(output)
+    if not keys:
+        raise ValueError(
+            "The loss module's output has no 'loss'-prefixed entry to optimise; it holds "
+            f"{sorted(map(str, output.keys(include_nested=True)))}. Return the objective under a key "
+            "that starts with 'loss' (e.g. 'loss' or 'loss_actor')."
+        )
+    total = output.get(keys[0])
+    for key in keys[1:]:
+        total = total + output.get(key)
+    if total.numel() != 1:
+        shapes = {k: tuple(output.get(k).shape) for k in keys}
+        raise ValueError(
+            f"The summed loss over {keys} has shape {tuple(total.shape)} (entry shapes {shapes}), "
+            "but a scalar is needed to backpropagate. Build the loss with reduction='mean' or "
+            "reduction='sum' instead of reduction='none'."
+        )
+    return total.reshape(())

@@ -1,0 +1,227 @@
+"""The Learner contract: one optimization step on a TensorDict batch with a torchrl loss.
+
+The step itself (``update``) lives here, once. Backends only say how to forward, backward,
+skip gradient sync, clip and save; they never re-implement accumulation, the loss sum or
+the optimizer-coverage check, so every backend learns the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from fabric_learner._loss import total_loss
+from fabric_learner._optim import coverage_error, uncovered_with_grad
+from fabric_learner._state import check_checkpoint, clone_state
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend does, for code that must branch on it (e.g. collective weight gathers)."""
+
+    sharded: bool
+    distributed: bool
+
+
+class Learner(nn.Module):
+    """One optimization step on a TensorDict batch: forward, sum losses, backward, clip, step.
+
+    ``update(batch)`` returns the loss output, detached, plus ``"grad_norm"`` (the pre-clip
+    norm over the optimizer's parameters) on calls that step the optimizer. With
+    ``grad_accum_steps=k`` the optimizer steps on every k-th call, each micro-batch loss
+    scaled by 1/k, and gradients are synchronised across ranks on the last one only.
+
+    A Learner is an ``nn.Module`` whose only submodule is ``loss_module``, so
+    ``state_dict()`` keeps its plain meaning (weights only); ``checkpoint()`` and
+    ``save()`` carry the optimizer and counters as well.
+    """
+
+    capabilities = Capabilities(sharded=False, distributed=False)
+
+    def __init__(
+        self,
+        loss_module: nn.Module,
+        *,
+        policy: nn.Module | None = None,
+        clip_grad_norm: float | None = None,
+        grad_accum_steps: int = 1,
+    ) -> None:
+        if not isinstance(loss_module, nn.Module):
+            raise TypeError(f"loss_module must be a torchrl LossModule (an nn.Module), got {type(loss_module).__name__}.")
+        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be an integer >= 1, got {grad_accum_steps!r}.")
+        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+            raise ValueError(
+                f"clip_grad_norm must be a positive number or None (no clipping), got {clip_grad_norm!r}."
+            )
+        if policy is not None and not isinstance(policy, nn.Module):
+            raise TypeError(f"policy must be an nn.Module or None, got {type(policy).__name__}.")
+        _materialize_lazy_state(loss_module)
+        super().__init__()
+        self.loss_module = loss_module
+        # Not registered as a submodule: its parameters are the loss's, and a second copy in
+        # state_dict() would be wrong. The same holds for every wrapper a backend keeps.
+        object.__setattr__(self, "policy", policy)
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.grad_accum_steps = grad_accum_steps
+        self.num_updates = 0
+        self._accum_step = 0
+        self._coverage_checked = False
+        self.optimizer: torch.optim.Optimizer
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def update(self, batch: TensorDictBase) -> TensorDictBase:
+        """Take one micro-step on ``batch``; step the optimizer at the end of each window."""
+        if not isinstance(batch, TensorDictBase):
+            raise TypeError(f"update() takes a TensorDict batch, got {type(batch).__name__}.")
+        stepping = self._accum_step + 1 == self.grad_accum_steps
+        with self._sync_context(stepping):
+            output = self._forward(batch)
+            loss = total_loss(output)
+            if self._accum_step == 0:
+                self.optimizer.zero_grad(set_to_none=True)
+            if self.grad_accum_steps > 1:
+                loss = loss / self.grad_accum_steps
+            self._backward(loss)
+        self._accum_step += 1
+        result = output.detach()
+        if stepping:
+            self._accum_step = 0
+            if not self._coverage_checked:
+                missing = uncovered_with_grad(self._named_parameters(), self.optimizer)
+                if missing:
+                    raise coverage_error(missing)
+                self._coverage_checked = True
+            grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
+            self._optimizer_step()
+            self.num_updates += 1
+            result.set("grad_norm", grad_norm.detach().reshape(()).to(result.device or grad_norm.device))
+        return result
+
+    # ---- what backends provide ------------------------------------------------------------
+
+    def _forward(self, batch: TensorDictBase) -> TensorDictBase:
+        raise NotImplementedError
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch; gradients are synchronised only when ``sync``."""
+        return contextlib.nullcontext()
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def _named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The trained module's parameters, named as in ``loss_module``."""
+        return self.loss_module.named_parameters()
+
+    def _model_state(self) -> dict[str, Any]:
+        return self.loss_module.state_dict()
+
+    def _load_model_state(self, state: Mapping[str, Any]) -> None:
+        self.loss_module.load_state_dict(state, strict=True)
+
+    # ---- attributes -----------------------------------------------------------------------
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def get_weights(self, *, cpu_offload: bool = True) -> TensorDictBase:
+        """Plain, detached tensors independent of the live parameters.
+
+        Laid out as ``TensorDict.from_module(policy)`` when a policy was given, else as the loss
+        module's trainable parameters. Needs no communication on unsharded backends.
+        """
+        if self.policy is not None:
+            source = TensorDict.from_module(self.policy)
+        else:
+            source = TensorDict(dict(self.loss_module.named_parameters()), batch_size=[]).unflatten_keys(".")
+        device = torch.device("cpu") if cpu_offload else None
+        return source.apply(lambda t: _plain_copy(t, device), batch_size=[])
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The learner's state in memory: every tensor cloned, nothing aliasing live state."""
+        return clone_state(self._live_state())
+
+    def _live_state(self) -> dict[str, Any]:
+        """The checkpoint's content aliasing live tensors: only for immediate serialisation."""
+        return {
+            "model": self._model_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "accum_step": self._accum_step,
+            "num_updates": self.num_updates,
+        }
+
+    def load_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restore a ``checkpoint()``; everything is validated before anything is changed.
+
+        A checkpoint taken mid-window resumes at the start of a window (gradients are not
+        checkpointed), with a warning.
+        """
+        check_checkpoint(checkpoint, self._model_state(), self.optimizer)
+        self._load_model_state(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.num_updates = int(checkpoint.get("num_updates", 0))
+        accum_step = int(checkpoint.get("accum_step", 0))
+        if accum_step:
+            warnings.warn(
+                f"The checkpoint was taken {accum_step} micro-batch(es) into a {self.grad_accum_steps}-step "
+                "accumulation window; gradients are not checkpointed, so training resumes at the start "
+                "of a new window.",
+                stacklevel=2,
+            )
+        self._accum_step = 0
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def save(self, path) -> None:
+        raise NotImplementedError
+
+    def load(self, path) -> None:
+        raise NotImplementedError
+
+
+
+def _plain_copy(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    t = t.detach()
+    if isinstance(t, nn.Parameter):
+        t = t.data
+    if device is not None and t.device != device:
+        return t.to(device)
+    return t.clone()
+
+
+def _materialize_lazy_state(loss_module: nn.Module) -> None:
+    """Create the state torchrl losses add lazily on their first forward.
+
+    Without this, a fresh loss's ``state_dict`` lacks ``_value_estimator.*`` (and REDQ's
+    ``target_entropy_buffer``), so a checkpoint of a trained learner would not load into it.
+    """
+    if getattr(loss_module, "_value_estimator", False) is None:
+        with contextlib.suppress(Exception):
+            loss_module.value_estimator  # noqa: B018 - property with a side effect
+    if "target_entropy_buffer" in getattr(loss_module, "__dict__", {}) and loss_module.__dict__["target_entropy_buffer"] is None:
+        with contextlib.suppress(Exception):
+            loss_module.target_entropy  # noqa: B018

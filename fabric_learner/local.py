@@ -1,0 +1,53 @@
+"""LocalLearner: the single-process reference every other backend is tested against."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from fabric_learner._checkpoint import atomic_torch_save, file_state, weights_only_load
+from fabric_learner._optim import OptimizerLike, build_optimizer, optimizer_params
+from fabric_learner.learner import Capabilities, Learner
+
+
+class LocalLearner(Learner):
+    """The Learner step in plain PyTorch: no Fabric, no process group, no device moves.
+
+    ``optimizer`` is an instance, a factory ``f(params)`` or ``None`` (Adam over
+    ``loss_module.parameters()``).
+    """
+
+    capabilities = Capabilities(sharded=False, distributed=False)
+
+    def __init__(
+        self,
+        loss_module: nn.Module,
+        optimizer: OptimizerLike = None,
+        *,
+        policy: nn.Module | None = None,
+        clip_grad_norm: float | None = None,
+        grad_accum_steps: int = 1,
+    ) -> None:
+        super().__init__(loss_module, policy=policy, clip_grad_norm=clip_grad_norm, grad_accum_steps=grad_accum_steps)
+        self.optimizer = build_optimizer(optimizer, loss_module.parameters())
+
+    def _forward(self, batch):
+        return self.loss_module(batch)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(
+            optimizer_params(self.optimizer), max_norm, error_if_nonfinite=False, foreach=True
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``checkpoint()`` to ``path`` atomically (the same file format as FabricLearner)."""
+        atomic_torch_save(file_state(self._live_state()), path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint written by any learner; never unpickles code."""
+        self.load_checkpoint(weights_only_load(path))

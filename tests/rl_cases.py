@@ -1,0 +1,104 @@
+"""Small, seeded torchrl losses and batches shared by the tests and the multi-rank workers.
+
+Each case builds a real torchrl loss on small MLPs and a batch whose content depends only on
+the seed, so every process (and every rank) can rebuild exactly the same data.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+from tensordict.nn import NormalParamExtractor, TensorDictModule
+from torch import nn
+from torchrl.data import Bounded
+from torchrl.modules import MLP, IndependentNormal, ProbabilisticActor, QValueActor, TanhNormal, ValueOperator
+from torchrl.objectives import ClipPPOLoss, DDPGLoss, DQNLoss, SACLoss, TD3Loss
+
+OBS, ACT, N_ACTIONS, HIDDEN = 4, 2, 3, 16
+
+# name -> deterministic (the loss output is a pure function of weights and batch)
+CASES = {"dqn": True, "ppo": True, "ddpg": True, "sac": False, "td3": False}
+
+
+def _gaussian_actor(distribution_class):
+    net = nn.Sequential(MLP(in_features=OBS, out_features=2 * ACT, num_cells=[HIDDEN]), NormalParamExtractor())
+    module = TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"])
+    return ProbabilisticActor(
+        module, in_keys=["loc", "scale"], distribution_class=distribution_class, return_log_prob=True
+    )
+
+
+def _det_actor():
+    return TensorDictModule(
+        nn.Sequential(MLP(in_features=OBS, out_features=ACT, num_cells=[HIDDEN]), nn.Tanh()),
+        in_keys=["observation"],
+        out_keys=["action"],
+    )
+
+
+def _qvalue():
+    return ValueOperator(MLP(in_features=OBS + ACT, out_features=1, num_cells=[HIDDEN]), in_keys=["observation", "action"])
+
+
+def make_loss(name: str, seed: int = 0):
+    """``(loss_module, policy)`` for a case, with weights fixed by ``seed``."""
+    torch.manual_seed(seed)
+    if name == "dqn":
+        policy = QValueActor(
+            MLP(in_features=OBS, out_features=N_ACTIONS, num_cells=[HIDDEN]),
+            in_keys=["observation"], spec=None, action_space="one_hot",
+        )
+        loss = DQNLoss(policy, action_space="one_hot", delay_value=True)
+        # make the target network differ from the online one, as it does mid-training
+        with torch.no_grad():
+            for p in loss.target_value_network_params.values(True, True):
+                p.mul_(0.5)
+        return loss, policy
+    if name == "ppo":
+        policy = _gaussian_actor(IndependentNormal)
+        critic = ValueOperator(MLP(in_features=OBS, out_features=1, num_cells=[HIDDEN]), in_keys=["observation"])
+        loss = ClipPPOLoss(policy, critic, entropy_coeff=0.01, normalize_advantage=False)
+        return loss, policy
+    if name == "ddpg":
+        policy = _det_actor()
+        loss = DDPGLoss(policy, _qvalue(), delay_actor=True, delay_value=True)
+        return loss, policy
+    if name == "sac":
+        policy = _gaussian_actor(TanhNormal)
+        return SACLoss(policy, _qvalue(), action_spec=Bounded(-1.0, 1.0, shape=(ACT,))), policy
+    if name == "td3":
+        policy = _det_actor()
+        loss = TD3Loss(policy, _qvalue(), action_spec=Bounded(-1.0, 1.0, shape=(ACT,)))
+        return loss, policy
+    raise KeyError(name)
+
+
+def make_batch(name: str, n: int = 16, seed: int = 1) -> TensorDict:
+    """A batch of ``n`` transitions for case ``name``; equal seeds give equal batches."""
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(n, OBS, generator=g)
+    nxt = {
+        "observation": torch.randn(n, OBS, generator=g),
+        "reward": torch.randn(n, 1, generator=g),
+        "done": torch.zeros(n, 1, dtype=torch.bool),
+        "terminated": torch.zeros(n, 1, dtype=torch.bool),
+    }
+    if name == "dqn":
+        action = nn.functional.one_hot(torch.randint(N_ACTIONS, (n,), generator=g), N_ACTIONS)
+        return TensorDict({"observation": obs, "action": action, "next": nxt}, [n])
+    action = torch.rand(n, ACT, generator=g) * 1.8 - 0.9
+    td = TensorDict({"observation": obs, "action": action, "next": nxt}, [n])
+    if name == "ppo":
+        td["action_log_prob"] = -torch.rand(n, generator=g) - 1.0
+        td["advantage"] = torch.randn(n, 1, generator=g)
+        td["value_target"] = torch.randn(n, 1, generator=g)
+    return td
+
+
+def halves(batch: TensorDict, rank: int, world_size: int = 2) -> TensorDict:
+    n = batch.shape[0] // world_size
+    return batch[rank * n : (rank + 1) * n]
+
+
+def flat_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().cpu() for k, v in module.named_parameters()}
