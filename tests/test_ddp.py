@@ -1,0 +1,124 @@
+"""DDP on 2 real gloo processes equals LocalLearner on the full batch; ranks agree."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from multiproc import WORKERS, python, run
+from rl_cases import CASES, flat_params, make_batch, make_loss
+
+from fabric_learner import LocalLearner
+
+STEPS, LR, CLIP = 3, 1e-2, 0.5
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    local = LocalLearner(make_loss("sac", seed=11)[0], clip_grad_norm=CLIP)
+    for s in range(2):
+        torch.manual_seed(s)
+        local.update(make_batch("sac", seed=50 + s))
+    local.save(out / "local_sac.pt")
+    proc = run(python(os.path.join(WORKERS, "ddp_checks.py"), str(out), str(out / "local_sac.pt")), timeout=420)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return {"ranks": ranks, "dir": out, "local": local}
+
+
+def reference(case, grad_accum_steps=1):
+    loss, _ = make_loss(case)
+    learner = LocalLearner(loss, functools.partial(torch.optim.Adam, lr=LR), clip_grad_norm=CLIP,
+                           grad_accum_steps=grad_accum_steps)
+    norms = []
+    for step in range(STEPS):
+        batch = make_batch(case, n=16, seed=100 + step)
+        for micro in batch.chunk(grad_accum_steps):
+            out = learner.update(micro)
+        norms.append(out["grad_norm"])
+    return {"params": flat_params(loss), "grad_norm": torch.stack(norms)}
+
+
+def assert_ranks_identical(a, b):
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"ranks differ on {k}"
+
+
+@pytest.mark.parametrize("case", [c for c, det in CASES.items() if det])
+def test_deterministic_losses_equal_local_full_batch(ddp, case):
+    r0, r1 = (r["cases"][case] for r in ddp["ranks"])
+    assert ddp["ranks"][0]["world_size"] == 2
+    assert_ranks_identical(r0["params"], r1["params"])
+    ref = reference(case)
+    torch.testing.assert_close(r0["grad_norm"], ref["grad_norm"], atol=1e-5, rtol=1e-5)
+    for k, v in ref["params"].items():
+        torch.testing.assert_close(r0["params"][k], v, atol=1e-5, rtol=0, msg=k)
+    assert r0["num_updates"] == STEPS
+
+
+@pytest.mark.parametrize("case", [c for c, det in CASES.items() if not det])
+def test_stochastic_losses_ranks_agree_and_weights_move(ddp, case):
+    r0, r1 = (r["cases"][case] for r in ddp["ranks"])
+    assert_ranks_identical(r0["params"], r1["params"])
+    start = flat_params(make_loss(case)[0])
+    moved = [k for k in start if not torch.equal(start[k], r0["params"][k])]
+    assert moved, "no parameter changed"
+    assert torch.isfinite(r0["grad_norm"]).all()
+
+
+@pytest.mark.parametrize("case", ["dqn", "ppo"])
+def test_accumulation_syncs_once_and_equals_local(ddp, case):
+    r0, r1 = (r["accum"][case] for r in ddp["ranks"])
+    assert_ranks_identical(r0["params"], r1["params"])
+    ref = reference(case)
+    torch.testing.assert_close(r0["grad_norm"], ref["grad_norm"], atol=1e-5, rtol=1e-5)
+    for k, v in ref["params"].items():
+        torch.testing.assert_close(r0["params"][k], v, atol=1e-5, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "64-true"])
+def test_tensordict_batches_survive_ddp_at_each_precision(ddp, precision):
+    for rank in ddp["ranks"]:
+        res = rank["integrity"][precision]
+        assert res["batch_size"] == (8,)
+        assert res["device"] == "cpu"
+        assert res["obs_dtype"] == torch.float32  # the caller's data is not cast
+        assert res["td_error"] is not None and res["td_error"].shape[0] == 8
+        assert res["lazy_is_lazy"] and res["lazy_batch_size"] == (8,)
+        assert res["lazy_td_error"] is not None and res["lazy_td_error"].shape[0] == 8
+        assert res["loss_dtype"] == torch.float32
+
+
+def test_local_checkpoint_loads_under_ddp(ddp):
+    local = ddp["local"]
+    for rank in ddp["ranks"]:
+        loaded = rank["loaded_local"]
+        assert loaded["num_updates"] == local.num_updates
+        for k, v in flat_params(local.loss_module).items():
+            assert torch.equal(loaded["params"][k], v), k
+        exp = local.optimizer.state_dict()["state"]
+        for i, s in loaded["optimizer"]["state"].items():
+            assert torch.equal(s["exp_avg"], exp[i]["exp_avg"])
+
+
+def test_error_under_ddp_leaves_it_usable(ddp):
+    r0, r1 = ddp["ranks"]
+    assert r0["error_type"].startswith("KeyError") and r1["error_type"].startswith("KeyError")
+    assert_ranks_identical(r0["after_error"], r1["after_error"])
+
+
+def test_ddp_checkpoint_loads_into_one_process(ddp):
+    saved = ddp["ranks"][0]["saved_sac"]
+    learner = LocalLearner(make_loss("sac", seed=4)[0], clip_grad_norm=CLIP)
+    learner.load(ddp["dir"] / "ddp_sac.pt")
+    assert learner.num_updates == STEPS
+    for k, v in learner.loss_module.state_dict().items():
+        assert torch.equal(v, saved["model"][k]), k
+    for i, s in learner.optimizer.state_dict()["state"].items():
+        assert torch.equal(s["exp_avg_sq"], saved["optimizer"]["state"][i]["exp_avg_sq"])
+    torch.manual_seed(0)
+    out = learner.update(make_batch("sac"))
+    assert torch.isfinite(out["grad_norm"])

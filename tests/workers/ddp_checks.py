@@ -1,0 +1,102 @@
+"""Many DDP checks in one 2-rank launch (plain ``python``: the learner starts rank 1 itself).
+
+Usage: python ddp_checks.py OUT_DIR LOCAL_CKPT
+Writes OUT_DIR/rank{r}.pt with everything the tests compare against LocalLearner.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from datetime import timedelta
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy  # noqa: E402
+from rl_cases import CASES, flat_params, halves, make_batch, make_loss  # noqa: E402
+from tensordict import LazyStackedTensorDict  # noqa: E402
+
+from fabric_learner import FabricLearner  # noqa: E402
+
+STEPS, LR, CLIP = 3, 1e-2, 0.5
+
+
+def ddp(**kwargs):
+    return FabricLearner(
+        accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=90)), **kwargs
+    )
+
+
+def train(case, rank, grad_accum_steps=1):
+    loss, _ = make_loss(case)
+    learner = ddp(loss_module=loss, optimizer=functools.partial(torch.optim.Adam, lr=LR), clip_grad_norm=CLIP,
+                  grad_accum_steps=grad_accum_steps)
+    norms = []
+    for step in range(STEPS):
+        local = halves(make_batch(case, n=16, seed=100 + step), rank)
+        torch.manual_seed(1000 * step + rank)
+        for micro in local.chunk(grad_accum_steps):
+            out = learner.update(micro)
+        norms.append(out["grad_norm"])
+    return learner, {"params": flat_params(loss), "grad_norm": torch.stack(norms), "num_updates": learner.num_updates}
+
+
+def integrity(rank, precision):
+    """What the caller's batch looks like after an update at this precision."""
+    loss, _ = make_loss("dqn")
+    learner = ddp(loss_module=loss, precision=precision)
+    batch = halves(make_batch("dqn", n=16, seed=5), rank).to("cpu")
+    plain = batch.clone()
+    learner.update(plain)
+    lazy = LazyStackedTensorDict.lazy_stack(list(batch.clone().unbind(0)), 0)
+    out = learner.update(lazy)
+    return {
+        "batch_size": tuple(plain.batch_size),
+        "device": str(plain.device),
+        "td_error": plain.get("td_error", None),
+        "lazy_is_lazy": isinstance(lazy, LazyStackedTensorDict),
+        "lazy_td_error": lazy.get("td_error", None),
+        "lazy_batch_size": tuple(lazy.batch_size),
+        "loss_dtype": out["loss"].dtype,
+        "obs_dtype": plain["observation"].dtype,
+    }
+
+
+def main(out_dir, local_ckpt):
+    results = {"cases": {}, "accum": {}, "integrity": {}}
+    rank = None
+    for case in CASES:
+        learner, res = train(case, rank=int(os.environ.get("LOCAL_RANK", 0)))
+        rank = learner.global_rank
+        results["world_size"] = learner.world_size
+        results["cases"][case] = res
+        if case == "sac":
+            learner.save(os.path.join(out_dir, "ddp_sac.pt"))
+            results["saved_sac"] = learner.checkpoint()
+    for case in ("dqn", "ppo"):
+        results["accum"][case] = train(case, rank, grad_accum_steps=2)[1]
+    for precision in ("32-true", "bf16-mixed", "bf16-true", "64-true"):
+        results["integrity"][precision] = integrity(rank, precision)
+    # a checkpoint written by LocalLearner loads under DDP, and training continues in step
+    loss, _ = make_loss("sac", seed=3)
+    learner = ddp(loss_module=loss, clip_grad_norm=CLIP)
+    learner.load(local_ckpt)
+    results["loaded_local"] = {"params": flat_params(loss), "num_updates": learner.num_updates,
+                               "optimizer": learner.checkpoint()["optimizer"]}
+    # an error on every rank leaves DDP usable
+    try:
+        learner.update(halves(make_batch("sac", n=16, seed=8), rank).exclude("action"))
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        results["error_type"] = f"{type(err).__name__}: {err}"
+    torch.manual_seed(7)
+    learner.update(halves(make_batch("sac", n=16, seed=8), rank))
+    results["after_error"] = flat_params(loss)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    learner.fabric.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
