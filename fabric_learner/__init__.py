@@ -2,7 +2,8 @@
 
 from fabric_learner.fabric import FabricLearner
 from fabric_learner.learner import Capabilities, Learner
+from fabric_learner._sharded import ShardedLoss, shard_loss, whole_world
 from fabric_learner.local import LocalLearner
 
-__all__ = ["Capabilities", "FabricLearner", "Learner", "LocalLearner"]
+__all__ = ["Capabilities", "FabricLearner", "Learner", "LocalLearner", "ShardedLoss", "shard_loss", "whole_world"]
 __version__ = "0.1.0"

@@ -40,35 +40,34 @@ class LossForwarder(nn.Module):
         self._convert = convert
 
     def forward(self, carrier: Carrier):
-        batch: TensorDictBase = carrier.value
-        if self._convert is None and _on_device(batch, self._device):
-            output = self.loss_module(batch)
-        else:
-            output = self._forward_converted(batch)
+        output = run_loss(self.loss_module, carrier.value, self._device, self._convert)
         leaves = tuple(output.values(include_nested=True, leaves_only=True)) if isinstance(output, TensorDictBase) else ()
         return Carrier(output), leaves
 
-    def _forward_converted(self, batch: TensorDictBase):
-        device, convert = self._device, self._convert
 
-        def to_loss(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(device, non_blocking=True)
-            return convert(t) if convert is not None else t
+def run_loss(loss_module: nn.Module, batch: TensorDictBase, device: torch.device, convert: Callable | None):
+    """``loss_module(batch)``, on a converted copy when the batch needs a device move or cast."""
+    if convert is None and _on_device(batch, device):
+        return loss_module(batch)
 
-        moves = batch.device is not None and batch.device != device
-        fed = batch.apply(to_loss, device=device) if moves else batch.apply(to_loss)
-        given = dict(fed.items(include_nested=True, leaves_only=True))
-        output = self.loss_module(fed)
-        written = [
-            (key, value)
-            for key, value in fed.items(include_nested=True, leaves_only=True)
-            if given.get(key) is not value
-        ]
-        for key, value in written:
-            original = batch.get(key, None) if key in given else None
-            dtype = original.dtype if isinstance(original, torch.Tensor) else value.dtype
-            batch.set(key, value.to(device=_device_of(batch, key, value), dtype=dtype))
-        return output
+    def to_loss(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device, non_blocking=True)
+        return convert(t) if convert is not None else t
+
+    moves = batch.device is not None and batch.device != device
+    fed = batch.apply(to_loss, device=device) if moves else batch.apply(to_loss)
+    given = dict(fed.items(include_nested=True, leaves_only=True))
+    output = loss_module(fed)
+    written = [
+        (key, value)
+        for key, value in fed.items(include_nested=True, leaves_only=True)
+        if given.get(key) is not value
+    ]
+    for key, value in written:
+        original = batch.get(key, None) if key in given else None
+        dtype = original.dtype if isinstance(original, torch.Tensor) else value.dtype
+        batch.set(key, value.to(device=_device_of(batch, key, value), dtype=dtype))
+    return output
 
 
 def _on_device(batch: TensorDictBase, device: torch.device) -> bool:

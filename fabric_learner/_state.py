@@ -25,17 +25,16 @@ def clone_state(value: Any) -> Any:
     return value
 
 
-def check_model_state(state: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+def check_model_state(state: Mapping[str, Any], shapes: Mapping[str, tuple]) -> None:
     """Raise before loading if ``state`` does not have exactly the keys and shapes expected."""
     if not isinstance(state, Mapping):
         raise TypeError(f"checkpoint['model'] must be a state dict, got {type(state).__name__}.")
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
+    missing = [k for k in shapes if k not in state]
+    unexpected = [k for k in state if k not in shapes]
     wrong = [
-        f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and isinstance(v, torch.Tensor)
-        and (not isinstance(state[k], torch.Tensor) or tuple(state[k].shape) != tuple(v.shape))
+        f"{k}: {tuple(getattr(state[k], 'shape', ()))} vs {shape}"
+        for k, shape in shapes.items()
+        if k in state and (not isinstance(state[k], torch.Tensor) or tuple(state[k].shape) != tuple(shape))
     ]
     if missing or unexpected or wrong:
         raise ValueError(
@@ -60,7 +59,26 @@ def check_optimizer_state(state: Mapping[str, Any], optimizer: torch.optim.Optim
         )
 
 
-def check_checkpoint(checkpoint: Mapping[str, Any], model_state: Mapping[str, Any], optimizer) -> None:
+def reindex_optimizer_state(state: Any, saved_names: list[str], names: list[str]) -> Any:
+    """``state`` (a torch optimizer state dict saved with ``saved_names`` as its index order)
+    re-indexed to the order ``names``; unchanged when the orders agree or cannot be matched."""
+    if not isinstance(state, Mapping) or "param_groups" not in state or list(saved_names) == list(names):
+        return state
+    if sorted(saved_names) != sorted(names):
+        raise ValueError(
+            "The checkpoint's optimizer trains other parameters than this learner's; nothing was loaded. "
+            f"Only in the checkpoint: {sorted(set(saved_names) - set(names))[:8]}; only here: "
+            f"{sorted(set(names) - set(saved_names))[:8]}."
+        )
+    new_index = {name: i for i, name in enumerate(names)}
+    old_to_new = {i: new_index[name] for i, name in enumerate(saved_names)}
+    groups = [dict(g, params=[old_to_new[i] for i in g["params"]]) for g in state["param_groups"]]
+    moments = {old_to_new[int(i)]: v for i, v in state["state"].items()}
+    return {"state": moments, "param_groups": groups}
+
+
+def check_checkpoint(checkpoint: Mapping[str, Any], model_shapes: Mapping[str, tuple]) -> None:
+    """The structure and model part of a learner checkpoint (the optimizer is checked apart)."""
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f"A learner checkpoint is a dict, got {type(checkpoint).__name__}.")
     missing = [k for k in ("model", "optimizer") if k not in checkpoint]
@@ -69,5 +87,4 @@ def check_checkpoint(checkpoint: Mapping[str, Any], model_state: Mapping[str, An
             f"Not a learner checkpoint: missing {missing} (has {sorted(map(str, checkpoint))}). "
             "Pass what Learner.checkpoint() returned or what Learner.save() wrote."
         )
-    check_model_state(checkpoint["model"], model_state)
-    check_optimizer_state(checkpoint["optimizer"], optimizer)
+    check_model_state(checkpoint["model"], model_shapes)

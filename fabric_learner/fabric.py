@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.strategies import SingleDeviceStrategy
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from fabric_learner import _dcp
 from fabric_learner._batch import Carrier, LossForwarder
-from fabric_learner._checkpoint import FORMAT, check_format
+from fabric_learner._checkpoint import FORMAT, check_format, weights_only_load
 from fabric_learner._launch import build_fabric, launch
 from fabric_learner._optim import OptimizerLike, build_optimizer
+from fabric_learner._sharded import ShardedLoss, check_sharded, flat_name, is_sharded_strategy
 from fabric_learner.learner import Capabilities, Learner
 
 
@@ -25,6 +30,11 @@ class FabricLearner(Learner):
     Building it launches the other ranks when needed (as ``fabric.launch()`` does) and returns
     on every rank with the learner ready; under ``fabric run`` or ``torchrun`` it picks the
     settings up from the launcher. Every rank feeds ``update`` its own local batch.
+
+    ``strategy="fsdp"`` shards the loss's trainable parameters with FSDP2 (Fabric's
+    ``ModelParallelStrategy``), on CPU and GPU; a user-built ``ModelParallelStrategy`` receives
+    a ``ShardedLoss`` holding those parameters. Sharded strategies need an optimizer factory,
+    and ``get_weights``, ``checkpoint``, ``save`` and ``load`` are collectives there.
     """
 
     def __init__(
@@ -52,20 +62,34 @@ class FabricLearner(Learner):
             fabric = build_fabric(
                 accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision
             )
+        sharded = is_sharded_strategy(fabric.strategy)
+        if sharded and isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                "A sharded strategy builds the optimizer after sharding, so it needs a factory, not an "
+                "instance: pass e.g. optimizer=functools.partial(torch.optim.Adam, lr=3e-4), or None for Adam."
+            )
         launch(fabric)
         object.__setattr__(self, "fabric", fabric)
         plugin = fabric.strategy.precision
         convert = plugin.convert_input if type(plugin).convert_input is not Precision.convert_input else None
         object.__setattr__(self, "_precision", plugin)
-        forwarder = LossForwarder(loss_module, fabric.device, convert)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            module, opt = fabric.setup(forwarder, optimizer)
-        else:
-            module = fabric.setup_module(forwarder)
+        if sharded:
+            loss_module.to(fabric.device)  # buffers (targets) stay in the loss, replicated
+            wrapper = ShardedLoss(loss_module, fabric.device, convert)
+            module = fabric.setup_module(wrapper)
+            check_sharded(wrapper, fabric.world_size)
             opt = fabric.setup_optimizers(build_optimizer(optimizer, module.parameters()))
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            wrapper = LossForwarder(loss_module, fabric.device, convert)
+            module, opt = fabric.setup(wrapper, optimizer)
+        else:
+            wrapper = LossForwarder(loss_module, fabric.device, convert)
+            module = fabric.setup_module(wrapper)
+            opt = fabric.setup_optimizers(build_optimizer(optimizer, module.parameters()))
+        object.__setattr__(self, "_wrapper", wrapper if sharded else None)
         object.__setattr__(self, "_module", module)
         self.optimizer = opt
-        self.capabilities = Capabilities(sharded=False, distributed=fabric.world_size > 1)
+        self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
 
     # ---- the step, through Fabric ---------------------------------------------------------
 
@@ -77,12 +101,15 @@ class FabricLearner(Learner):
         self.fabric.backward(self._precision.convert_output(loss), model=self._module)
 
     def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
+        # Only ever enter the no-sync context with enabled=True: Fabric's FSDP2 variant leaves
+        # sync in the state of `enabled` on exit, so enabled=False would switch sync off for good.
         if sync or isinstance(self.fabric.strategy, SingleDeviceStrategy):
             return contextlib.nullcontext()
         return self.fabric.no_backward_sync(self._module, enabled=True)
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
-        return self.fabric.clip_gradients(self._module, self.optimizer, max_norm=max_norm, error_if_nonfinite=False)
+        norm = self.fabric.clip_gradients(self._module, self.optimizer, max_norm=max_norm, error_if_nonfinite=False)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def update(self, batch):
         result = super().update(batch)
@@ -90,6 +117,11 @@ class FabricLearner(Learner):
         if type(plugin).convert_output is not Precision.convert_output:
             result = result.apply(plugin.convert_output)  # reported values in the default dtype
         return result
+
+    def _named_parameters(self):
+        if self._wrapper is not None:
+            return self._wrapper.named_loss_parameters()
+        return super()._named_parameters()
 
     # ---- attributes -----------------------------------------------------------------------
 
@@ -101,16 +133,260 @@ class FabricLearner(Learner):
     def world_size(self) -> int:
         return self.fabric.world_size
 
+    @property
+    def sharded_module(self) -> ShardedLoss | None:
+        """The ``ShardedLoss`` under sharded strategies (``full_parameters_in_loss()`` lives there)."""
+        return self._wrapper
+
+    # ---- weights and state under sharding (collectives) -------------------------------------
+
+    def get_weights(self, *, cpu_offload: bool = True) -> TensorDictBase:
+        """Plain tensors; under sharded strategies a collective that every rank must call.
+
+        Sharded, ``cpu_offload=True``: full weights on rank 0, an empty TensorDict elsewhere;
+        ``cpu_offload=False``: full weights on every rank.
+        """
+        if self._wrapper is None:
+            return super().get_weights(cpu_offload=cpu_offload)
+        full = self._full_parameters(cpu_offload)
+        if not full:
+            return TensorDict()
+        wrapper = self._wrapper
+        by_id = {id(wrapper._originals[name]): name for name in wrapper.names}
+        if self.policy is None:
+            return TensorDict({n: full[n] for n in wrapper.names}, batch_size=[]).unflatten_keys(".")
+        layout = TensorDict.from_module(self.policy)
+        device = torch.device("cpu") if cpu_offload else None
+
+        def fill(t):
+            name = by_id.get(id(t))
+            if name is not None:
+                return full[name]
+            t = t.detach()
+            return t.to(device) if device is not None and t.device != device else t.clone()
+
+        return layout.apply(fill, batch_size=[])
+
+    def _full_parameters(self, cpu_offload: bool) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        wrapper = self._wrapper
+        state = get_model_state_dict(wrapper, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+        if not state:
+            return {}
+        return {n: state[flat_name(n)].detach().reshape(wrapper.shapes[n]).clone() for n in wrapper.names}
+
+    def _loss_buffers(self) -> dict[str, torch.Tensor]:
+        names = set(self._wrapper.names)
+        return {k: v for k, v in self.loss_module.state_dict(keep_vars=True).items() if k not in names}
+
+    def _model_state(self) -> dict[str, Any]:
+        if self._wrapper is None:
+            return super()._model_state()
+        full = self._full_parameters(cpu_offload=False)
+        state = self.loss_module.state_dict()
+        return {k: full[k] if k in full else v for k, v in state.items()}
+
+    def _model_shapes(self) -> dict[str, tuple]:
+        if self._wrapper is None:
+            return super()._model_shapes()
+        shapes = {k: tuple(v.shape) for k, v in self._loss_buffers().items()}
+        shapes.update({n: tuple(s) for n, s in self._wrapper.shapes.items()})
+        return {k: shapes[k] for k in self.loss_module.state_dict(keep_vars=True)}
+
+    def _load_model_state(self, state) -> None:
+        if self._wrapper is None:
+            return super()._load_model_state(state)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        wrapper = self._wrapper
+        params = {flat_name(n): state[n].reshape(getattr(wrapper, flat_name(n)).shape) for n in wrapper.names}
+        set_model_state_dict(wrapper, params, options=StateDictOptions(full_state_dict=True, strict=False))
+        with torch.no_grad():
+            for k, buffer in self._loss_buffers().items():
+                buffer.copy_(state[k])
+
+    def _raw_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self._wrapper is None:
+            return super()._optimizer_state()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        wrapper = self._wrapper
+        by_flat = {flat_name(n): n for n in wrapper.names}
+        full = get_optimizer_state_dict(wrapper, self._raw_optimizer(), options=StateDictOptions(full_state_dict=True))
+        names = self._optimizer_param_names()
+        index = {n: i for i, n in enumerate(names)}
+        state = {}
+        for fqn, fields in full["state"].items():
+            name = by_flat[fqn]
+            state[index[name]] = {f: _loss_shaped(v, wrapper.shapes[name]) for f, v in fields.items()}
+        groups = [dict(g, params=[index[by_flat[p]] for p in g["params"]]) for g in full["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def _load_optimizer_state(self, state) -> None:
+        if self._wrapper is None:
+            return super()._load_optimizer_state(state)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        wrapper = self._wrapper
+        names = self._optimizer_param_names()
+        moments = {}
+        for i, fields in state["state"].items():
+            param = getattr(wrapper, flat_name(names[int(i)]))
+            moments[flat_name(names[int(i)])] = {
+                f: v.reshape(param.shape) if isinstance(v, torch.Tensor) and v.shape != param.shape
+                and v.numel() == param.numel() else v
+                for f, v in fields.items()
+            }
+        groups = [dict(g, params=[flat_name(names[i]) for i in g["params"]]) for g in state["param_groups"]]
+        set_optimizer_state_dict(wrapper, self._raw_optimizer(), {"state": moments, "param_groups": groups},
+                                 options=StateDictOptions(full_state_dict=True))
+
     # ---- checkpoints on disk --------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the learner's state with ``fabric.save`` (atomic; every rank must call it)."""
+        """Write the learner's state; every rank must call it.
+
+        Unsharded: one file through ``fabric.save`` (written on rank 0 to a temporary file and
+        renamed). Sharded: a folder where each rank writes its own shards (see ``_dcp``), made
+        current by an atomic rename of its ``LATEST`` file.
+        """
+        if self._wrapper is not None:
+            return self._save_sharded(Path(path))
         state = self._live_state()
+        if Path(path).is_dir():
+            raise IsADirectoryError(f"{path} is a folder; a single-file checkpoint would replace it. Pass a file path.")
         self.fabric.save(path, {"format": FORMAT, "model": self.loss_module, "optimizer": self.optimizer,
-                                "accum_step": state["accum_step"], "num_updates": state["num_updates"]})
+                                "param_names": state["param_names"], "accum_step": state["accum_step"],
+                                "num_updates": state["num_updates"]})
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by any learner (``weights_only``: no code is unpickled)."""
+        """Restore a checkpoint written by any learner, any strategy or world size.
+
+        Never unpickles code: files load ``weights_only``, sharded metadata through an
+        allow-list. Everything is validated before anything changes.
+        """
+        if _dcp.is_sharded_checkpoint(path):
+            if self._wrapper is not None:
+                return self._load_sharded(Path(path))
+            return self.load_checkpoint(_dcp.read_full(path))
+        if Path(path).is_dir():
+            raise FileNotFoundError(f"{path} is a folder but holds no fabric_learner checkpoint (no LATEST file).")
+        if self._wrapper is not None:  # Fabric's sharded load wants live objects; this is a full file
+            return self.load_checkpoint(weights_only_load(path))
         state = self.fabric.load(path, weights_only=True)
         check_format(state, path)
         self.load_checkpoint(state)
+
+    def _save_sharded(self, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        wrapper, rank = self._wrapper, self.global_rank
+        if rank == 0:
+            _dcp.check_target(path)
+        self.fabric.barrier()
+        version = self.fabric.broadcast(_dcp.new_version_name(self.num_updates) if rank == 0 else None, src=0)
+        model = get_model_state_dict(wrapper)
+        tensors = {f"model/{n}": model[flat_name(n)] for n in wrapper.names}
+        tensors.update({f"model/{k}": v.detach() for k, v in self._loss_buffers().items()})
+        optim = get_optimizer_state_dict(wrapper, self._raw_optimizer())
+        by_flat = {flat_name(n): n for n in wrapper.names}
+        scalars: dict[str, dict[str, Any]] = {}
+        for fqn, fields in optim["state"].items():
+            for field, value in fields.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{by_flat[fqn]}/{field}"] = value
+                else:
+                    scalars.setdefault(by_flat[fqn], {})[field] = value
+        groups = [{**_jsonable(g), "params": [by_flat[p] for p in g["params"]]} for g in optim["param_groups"]]
+        meta = {
+            "num_updates": self.num_updates, "accum_step": self._accum_step,
+            "model_keys": list(self.loss_module.state_dict(keep_vars=True)),
+            "param_names": self._optimizer_param_names(), "param_groups": groups, "optim_scalars": scalars,
+            "shapes": {**{k: list(v.shape) for k, v in self._loss_buffers().items()},
+                       **{n: list(s) for n, s in wrapper.shapes.items()}},
+            "world_size": self.world_size,
+        }
+        path.mkdir(parents=True, exist_ok=True) if rank == 0 else None
+        self.fabric.barrier()
+        _dcp.save_version(path, version, tensors, meta, rank)
+        self.fabric.barrier()
+        if rank == 0:
+            _dcp.publish(path, version)
+        self.fabric.barrier()
+
+    def _load_sharded(self, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        folder = _dcp.latest_version(path)
+        meta = _dcp.read_meta(folder)
+        wrapper = self._wrapper
+        if sorted(meta["model_keys"]) != sorted(self.loss_module.state_dict(keep_vars=True)) or \
+                sorted(meta["param_names"]) != sorted(self._optimizer_param_names()):
+            raise ValueError(
+                f"The checkpoint at {path} was saved from a different loss module or optimizer; nothing was "
+                "loaded. Load it into a learner built the same way as the one that saved it."
+            )
+        model = get_model_state_dict(wrapper)
+        tensors = {f"model/{n}": model[flat_name(n)] for n in wrapper.names}
+        buffers = {k: torch.empty_like(v) for k, v in self._loss_buffers().items()}
+        tensors.update({f"model/{k}": v for k, v in buffers.items()})
+        optim = get_optimizer_state_dict(wrapper, self._raw_optimizer())
+        by_flat = {flat_name(n): n for n in wrapper.names}
+        for fqn, fields in optim["state"].items():
+            for field, value in fields.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{by_flat[fqn]}/{field}"] = value
+        _dcp.load_into(tensors, folder, distributed=True)
+        set_model_state_dict(wrapper, {flat_name(n): tensors[f"model/{n}"] for n in wrapper.names},
+                             options=StateDictOptions(strict=False))
+        with torch.no_grad():
+            for k, buffer in self._loss_buffers().items():
+                buffer.copy_(buffers[k])
+        for fqn, fields in optim["state"].items():
+            for field in list(fields):
+                key = f"optim/{by_flat[fqn]}/{field}"
+                if key in tensors:
+                    fields[field] = tensors[key]
+                else:
+                    fields[field] = meta["optim_scalars"].get(by_flat[fqn], {}).get(field, fields[field])
+        saved_groups = meta["param_groups"]
+        for group, saved in zip(optim["param_groups"], saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        set_optimizer_state_dict(wrapper, self._raw_optimizer(), optim)
+        self.num_updates = int(meta["num_updates"])
+        self._accum_step = 0
+        if meta["accum_step"]:
+            import warnings
+
+            warnings.warn("The checkpoint was taken mid accumulation window; training resumes at the start of a "
+                          "new window.", stacklevel=2)
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _loss_shaped(value: Any, shape) -> Any:
+    if isinstance(value, torch.Tensor) and tuple(shape) == () and tuple(value.shape) == (1,):
+        return value.reshape(())
+    return value
+
+
+def _jsonable(group: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor):
+            v = v.item() if v.numel() == 1 else v.tolist()
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[k] = v
+    return out

@@ -19,8 +19,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from fabric_learner._loss import total_loss
-from fabric_learner._optim import coverage_error, uncovered_with_grad
-from fabric_learner._state import check_checkpoint, clone_state
+from fabric_learner._optim import coverage_error, optimizer_params, uncovered_with_grad
+from fabric_learner._state import check_checkpoint, check_optimizer_state, clone_state, reindex_optimizer_state
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,9 @@ class Learner(nn.Module):
     def _model_state(self) -> dict[str, Any]:
         return self.loss_module.state_dict()
 
+    def _model_shapes(self) -> dict[str, tuple]:
+        return {k: tuple(v.shape) for k, v in self.loss_module.state_dict(keep_vars=True).items()}
+
     def _load_model_state(self, state: Mapping[str, Any]) -> None:
         self.loss_module.load_state_dict(state, strict=True)
 
@@ -170,10 +173,26 @@ class Learner(nn.Module):
         """The checkpoint's content aliasing live tensors: only for immediate serialisation."""
         return {
             "model": self._model_state(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
+            "param_names": self._optimizer_param_names(),
             "accum_step": self._accum_step,
             "num_updates": self.num_updates,
         }
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def _load_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def _optimizer_param_names(self) -> list[str]:
+        """Loss-module names of the optimizer's parameters, in its state-dict index order.
+
+        Saved with every checkpoint so that a learner whose optimizer lists the same parameters
+        in another order (or another strategy) restores each moment onto the right tensor.
+        """
+        names = {id(p): n for n, p in self._named_parameters()}
+        return [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(optimizer_params(self.optimizer))]
 
     def load_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         """Restore a ``checkpoint()``; everything is validated before anything is changed.
@@ -181,9 +200,15 @@ class Learner(nn.Module):
         A checkpoint taken mid-window resumes at the start of a window (gradients are not
         checkpointed), with a warning.
         """
-        check_checkpoint(checkpoint, self._model_state(), self.optimizer)
+        check_checkpoint(checkpoint, self._model_shapes())
+        optimizer_state = checkpoint["optimizer"]
+        if checkpoint.get("param_names") is not None:
+            optimizer_state = reindex_optimizer_state(
+                optimizer_state, checkpoint["param_names"], self._optimizer_param_names()
+            )
+        check_optimizer_state(optimizer_state, self.optimizer)
         self._load_model_state(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self._load_optimizer_state(optimizer_state)
         self.num_updates = int(checkpoint.get("num_updates", 0))
         accum_step = int(checkpoint.get("accum_step", 0))
         if accum_step:

@@ -7,6 +7,7 @@ import os
 import torch
 from torch import nn
 
+from fabric_learner._dcp import is_sharded_checkpoint, read_full
 from fabric_learner._checkpoint import atomic_torch_save, file_state, weights_only_load
 from fabric_learner._optim import OptimizerLike, build_optimizer, optimizer_params
 from fabric_learner.learner import Capabilities, Learner
@@ -50,4 +51,6 @@ class LocalLearner(Learner):
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner; never unpickles code."""
+        if is_sharded_checkpoint(path):
+            return self.load_checkpoint(read_full(path))
         self.load_checkpoint(weights_only_load(path))

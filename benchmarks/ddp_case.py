@@ -1,0 +1,105 @@
+"""Multi-rank benchmark worker (cases b, e-DDP and f): launched by ``run.py`` through torchrun.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/ddp_case.py --out r.json
+
+Both contenders live in the same launch and take turns, each repetition in a rotated order,
+with a barrier around every timed block:
+- case b: ``FabricLearner(strategy="ddp")`` vs a hand-written ``DistributedDataParallel`` loop
+  over the same loss (wrapped in ``SumLoss``), same seeds, same per-rank batches;
+- case e: ``get_weights()`` of a 20M+ parameter policy vs the raw clone, on every rank;
+- case f: the per-update times give the updates/second per rank at this world size.
+Rank 0 writes the results as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RL_WARNINGS", "False")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+import common  # noqa: E402
+from fabric_learner import FabricLearner  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--workloads", default=",".join(common.WORKLOADS))
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--inner", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--gw-reps", type=int, default=0, help="get_weights repetitions (0: skip case e)")
+    p.add_argument("--gw-inner", type=int, default=2)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    common.set_one_thread()
+    t_start = time.perf_counter()
+
+    results: dict = {"updates": {}, "get_weights": None}
+    rank = world = None
+    for name in [w for w in args.workloads.split(",") if w]:
+        batches = common.make_batches(name, seed=1 + 7919 * int(os.environ.get("RANK", "0")))
+        loss_l, _ = common.make_loss(name, seed=0)
+        learner = FabricLearner(loss_l, None, clip_grad_norm=common.CLIP, accelerator="cpu", strategy="ddp")
+        rank, world = learner.global_rank, learner.world_size
+        loss_h, _ = common.make_loss(name, seed=0)
+        hand = common.HandDDP(loss_h)
+        k = len(batches)
+        contenders = {
+            "FabricLearner(ddp)": lambda i: learner.update(batches[i % k]),
+            "hand DDP": lambda i: hand.update(batches[i % k]),
+        }
+        samples = common.interleaved(contenders, reps=args.reps, inner=args.inner, warmup=args.warmup,
+                                     sync=dist.barrier)
+        # Both contenders took the same steps on the same batches; DQN is deterministic, so their
+        # weights must still agree (PPO's and SAC's losses sample, so theirs drift apart).
+        same = None
+        if name == "dqn":
+            same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+                       for a, b in zip(loss_l.parameters(), loss_h.parameters()))
+        results["updates"][name] = {"samples_s": samples, "same_weights": same,
+                                    "threads": torch.get_num_threads()}
+        del learner, hand
+
+    if args.gw_reps:
+        loss_g, policy = common.make_loss("ppo_big_actor", seed=0)
+        learner = FabricLearner(loss_g, None, policy=policy, accelerator="cpu", strategy="ddp")
+        rank, world = learner.global_rank, learner.world_size
+        contenders = {
+            "FabricLearner(ddp).get_weights": lambda i: learner.get_weights(),
+            "raw TensorDict.from_module(policy).data.clone()": lambda i: TensorDict.from_module(policy).data.clone(),
+            "raw {k: v.detach().clone() for state_dict}": lambda i: {
+                k: v.detach().clone() for k, v in policy.state_dict().items()
+            },
+        }
+        samples = common.interleaved(contenders, reps=args.gw_reps, inner=args.gw_inner, warmup=1,
+                                     sync=dist.barrier)
+        results["get_weights"] = {"samples_s": samples, "policy_params": common.count_params(policy)}
+        del learner
+
+    results.update(rank=rank, world_size=world, wall_s=time.perf_counter() - t_start)
+    if dist.is_initialized():
+        dist.barrier()
+        if rank == 0:
+            with open(args.out, "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+        dist.destroy_process_group()
+    elif rank in (0, None):
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,510 @@
+"""The fabric_learner benchmark suite: every case, side by side, in one command.
+
+    python benchmarks/run.py            # full mode (~10 minutes on 2 busy cores)
+    python benchmarks/run.py --quick    # under 5 minutes on 2 cores
+    python benchmarks/run.py --only a,d # a subset of cases (a b d e f, plus the hooks below)
+
+Each case compares a learner call with the code a user would write by hand for the same work,
+same seeds, same data. Contenders take turns: every repetition runs each of them once (``inner``
+calls timed together with ``time.perf_counter``), in a rotated order, so slow phases of a noisy
+machine hit all of them. Reported: the median per call over the repetitions, ``ratio`` =
+learner median / hand-written median, and ``paired`` = the median of the per-repetition
+ratios (adjacent blocks, so it cancels shared noise best). Results go to
+``benchmarks/results/latest.json`` and ``benchmarks/results/latest.png``.
+
+Cases: a) one process, one thread, update(): PPO, DQN, SAC; b) DDP on 2 gloo ranks, update();
+d) checkpoint save/load; e) get_weights of a 20M+ parameter policy (1 process and DDP);
+f) updates/second per rank at 1 and 2 ranks. c) FSDP memory and compile=True: HOOKS below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: one thread, here and in every rank
+os.environ.setdefault("RL_WARNINGS", "False")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+import common  # noqa: E402
+from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+
+
+@dataclass(frozen=True)
+class Config:
+    quick: bool
+    # case a: single-process update()
+    reps: int
+    inner: int
+    warmup: int
+    # case b/f: DDP update()
+    ddp_reps: int
+    ddp_inner: int
+    ddp_timeout_s: int
+    # case d: checkpoints
+    ckpt_reps: int
+    ckpt_inner: int
+    # case e: get_weights
+    gw_reps: int
+    gw_inner: int
+    workloads: tuple[str, ...] = common.WORKLOADS
+
+
+QUICK = Config(quick=True, reps=7, inner=10, warmup=3, ddp_reps=5, ddp_inner=6, ddp_timeout_s=200,
+               ckpt_reps=5, ckpt_inner=2, gw_reps=5, gw_inner=2)
+FULL = Config(quick=False, reps=21, inner=20, warmup=5, ddp_reps=15, ddp_inner=10, ddp_timeout_s=600,
+              ckpt_reps=15, ckpt_inner=3, gw_reps=15, gw_inner=3)
+SMOKE = Config(quick=True, reps=2, inner=2, warmup=1, ddp_reps=2, ddp_inner=2, ddp_timeout_s=200,
+               ckpt_reps=2, ckpt_inner=1, gw_reps=2, gw_inner=1)  # checks the suite runs; numbers meaningless
+
+
+@dataclass
+class Row:
+    """One comparison: ``contender`` (a learner call) against ``baseline`` (hand-written)."""
+
+    case: str
+    workload: str
+    contender: str
+    baseline: str
+    unit: str
+    contender_median: float
+    baseline_median: float
+    ratio: float
+    paired: float
+    goal: float | None
+    met: bool | None
+    note: str = ""
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+
+def compare(case: str, workload: str, samples_s: dict[str, list[float]], contender: str, baseline: str,
+            goal: float | None, *, unit: str = "ms", note: str = "") -> Row:
+    """A Row from interleaved per-call samples in seconds (reported in milliseconds)."""
+    c, b = samples_s[contender], samples_s[baseline]
+    cm, bm = common.median(c) * 1e3, common.median(b) * 1e3
+    ratio = cm / bm
+    return Row(case, workload, contender, baseline, unit, cm, bm, ratio, common.paired_ratio(c, b), goal,
+               None if goal is None else ratio <= goal, note,
+               {contender: [x * 1e3 for x in c], baseline: [x * 1e3 for x in b]})
+
+
+# ---- case a: one process, one thread, update() ---------------------------------------------------
+
+
+def case_a(cfg: Config) -> list[Row]:
+    rows = []
+    for name in cfg.workloads:
+        batches = common.make_batches(name)
+        k = len(batches)
+        hand = common.HandTorchrl(common.make_loss(name)[0])
+        hand_fabric = common.HandFabric(common.make_loss(name)[0])
+        local = LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP)
+        fabric = FabricLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP, accelerator="cpu", devices=1)
+        samples = common.interleaved(
+            {
+                "hand torchrl loop": lambda i: hand.update(batches[i % k]),
+                "hand Fabric loop": lambda i: hand_fabric.update(batches[i % k]),
+                "LocalLearner.update": lambda i: local.update(batches[i % k]),
+                "FabricLearner(cpu,1).update": lambda i: fabric.update(batches[i % k]),
+            },
+            reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup,
+        )
+        assert torch.get_num_threads() == 1, torch.get_num_threads()
+        note = common.WORKLOAD_DESC[name]
+        rows += [
+            compare("a", name, samples, "LocalLearner.update", "hand torchrl loop", 1.03, unit="ms/update", note=note),
+            compare("a", name, samples, "FabricLearner(cpu,1).update", "hand torchrl loop", 1.03, unit="ms/update",
+                    note=note),
+            compare("a", name, samples, "FabricLearner(cpu,1).update", "hand Fabric loop", 1.03, unit="ms/update",
+                    note=note),
+            compare("a", name, samples, "hand Fabric loop", "hand torchrl loop", None, unit="ms/update",
+                    note="reference: what Fabric itself costs"),
+        ]
+    return rows
+
+
+# ---- cases b, e (DDP) and f: multi-rank launches --------------------------------------------------
+
+
+def launch_ranks(nproc: int, cfg: Config, *, get_weights: bool) -> dict[str, Any]:
+    """Run ``ddp_case.py`` under torchrun on ``nproc`` gloo ranks, one thread each; its JSON."""
+    fd, out = tempfile.mkstemp(prefix="fl_bench_ddp_", suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(HERE, "ddp_case.py"), "--out", out, "--workloads", ",".join(cfg.workloads),
+           "--reps", str(cfg.ddp_reps), "--inner", str(cfg.ddp_inner), "--warmup", str(cfg.warmup),
+           "--gw-reps", str(cfg.gw_reps if get_weights else 0), "--gw-inner", str(cfg.gw_inner)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=ROOT)
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED",
+                "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=cfg.ddp_timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise RuntimeError(f"{nproc}-rank launch did not finish in {cfg.ddp_timeout_s}s:\n{log[-3000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the launch outlives it
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        if proc.returncode != 0:
+            raise RuntimeError(f"{nproc}-rank launch failed (exit {proc.returncode}):\n{log[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
+def case_b_e_f(cfg: Config, single_rows: list[Row]) -> tuple[list[Row], list[dict]]:
+    two = launch_ranks(2, cfg, get_weights=True)
+    one = launch_ranks(1, cfg, get_weights=False)
+    rows = []
+    for name, res in two["updates"].items():
+        note = "2 gloo ranks, 1 thread each" + ("" if res["same_weights"] is not False else "; WEIGHTS DIFFER")
+        rows.append(compare("b", name, res["samples_s"], "FabricLearner(ddp)", "hand DDP", 1.05,
+                            unit="ms/update", note=note))
+    gw = two.get("get_weights")
+    if gw:
+        rows.append(compare("e", f"ppo actor {gw['policy_params'] / 1e6:.1f}M params", gw["samples_s"],
+                            "FabricLearner(ddp).get_weights", "raw TensorDict.from_module(policy).data.clone()",
+                            None, unit="ms/call", note="DDP, 2 ranks (rank 0's clock)"))
+    scaling = []
+    single = {(r.workload, r.contender): r.contender_median for r in single_rows if r.case == "a"}
+    for name in two["updates"]:
+        for contender in ("FabricLearner(ddp)", "hand DDP"):
+            ms1 = common.median(one["updates"][name]["samples_s"][contender]) * 1e3
+            ms2 = common.median(two["updates"][name]["samples_s"][contender]) * 1e3
+            ref = "FabricLearner(cpu,1).update" if contender == "FabricLearner(ddp)" else "hand torchrl loop"
+            ms0 = single.get((name, ref))
+            scaling.append({
+                "workload": name, "contender": contender,
+                "no_ddp_1proc_updates_per_s": None if ms0 is None else 1e3 / ms0,
+                "ddp_1rank_updates_per_s": 1e3 / ms1,
+                "ddp_2rank_updates_per_s_per_rank": 1e3 / ms2,
+                "per_rank_efficiency": ms1 / ms2,  # 1.0 = perfect weak scaling
+                "total_speedup_2_vs_1": 2 * ms1 / ms2,
+            })
+    return rows, scaling
+
+
+# ---- case d: checkpoints -----------------------------------------------------------------------------
+
+
+def case_d(cfg: Config) -> list[Row]:
+    name, cells = "ppo", (1024, 1024, 1024)
+    batches = common.make_batches(name, count=2)
+    loss_h = common.make_loss(name, cells=cells)[0]
+    opt_h = torch.optim.Adam(loss_h.parameters())
+    local = LocalLearner(common.make_loss(name, cells=cells)[0])
+    fabric = FabricLearner(common.make_loss(name, cells=cells)[0], accelerator="cpu", devices=1)
+    for td in batches:  # populate Adam's state, as in a real checkpoint
+        common.summed_loss(loss_h(td)).backward()
+        opt_h.step()
+        opt_h.zero_grad()
+        local.update(td)
+        fabric.update(td)
+    nparams = common.count_params(loss_h)
+    workload = f"ppo MLP[1024]x3, {nparams / 1e6:.1f}M params + Adam"
+    tmp = tempfile.mkdtemp(prefix="fl_bench_ckpt_")
+    paths = {k: os.path.join(tmp, f"{k}.pt") for k in ("hand", "atomic", "local", "fabric")}
+
+    def hand_save(i):
+        torch.save({"model": loss_h.state_dict(), "optimizer": opt_h.state_dict()}, paths["hand"])
+
+    def hand_atomic_save(i):  # what the learner's durability costs when written by hand
+        part = paths["atomic"] + ".partial"
+        with open(part, "wb") as f:
+            torch.save({"model": loss_h.state_dict(), "optimizer": opt_h.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, paths["atomic"])
+
+    def hand_load(i):
+        state = torch.load(paths["hand"], map_location="cpu", weights_only=True)
+        loss_h.load_state_dict(state["model"])
+        opt_h.load_state_dict(state["optimizer"])
+
+    try:
+        save = common.interleaved({
+            "torch.save(state_dicts)": hand_save,
+            "torch.save + fsync + rename": hand_atomic_save,
+            "LocalLearner.save": lambda i: local.save(paths["local"]),
+            "FabricLearner.save": lambda i: fabric.save(paths["fabric"]),
+        }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1)
+        load = common.interleaved({
+            "torch.load + load_state_dicts": hand_load,
+            "LocalLearner.load": lambda i: local.load(paths["local"]),
+            "FabricLearner.load": lambda i: fabric.load(paths["fabric"]),
+        }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1)
+        size_mb = os.path.getsize(paths["local"]) / 2**20
+    finally:
+        for p in paths.values():
+            if os.path.exists(p):
+                os.unlink(p)
+        os.rmdir(tmp)
+    w = f"{workload}, {size_mb:.0f} MB file"
+    return [
+        compare("d", w, save, "LocalLearner.save", "torch.save(state_dicts)", 1.2, unit="ms/call"),
+        compare("d", w, save, "FabricLearner.save", "torch.save(state_dicts)", 1.2, unit="ms/call"),
+        compare("d", w, save, "torch.save + fsync + rename", "torch.save(state_dicts)", None, unit="ms/call",
+                note="reference: the cost of an atomic, durable write by hand"),
+        compare("d", w, save, "LocalLearner.save", "torch.save + fsync + rename", None, unit="ms/call",
+                note="reference: learner vs an equally durable hand-written save"),
+        compare("d", w, load, "LocalLearner.load", "torch.load + load_state_dicts", 1.2, unit="ms/call"),
+        compare("d", w, load, "FabricLearner.load", "torch.load + load_state_dicts", 1.2, unit="ms/call"),
+    ]
+
+
+# ---- case e: get_weights, one process ----------------------------------------------------------
+
+
+def case_e(cfg: Config) -> list[Row]:
+    loss, policy = common.make_loss("ppo_big_actor")
+    local = LocalLearner(loss, policy=policy)
+    fabric = FabricLearner(loss, policy=policy, accelerator="cpu", devices=1)
+    samples = common.interleaved({
+        "raw TensorDict.from_module(policy).data.clone()": lambda i: TensorDict.from_module(policy).data.clone(),
+        "raw {k: v.detach().clone() for state_dict}": lambda i: {
+            k: v.detach().clone() for k, v in policy.state_dict().items()},
+        "LocalLearner.get_weights": lambda i: local.get_weights(),
+        "FabricLearner(cpu,1).get_weights": lambda i: fabric.get_weights(),
+    }, reps=cfg.gw_reps, inner=cfg.gw_inner, warmup=1)
+    w = f"ppo actor {common.count_params(policy) / 1e6:.1f}M params"
+    base = "raw TensorDict.from_module(policy).data.clone()"
+    return [
+        compare("e", w, samples, "LocalLearner.get_weights", base, None, unit="ms/call", note="1 process"),
+        compare("e", w, samples, "FabricLearner(cpu,1).get_weights", base, None, unit="ms/call", note="1 process"),
+        compare("e", w, samples, "raw {k: v.detach().clone() for state_dict}", base, None, unit="ms/call",
+                note="reference: the two raw calls"),
+    ]
+
+
+# ======================================================================================================
+# HOOKS: cases other engineers add. Each is ``fn(cfg) -> list[Row] | None``; ``None`` means "not
+# implemented yet" and is listed as skipped. Build rows with ``compare(case, workload, samples_s,
+# contender, baseline, goal, unit=...)`` from ``common.interleaved(...)`` samples (seconds), or
+# construct ``Row`` directly for non-time metrics (e.g. unit="MiB" for memory; ratio = learner/hand).
+# Multi-rank hooks should follow ``launch_ranks``/``ddp_case.py`` (torchrun, timeout, barrier +
+# destroy_process_group at the end).
+# ======================================================================================================
+
+
+def case_c_fsdp_memory(cfg: Config) -> list[Row] | None:
+    """HOOK, case c: peak memory per rank of ``FabricLearner(strategy="fsdp")`` vs hand-written FSDP.
+
+    To add: a worker like ``ddp_case.py`` that builds the 20M+ parameter loss
+    (``common.make_loss("ppo_big_actor")``) under FabricLearner(strategy="fsdp") and under a
+    hand-written ``torch.distributed.fsdp.fully_shard`` loop, records peak RSS / allocated bytes per
+    rank after N updates, and returns rows with unit="MiB".
+    """
+    return None
+
+
+def case_compile(cfg: Config) -> list[Row] | None:
+    """HOOK, issue "compile=True": ``FabricLearner(..., compile=True).update`` vs ``torch.compile`` by hand.
+
+    To add: as ``case_a``, with the learner built with ``compile=True`` and the hand-written loop
+    calling ``torch.compile(loss)``; report compile time (first call) separately from the steady-state
+    per-update median (warm-up must cover recompilations).
+    """
+    return None
+
+
+HOOKS: dict[str, Callable[[Config], list[Row] | None]] = {"c": case_c_fsdp_memory, "compile": case_compile}
+
+# ======================================================================================================
+
+
+def fmt_table(rows: list[Row]) -> str:
+    head = ("case", "workload", "contender", "baseline", "unit", "contender", "baseline", "ratio", "paired",
+            "goal", "met")
+    lines = [head]
+    for r in rows:
+        lines.append((r.case, r.workload, r.contender, r.baseline, r.unit, f"{r.contender_median:.3f}",
+                      f"{r.baseline_median:.3f}", f"{r.ratio:.3f}", f"{r.paired:.3f}",
+                      "-" if r.goal is None else f"<= {r.goal:.2f}",
+                      "-" if r.met is None else ("yes" if r.met else "NO")))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out)
+
+
+def fmt_scaling(scaling: list[dict]) -> str:
+    head = ("workload", "contender", "1 proc, no DDP", "DDP 1 rank", "DDP 2 ranks (per rank)", "per-rank eff.",
+            "total speedup")
+    lines = [head]
+    for s in scaling:
+        lines.append((s["workload"], s["contender"],
+                      "-" if s["no_ddp_1proc_updates_per_s"] is None else f"{s['no_ddp_1proc_updates_per_s']:.1f}",
+                      f"{s['ddp_1rank_updates_per_s']:.1f}", f"{s['ddp_2rank_updates_per_s_per_rank']:.1f}",
+                      f"{s['per_rank_efficiency']:.2f}", f"{s['total_speedup_2_vs_1']:.2f}x"))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "updates/second per rank, 1 thread per rank:\n" + "\n".join(out)
+
+
+def plot(rows: list[Row], scaling: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(16, max(6, 0.38 * len(rows) + 2)),
+                             gridspec_kw={"width_ratios": [3, 2]})
+    ax = axes[0]
+    labels = [f"{r.case}: {r.workload[:28]} | {r.contender} / {r.baseline}"[:95] for r in rows]
+    y = list(range(len(rows)))[::-1]
+    colors = ["tab:gray" if r.met is None else ("tab:green" if r.met else "tab:red") for r in rows]
+    ax.barh(y, [r.ratio for r in rows], color=colors)
+    ax.scatter([r.paired for r in rows], y, color="black", marker="|", s=120, zorder=3, label="paired ratio")
+    for yi, r in zip(y, rows):
+        if r.goal is not None:
+            ax.plot([r.goal, r.goal], [yi - 0.4, yi + 0.4], color="tab:blue", lw=2)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlabel("ratio of medians (contender / hand-written); blue tick = goal; grey = no goal")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("learner vs hand-written (lower is better)")
+    ax = axes[1]
+    if scaling:
+        names = [f"{s['workload']}\n{s['contender']}" for s in scaling]
+        x = range(len(scaling))
+        w = 0.27
+        ax.bar([i - w for i in x], [s["no_ddp_1proc_updates_per_s"] or 0 for s in scaling], w,
+               label="1 process, no DDP")
+        ax.bar(list(x), [s["ddp_1rank_updates_per_s"] for s in scaling], w, label="DDP, 1 rank")
+        ax.bar([i + w for i in x], [s["ddp_2rank_updates_per_s_per_rank"] for s in scaling], w,
+               label="DDP, 2 ranks (per rank)")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, fontsize=7)
+        ax.set_ylabel("updates / second / rank")
+        ax.legend(fontsize=8)
+    ax.set_title("case f: scaling, 1 thread per rank")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import lightning
+    import tensordict
+    import torchrl
+
+    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "tensordict": tensordict.__version__, "torchrl": torchrl.__version__,
+            "lightning": lightning.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions: under 5 minutes on 2 cores")
+    p.add_argument("--smoke", action="store_true", help="2 repetitions: only checks that the suite runs")
+    p.add_argument("--only", default="a,b,d,e,f," + ",".join(HOOKS),
+                   help="comma-separated cases to run (b, DDP get_weights and f share one launch)")
+    p.add_argument("--out", default=os.path.join(RESULTS, "latest.json"))
+    args = p.parse_args(argv)
+    cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
+    only = set(args.only.split(","))
+    warnings.filterwarnings("ignore")
+    common.set_one_thread()
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()
+    rows: list[Row] = []
+    scaling: list[dict] = []
+    timings: dict[str, float] = {}
+    skipped: list[str] = []
+
+    def timed(key: str, fn: Callable[[], Any]) -> Any:
+        t = time.perf_counter()
+        print(f"[bench] case {key} ...", flush=True)
+        result = fn()
+        timings[key] = time.perf_counter() - t
+        print(f"[bench] case {key}: {timings[key]:.0f}s", flush=True)
+        return result
+
+    if "a" in only:
+        rows += timed("a", lambda: case_a(cfg))
+    if only & {"b", "e", "f"}:
+        ddp_rows, scaling = timed("b+e(ddp)+f", lambda: case_b_e_f(cfg, rows))
+        rows += ddp_rows
+    if "d" in only:
+        rows += timed("d", lambda: case_d(cfg))
+    if "e" in only:
+        rows += timed("e", lambda: case_e(cfg))
+    for key, hook in HOOKS.items():
+        if key in only:
+            got = timed(key, lambda hook=hook: hook(cfg))
+            if got is None:
+                skipped.append(key)
+            else:
+                rows += got
+    rows.sort(key=lambda r: r.case)
+
+    total = time.perf_counter() - t0
+    meta = {"mode": "smoke" if args.smoke else "quick" if cfg.quick else "full", "config": asdict(cfg), "machine": machine(),
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "wall_s": total,
+            "case_wall_s": timings, "skipped_hooks": skipped,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    table = fmt_table(rows)
+    print()
+    print(table)
+    if scaling:
+        print()
+        print(fmt_scaling(scaling))
+    goals = [r for r in rows if r.met is not None]
+    print(f"\ngoals met: {sum(r.met for r in goals)}/{len(goals)}"
+          + "".join(f"\n  NOT MET: {r.case} {r.workload}: {r.contender} / {r.baseline} = {r.ratio:.3f} "
+                    f"(paired {r.paired:.3f}) > {r.goal}" for r in goals if not r.met))
+    if skipped:
+        print(f"hooks not implemented yet: {', '.join(skipped)}")
+    print(f"mode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> {meta['loadavg_after'][0]:.1f}, "
+          f"{meta['machine']['cpus']} CPUs")
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "scaling": scaling, "table": table,
+                   "scaling_table": fmt_scaling(scaling) if scaling else ""}, f, indent=1)
+    os.replace(tmp, args.out)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(rows, scaling, png, f"fabric_learner benchmarks, {meta['mode']} mode, {meta['date']}, "
+                             f"{meta['machine']['cpus']} CPUs ({meta['machine']['cpu']}), "
+                             f"load {load_before[0]:.1f}; torch {torch.__version__}")
+    print(f"wrote {args.out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

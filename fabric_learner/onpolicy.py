@@ -1,0 +1,355 @@
+"""On-policy data across ranks: global means and normalisation, and minibatch partitions.
+
+Every rank collects its own rollouts and feeds ``learner.update`` its own minibatches; DDP and
+FSDP then *average* gradients over ranks. That average equals one process on the union of the
+ranks' data only when every statistic taken over samples is taken over the union too. The
+helpers here do that with all-reduced sums and counts, so 2 ranks on two halves of a batch
+learn exactly as one process on the whole batch:
+
+- :func:`normalize_advantage` / :class:`GlobalAdvantageNormalization`: advantage
+  standardisation with global mean and std (what ``ClipPPOLoss(normalize_advantage=True)``
+  computes, but over every rank's minibatch rather than the local one);
+- :class:`GlobalMeanLoss`: wraps a torchrl loss built with ``reduction="none"`` and divides
+  each loss entry's local *sum* by the global *count* (variable samples, masks, tokens);
+- :func:`global_sum`, :func:`global_mean`, :func:`global_count`: the reductions themselves;
+- :func:`partition_indices` / :class:`EpochPartitionSampler`: PPO minibatches that partition
+  the rank's batch without replacement each epoch, with the same number of minibatches on
+  every rank (a rank that stepped once more than another would hang the others).
+
+Single process (no initialised process group, or world size 1) every helper reduces to the
+ordinary local computation, so the same code runs under ``LocalLearner``.
+All functions here are collectives when a process group is up: call them on every rank, in
+the same order.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import NestedKey, TensorDictBase
+from torch import nn
+from torchrl.trainers import TrainerHookBase
+
+__all__ = [
+    "EpochPartitionSampler",
+    "GlobalAdvantageNormalization",
+    "GlobalMeanLoss",
+    "all_reduce",
+    "distributed_world_size",
+    "global_count",
+    "global_mean",
+    "global_sum",
+    "normalize_advantage",
+    "partition_indices",
+]
+
+
+# ---- collectives ------------------------------------------------------------------------------
+
+
+def distributed_world_size(group: Any = None) -> int:
+    """Ranks in ``group`` (the default world when ``None``); 1 without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _collective_device(group: Any = None) -> torch.device:
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """All-reduce a detached copy of ``tensor`` (``op``: ``"sum"``, ``"max"``, ``"min"``).
+
+    Returns a new tensor on ``tensor``'s device and dtype; ``tensor`` itself is not modified.
+    Without a process group (or with one rank) it returns a copy. NCCL groups get the
+    tensor on the current CUDA device, gloo on CPU.
+    """
+    out = tensor.detach().clone()
+    if distributed_world_size(group) == 1:
+        return out
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}.")
+    device = _collective_device(group)
+    buf = out.to(device)
+    dist.all_reduce(buf, op=ops[op], group=group)
+    return buf.to(tensor.device)
+
+
+def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
+    """Sum of ``x`` (where ``mask``) over every rank's data; not differentiable."""
+    x = x.detach()
+    if mask is not None:
+        x = x * _broadcast_mask(mask, x).to(x.dtype)
+    return all_reduce(x.sum(), "sum", group)
+
+
+def global_count(n: int | torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum over ranks of a local count (samples, valid mask entries, tokens), as float64."""
+    return all_reduce(torch.as_tensor(n, dtype=torch.float64).reshape(()), "sum", group)
+
+
+def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
+    """Mean of ``x`` (where ``mask``) over the union of every rank's data: global sum / global count.
+
+    Ranks may hold different numbers of valid entries; each counts with its own weight, which
+    a mean of per-rank means would not do. Not differentiable (use :class:`GlobalMeanLoss` for
+    losses).
+    """
+    x = x.detach()
+    if mask is None:
+        count = torch.tensor(float(x.numel()), dtype=torch.float64)
+        total = x.sum().to(torch.float64)
+    else:
+        m = _broadcast_mask(mask, x)
+        count = m.sum().to(torch.float64)
+        total = (x * m.to(x.dtype)).sum().to(torch.float64)
+    both = all_reduce(torch.stack([total, count]), "sum", group)
+    return (both[0] / both[1].clamp_min(1)).to(x.dtype)
+
+
+def _mask_like(mask: torch.Tensor, value: torch.Tensor, key: str) -> torch.Tensor:
+    mask = mask.to(torch.bool)
+    if mask.ndim > value.ndim and mask.numel() == value.numel():
+        mask = mask.reshape(value.shape)
+    try:
+        return _broadcast_mask(mask, value)
+    except RuntimeError as err:
+        raise ValueError(
+            f"Cannot apply a mask of shape {tuple(mask.shape)} to loss entry {key!r} of shape "
+            f"{tuple(value.shape)}: with mask_key, loss entries must keep the batch's leading shape "
+            "(build the loss with reduction='none' and no mask of its own)."
+        ) from err
+
+
+def _broadcast_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(torch.bool)
+    while mask.ndim < like.ndim:
+        mask = mask.unsqueeze(-1)
+    return mask.expand_as(like)
+
+
+# ---- advantage normalisation ------------------------------------------------------------------
+
+
+def normalize_advantage(
+    batch: TensorDictBase,
+    key: NestedKey = "advantage",
+    *,
+    out_key: NestedKey | None = None,
+    mask_key: NestedKey | None = None,
+    group: Any = None,
+) -> TensorDictBase:
+    """Standardise ``batch[key]`` with the mean and std of every rank's entries, in place.
+
+    The formula is ``ClipPPOLoss(normalize_advantage=True)``'s, applied to the union of the
+    ranks' data: without a mask ``(a - mean) / std.clamp_min(eps)`` with the unbiased std and
+    ``eps`` the float32 resolution; with ``mask_key`` (a boolean entry, e.g.
+    ``("collector", "mask")``) the masked mean and the biased masked std clamped at ``1e-4``
+    (masked-out entries are normalised with the same statistics but do not contribute).
+    Build the loss with ``normalize_advantage=False`` so it does not normalise again locally.
+    Writes to ``out_key`` (default: ``key``) and returns ``batch``. A collective.
+    """
+    adv = batch.get(key)
+    mask = batch.get(mask_key) if mask_key is not None else None
+    a = adv.detach().to(torch.float64)
+    if mask is None:
+        stats = all_reduce(torch.stack([a.sum(), torch.tensor(float(a.numel()), dtype=torch.float64)]), "sum", group)
+        mean = stats[0] / stats[1]
+        sq = all_reduce(((a - mean) ** 2).sum(), "sum", group)
+        std = (sq / (stats[1] - 1).clamp_min(1)).sqrt().to(adv.dtype)
+        eps = torch.finfo(torch.float).resolution if adv.dtype.is_floating_point else 1e-6
+        result = (adv - mean.to(adv.dtype)) / std.clamp_min(eps)
+    else:
+        m = _broadcast_mask(mask, a).to(torch.float64)
+        stats = all_reduce(torch.stack([(a * m).sum(), m.sum()]), "sum", group)
+        count = stats[1].clamp_min(1)
+        mean = stats[0] / count
+        sq = all_reduce((((a - mean) ** 2) * m).sum(), "sum", group)
+        std = (sq / count).sqrt().to(adv.dtype)
+        result = (adv - mean.to(adv.dtype)) / std.clamp_min(1e-4)
+    batch.set(out_key if out_key is not None else key, result)
+    return batch
+
+
+class GlobalAdvantageNormalization(TrainerHookBase):
+    """Trainer hook: :func:`normalize_advantage` over all ranks, per minibatch or per batch.
+
+    ``per="minibatch"`` (default, what ``ClipPPOLoss(normalize_advantage=True)`` does locally)
+    registers at ``process_optim_batch`` and must come after the sampler that makes the
+    minibatch (register it after :class:`EpochPartitionSampler`). ``per="batch"`` registers at
+    ``pre_epoch`` and must come after the value estimator (``ValueEstimatorHook``).
+    """
+
+    def __init__(self, key: NestedKey = "advantage", *, mask_key: NestedKey | None = None,
+                 per: str = "minibatch", group: Any = None) -> None:
+        if per not in ("minibatch", "batch"):
+            raise ValueError(f"per must be 'minibatch' or 'batch', got {per!r}.")
+        self.key, self.mask_key, self.per, self.group = key, mask_key, per, group
+
+    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
+        if batch is None:
+            return batch
+        return normalize_advantage(batch, self.key, mask_key=self.mask_key, group=self.group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return
+
+    def register(self, trainer, name: str = "advantage_normalization") -> None:
+        trainer.register_op("process_optim_batch" if self.per == "minibatch" else "pre_epoch", self)
+        trainer.register_module(name, self)
+
+
+# ---- global means inside a loss -------------------------------------------------------------
+
+
+class GlobalMeanLoss(nn.Module):
+    """A torchrl loss whose ``"loss*"`` entries are means over the union of all ranks' data.
+
+    Wrap a loss built with ``reduction="none"``: each loss entry holds one value per sample
+    (after the loss's own masking, if it masks). This module returns, per entry,
+    ``local_sum * world_size / global_count``: DDP and FSDP average gradients over ranks, so the
+    gradient becomes ``sum over all ranks / global count``, the gradient of the global mean,
+    however unevenly samples, valid mask entries or tokens are spread over ranks. With one
+    process it is the plain mean.
+
+    ``mask_key`` names a boolean entry of the batch to weigh samples by (for losses that do not
+    mask themselves); entries must then have the batch's leading shape. Non-loss entries are
+    reduced to their local mean for logging. The reported loss values are per-rank shares
+    (their mean over ranks is the global mean). Build the learner on this wrapper.
+    """
+
+    def __init__(self, loss_module: nn.Module, *, mask_key: NestedKey | None = None, group: Any = None) -> None:
+        super().__init__()
+        self.loss_module = loss_module
+        self.mask_key = mask_key
+        self.group = group
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["loss_module"], name)
+
+    def forward(self, batch: TensorDictBase) -> TensorDictBase:
+        out = self.loss_module(batch)
+        mask = batch.get(self.mask_key) if self.mask_key is not None else None
+        keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss")]
+        sums, counts = [], []
+        for key in keys:
+            value = out.get(key)
+            if mask is not None and value.ndim:
+                m = _mask_like(mask, value, key)
+                sums.append(torch.where(m, value, torch.zeros_like(value)).sum())
+                counts.append(m.sum().to(torch.float64))
+            else:
+                sums.append(value.sum())
+                counts.append(torch.tensor(float(value.numel()), dtype=torch.float64))
+        world = distributed_world_size(self.group)
+        total = all_reduce(torch.stack(counts), "sum", self.group) if counts else None
+        result = out.empty()
+        for i, key in enumerate(keys):
+            denom = total[i].clamp_min(1).to(sums[i].dtype)
+            result.set(key, sums[i] * world / denom)
+        for key, value in out.items():
+            if key in keys:
+                continue
+            if isinstance(value, torch.Tensor) and value.ndim and value.is_floating_point():
+                value = value.detach().mean()
+            result.set(key, value)
+        return result
+
+
+# ---- minibatch partitions -------------------------------------------------------------------
+
+
+def partition_indices(n: int, minibatch_size: int, *, generator: torch.Generator | None = None,
+                      num_minibatches: int | None = None) -> list[torch.Tensor]:
+    """A random partition of ``range(n)`` into minibatches of ``minibatch_size`` (no replacement).
+
+    The last ``n % minibatch_size`` indices of the permutation are dropped (every minibatch has
+    the same size), or all beyond ``num_minibatches * minibatch_size`` when that is given.
+    """
+    if minibatch_size < 1:
+        raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}.")
+    count = n // minibatch_size if num_minibatches is None else num_minibatches
+    if count * minibatch_size > n:
+        raise ValueError(f"{count} minibatches of {minibatch_size} need {count * minibatch_size} samples, have {n}.")
+    perm = torch.randperm(n, generator=generator)
+    return list(perm[: count * minibatch_size].split(minibatch_size))
+
+
+class EpochPartitionSampler(TrainerHookBase):
+    """Trainer hook: each epoch, minibatches that partition the rank's batch without replacement.
+
+    Registers at ``pre_epoch`` (draws a fresh permutation of the flattened batch) and at
+    ``process_optim_batch`` (returns the next minibatch, then raises ``StopIteration``, which
+    ends torchrl's optimisation loop for the epoch). Use ``optim_steps_per_batch=None`` (or the
+    number of minibatches) and ``num_epochs=`` for PPO epochs. Register it after the value
+    estimator, so each epoch partitions the batch with fresh advantages.
+
+    Every rank takes the same number of minibatches: the smallest over ranks (an all-reduce
+    per epoch; ranks with more data drop the extra samples of that epoch, with a warning).
+    ``seed`` gives a generator seeded with ``seed + rank`` (reproducible partitions, also
+    checkpointed); without it the global torch RNG is used.
+    """
+
+    def __init__(self, minibatch_size: int, *, seed: int | None = None, group: Any = None) -> None:
+        if minibatch_size < 1:
+            raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}.")
+        self.minibatch_size = minibatch_size
+        self.group = group
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            rank = dist.get_rank(group) if distributed_world_size(group) > 1 else 0
+            self.generator = torch.Generator().manual_seed(seed + rank)
+        self._flat: TensorDictBase | None = None
+        self._parts: list[torch.Tensor] = []
+        self._warned = False
+
+    def start_epoch(self, batch: TensorDictBase) -> TensorDictBase:
+        if batch is None:
+            return batch
+        flat = batch.reshape(-1)
+        n = flat.shape[0]
+        local = n // self.minibatch_size
+        common = int(all_reduce(torch.tensor(local, dtype=torch.int64), "min", self.group))
+        if common < local and not self._warned:
+            warnings.warn(
+                f"This rank has {local} minibatches of {self.minibatch_size} but another has {common}; every rank "
+                f"takes {common} so that all step the same number of times.", stacklevel=2)
+            self._warned = True
+        self._flat = flat
+        self._parts = partition_indices(n, self.minibatch_size, generator=self.generator, num_minibatches=common)
+        self._parts.reverse()
+        return batch
+
+    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
+        if not self._parts:
+            raise StopIteration
+        return self._flat[self._parts.pop()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state() if self.generator is not None else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("generator")
+        if state is not None and self.generator is not None:
+            self.generator.set_state(state)
+
+    def register(self, trainer, name: str = "epoch_partition_sampler") -> None:
+        trainer.register_op("pre_epoch", self.start_epoch)
+        trainer.register_op("process_optim_batch", self)
+        trainer.register_module(name, self)
+

@@ -1,0 +1,133 @@
+"""FSDP (FSDP2 over the loss's parameters) on 2 real gloo processes equals LocalLearner."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from multiproc import WORKERS, python, run
+from rl_cases import CASES, make_batch, make_loss
+from tensordict import TensorDict
+
+from fabric_learner import LocalLearner
+
+STEPS, LR, CLIP = 3, 1e-2, 0.5
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    proc = run(python(os.path.join(WORKERS, "fsdp_checks.py"), str(out)), timeout=480)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return {"ranks": [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], "dir": out}
+
+
+def opt():
+    return functools.partial(torch.optim.Adam, lr=LR)
+
+
+def reference(case, grad_accum_steps=1):
+    loss, _ = make_loss(case)
+    learner = LocalLearner(loss, opt(), clip_grad_norm=CLIP, grad_accum_steps=grad_accum_steps)
+    norms = []
+    for step in range(STEPS):
+        batch = make_batch(case, n=16, seed=100 + step)
+        for micro in batch.chunk(grad_accum_steps):
+            out = learner.update(micro)
+        norms.append(out["grad_norm"])
+    return {"model": learner.checkpoint()["model"], "grad_norm": torch.stack(norms)}
+
+
+def assert_equal_states(a, b, atol=0.0):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+def test_parameters_are_sharded(fsdp):
+    for rank in fsdp["ranks"]:
+        assert rank["sharded"] and rank["world_size"] == 2
+        for case, fraction in rank["shard_fraction"].items():
+            assert 0.4 <= fraction <= 0.65, (case, fraction)  # about 1/2; small tensors pad
+
+
+@pytest.mark.parametrize("case", [c for c, det in CASES.items() if det])
+def test_deterministic_losses_equal_local_full_batch(fsdp, case):
+    r0, r1 = (r["cases"][case] for r in fsdp["ranks"])
+    assert_equal_states(r0["model"], r1["model"])  # ranks agree bit for bit
+    ref = reference(case)
+    torch.testing.assert_close(r0["grad_norm"], ref["grad_norm"], atol=1e-5, rtol=1e-5)
+    assert_equal_states(r0["model"], ref["model"], atol=1e-5)  # includes target networks
+    assert r0["num_updates"] == STEPS
+
+
+@pytest.mark.parametrize("case", [c for c, det in CASES.items() if not det])
+def test_stochastic_losses_ranks_agree_and_train(fsdp, case):
+    r0, r1 = (r["cases"][case] for r in fsdp["ranks"])
+    assert_equal_states(r0["model"], r1["model"])
+    start = make_loss(case)[0].state_dict()
+    assert any(not torch.equal(start[k], r0["model"][k]) for k in start)
+    assert torch.isfinite(r0["grad_norm"]).all()
+
+
+@pytest.mark.parametrize("case", ["dqn", "ppo"])
+def test_accumulation_equals_local(fsdp, case):
+    r0, r1 = (r["accum"][case] for r in fsdp["ranks"])
+    assert_equal_states(r0["model"], r1["model"])
+    ref = reference(case)
+    torch.testing.assert_close(r0["grad_norm"], ref["grad_norm"], atol=1e-5, rtol=1e-5)
+    assert_equal_states(r0["model"], ref["model"], atol=1e-5)
+
+
+def test_get_weights_gathers_plain_tensors(fsdp):
+    r0, r1 = fsdp["ranks"]
+    _, actor = make_loss("sac")
+    layout = TensorDict.from_module(actor)
+    model = r0["weights_model"]
+    assert set(r0["weights_offload"].keys(True, True)) == set(layout.keys(True, True))
+    assert r1["weights_offload"].is_empty()  # cpu_offload=True: rank 0 only
+    for rank in (r0, r1):
+        full = rank["weights_full"]
+        assert set(full.keys(True, True)) == set(layout.keys(True, True))
+        for key, value in full.items(True, True):
+            assert type(value) is torch.Tensor and not value.requires_grad
+            assert value.shape == layout[key].shape
+            name = "actor_network_params." + ".".join(key)
+            assert torch.equal(value, model[name]), name
+            assert torch.equal(value, r0["weights_offload"][key])
+
+
+def test_round_trip_fsdp_ddp_local_fsdp_continues_training(fsdp):
+    rt0, rt1 = (r["round_trip"] for r in fsdp["ranks"])
+    assert_equal_states(rt0["model"], rt1["model"])
+    assert rt0["num_updates"] == 5
+    assert len([v for v in rt0["versions"] if v.startswith("v")]) == 1
+    loss, _ = make_loss("dqn")
+    learner = LocalLearner(loss, opt(), clip_grad_norm=CLIP)
+    for step in range(5):
+        learner.update(make_batch("dqn", n=16, seed=300 + step))
+    assert_equal_states(rt0["model"], learner.checkpoint()["model"], atol=1e-5)
+
+
+def test_sharded_resume_equals_uninterrupted_run(fsdp):
+    for rank in fsdp["ranks"]:
+        res = rank["resume"]
+        assert res["loaded_updates"] == 2
+        assert_equal_states(res["a"]["model"], res["b"]["model"], atol=1e-6)
+        for i, s in res["a"]["optimizer"]["state"].items():
+            for field, value in s.items():
+                torch.testing.assert_close(value, res["b"]["optimizer"]["state"][i][field], atol=1e-6, rtol=0)
+
+
+def test_sharded_checkpoint_loads_into_one_process(fsdp):
+    path = fsdp["dir"] / "sac_resume"
+    learner = LocalLearner(make_loss("sac", seed=3)[0], opt(), clip_grad_norm=CLIP)
+    learner.load(path)
+    assert learner.num_updates == 2
+    assert (path / "LATEST").is_file()
+    state = learner.checkpoint()
+    assert state["optimizer"]["state"], "optimizer moments were restored"
+    torch.manual_seed(0)
+    assert torch.isfinite(learner.update(make_batch("sac"))["grad_norm"])

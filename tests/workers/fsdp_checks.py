@@ -1,0 +1,127 @@
+"""FSDP (FSDP2 over the loss's parameters) checks in one 2-rank launch (plain ``python``).
+
+Usage: python fsdp_checks.py OUT_DIR
+Writes OUT_DIR/rank{r}.pt with what the tests compare against LocalLearner.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from datetime import timedelta
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
+from rl_cases import CASES, halves, make_batch, make_loss  # noqa: E402
+
+from fabric_learner import FabricLearner, LocalLearner, shard_loss  # noqa: E402
+
+STEPS, LR, CLIP = 3, 1e-2, 0.5
+TIMEOUT = timedelta(seconds=90)
+
+
+def fsdp(**kwargs):
+    strategy = ModelParallelStrategy(parallelize_fn=shard_loss, timeout=TIMEOUT)
+    return FabricLearner(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
+
+
+def opt():
+    return functools.partial(torch.optim.Adam, lr=LR)
+
+
+def train(case, rank, grad_accum_steps=1, policy=False):
+    loss, actor = make_loss(case)
+    learner = fsdp(loss_module=loss, optimizer=opt(), clip_grad_norm=CLIP, grad_accum_steps=grad_accum_steps,
+                   policy=actor if policy else None)
+    norms = []
+    for step in range(STEPS):
+        local = halves(make_batch(case, n=16, seed=100 + step), rank)
+        torch.manual_seed(1000 * step + rank)
+        for micro in local.chunk(grad_accum_steps):
+            out = learner.update(micro)
+        norms.append(out["grad_norm"])
+    return learner, {"model": learner.checkpoint()["model"], "grad_norm": torch.stack(norms),
+                     "num_updates": learner.num_updates}
+
+
+def shard_fraction(learner):
+    local = total = 0
+    for p in learner.optimizer.param_groups[0]["params"]:
+        local += p.to_local().numel()
+        total += p.numel()
+    return local / total
+
+
+def round_trip(out_dir, rank):
+    """FSDP -> DDP -> one process -> FSDP, one DQN step in each, from checkpoints on disk."""
+    def batch(step):
+        return make_batch("dqn", n=16, seed=300 + step)
+
+    a = fsdp(loss_module=make_loss("dqn")[0], optimizer=opt(), clip_grad_norm=CLIP)
+    for step in range(2):
+        a.update(halves(batch(step), rank))
+    a.save(os.path.join(out_dir, "fsdp_a"))
+    a.save(os.path.join(out_dir, "fsdp_a"))  # overwriting a sharded checkpoint keeps one version
+    b = FabricLearner(make_loss("dqn", seed=5)[0], opt(), clip_grad_norm=CLIP, accelerator="cpu", devices=2,
+                      strategy=DDPStrategy(timeout=TIMEOUT))
+    b.load(os.path.join(out_dir, "fsdp_a"))
+    b.update(halves(batch(2), rank))
+    b.save(os.path.join(out_dir, "ddp_b.pt"))
+    if rank == 0:
+        c = LocalLearner(make_loss("dqn", seed=6)[0], opt(), clip_grad_norm=CLIP)
+        c.load(os.path.join(out_dir, "ddp_b.pt"))
+        c.update(batch(3))
+        c.save(os.path.join(out_dir, "local_c.pt"))
+    b.fabric.barrier()
+    d = fsdp(loss_module=make_loss("dqn", seed=7)[0], optimizer=opt(), clip_grad_norm=CLIP)
+    d.load(os.path.join(out_dir, "local_c.pt"))
+    d.update(halves(batch(4), rank))
+    return {"model": d.checkpoint()["model"], "num_updates": d.num_updates,
+            "versions": sorted(os.listdir(os.path.join(out_dir, "fsdp_a")))}
+
+
+def resume(out_dir, rank):
+    """A sharded save/load mid-run continues exactly as the uninterrupted run (SAC, seeded)."""
+    def step(learner, s):
+        torch.manual_seed(10 * s + rank)
+        return learner.update(halves(make_batch("sac", n=16, seed=400 + s), rank))
+
+    a = fsdp(loss_module=make_loss("sac")[0], optimizer=opt(), clip_grad_norm=CLIP)
+    for s in range(2):
+        step(a, s)
+    a.save(os.path.join(out_dir, "sac_resume"))
+    step(a, 2)
+    b = fsdp(loss_module=make_loss("sac", seed=9)[0], optimizer=opt(), clip_grad_norm=CLIP)
+    b.load(os.path.join(out_dir, "sac_resume"))
+    loaded_updates = b.num_updates
+    step(b, 2)
+    return {"a": a.checkpoint(), "b": b.checkpoint(), "loaded_updates": loaded_updates}
+
+
+def main(out_dir):
+    results = {"cases": {}, "accum": {}}
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    for case in CASES:
+        learner, res = train(case, rank)
+        results["cases"][case] = res
+        results["world_size"] = learner.world_size
+        results["sharded"] = learner.capabilities.sharded
+        results.setdefault("shard_fraction", {})[case] = shard_fraction(learner)
+    for case in ("dqn", "ppo"):
+        results["accum"][case] = train(case, rank, grad_accum_steps=2)[1]
+    learner, _ = train("sac", rank, policy=True)
+    results["weights_offload"] = learner.get_weights(cpu_offload=True)
+    results["weights_full"] = learner.get_weights(cpu_offload=False)
+    results["weights_model"] = learner.checkpoint()["model"]
+    results["round_trip"] = round_trip(out_dir, rank)
+    results["resume"] = resume(out_dir, rank)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    learner.fabric.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
