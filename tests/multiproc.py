@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
@@ -14,31 +16,76 @@ WORKERS = os.path.join(ROOT, "tests", "workers")
 def env(**extra):
     e = dict(os.environ)
     e.update({"OMP_NUM_THREADS": "1", "RL_WARNINGS": "False", "PYTHONPATH": ROOT, **extra})
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED", "TORCHELASTIC_RUN_ID"):
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED", "TORCHELASTIC_RUN_ID",
+                "LT_STRATEGY", "LT_DEVICES", "LT_ACCELERATOR", "LT_PRECISION", "LT_NUM_NODES"):
         e.pop(key, None)
     return e
 
 
-def run(cmd, timeout=300, **extra) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; on timeout kill the whole process group and fail."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+class Finished(subprocess.CompletedProcess):
+    """A finished run; ``leftovers`` counts processes of the run still alive when it ended."""
+
+    leftovers: int = 0
+    seconds: float = 0.0
+
+
+def run(cmd, timeout=300, **extra) -> Finished:
+    """Run ``cmd`` in its own session, tagged so every descendant can be found and killed.
+
+    On timeout the test fails with the output so far; either way no process of the run
+    survives this call.
+    """
+    tag = uuid.uuid4().hex
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(FL_RUN_ID=tag, **extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        kill_tagged(tag)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out = "<output unavailable>"
         raise AssertionError(f"{cmd} did not finish within {timeout}s:\n{out[-4000:]}") from None
-    finally:
-        _kill_group(proc.pid)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    result = Finished(cmd, proc.returncode, out, None)
+    result.seconds = time.monotonic() - start
+    result.leftovers = kill_tagged(tag)
+    return result
 
 
-def _kill_group(pgid: int) -> None:
+def tagged_pids(tag: str) -> list[int]:
+    needle = f"FL_RUN_ID={tag}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_tagged(tag: str) -> int:
+    """SIGKILL every live process of the run; the number found."""
+    pids = [p for p in tagged_pids(tag) if not _is_zombie(p)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(pids)
+
+
+def _is_zombie(pid: int) -> bool:
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def python(*args):
@@ -46,9 +93,9 @@ def python(*args):
 
 
 def torchrun(*args, nproc=2):
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
-def fabric_run(*args, devices=2):
+def fabric_run(*args, devices=2, strategy="ddp"):
     fabric = os.path.join(os.path.dirname(sys.executable), "fabric")
-    return [fabric, "run", "--accelerator=cpu", "--strategy=ddp", f"--devices={devices}", *args]
+    return [fabric, "run", "--accelerator=cpu", f"--strategy={strategy}", f"--devices={devices}", *args]
