@@ -59,9 +59,15 @@ def check_optimizer_state(state: Mapping[str, Any], optimizer: torch.optim.Optim
         )
 
 
-def reindex_optimizer_state(state: Any, saved_names: list[str], names: list[str]) -> Any:
-    """``state`` (a torch optimizer state dict saved with ``saved_names`` as its index order)
-    re-indexed to the order ``names``; unchanged when the orders agree or cannot be matched."""
+def reindex_optimizer_state(state: Any, saved_names: list[str], names: list[str],
+                            group_sizes: list[int] | None = None) -> Any:
+    """``state`` (a torch optimizer state dict whose indices follow ``saved_names``) re-indexed
+    for an optimizer whose parameters, in state-dict order, are ``names``.
+
+    torch pairs saved and live parameters by position, so moments are moved to the live index
+    of the parameter with the same name, and each live group takes the hyper-parameters of the
+    saved group holding the same parameters.
+    """
     if not isinstance(state, Mapping) or "param_groups" not in state or list(saved_names) == list(names):
         return state
     if sorted(saved_names) != sorted(names):
@@ -71,9 +77,17 @@ def reindex_optimizer_state(state: Any, saved_names: list[str], names: list[str]
             f"{sorted(set(names) - set(saved_names))[:8]}."
         )
     new_index = {name: i for i, name in enumerate(names)}
-    old_to_new = {i: new_index[name] for i, name in enumerate(saved_names)}
-    groups = [dict(g, params=[old_to_new[i] for i in g["params"]]) for g in state["param_groups"]]
-    moments = {old_to_new[int(i)]: v for i, v in state["state"].items()}
+    moments = {new_index[saved_names[int(i)]]: v for i, v in state["state"].items()}
+    sizes = group_sizes or [len(names)]
+    groups, start = [], 0
+    for size in sizes:
+        members = set(names[start:start + size])
+        saved = [g for g in state["param_groups"] if {saved_names[i] for i in g["params"]} == members]
+        if not saved:
+            raise ValueError("The checkpoint's optimizer groups its parameters differently from this learner's; "
+                             "nothing was loaded. Build the optimizer with the same param groups.")
+        groups.append(dict(saved[0], params=list(range(start, start + size))))
+        start += size
     return {"state": moments, "param_groups": groups}
 
 

@@ -15,7 +15,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _dcp
+from fabric_learner import _dcp, _lifecycle
 from fabric_learner._batch import Carrier, LossForwarder
 from fabric_learner._checkpoint import FORMAT, check_format, weights_only_load
 from fabric_learner._launch import build_fabric, launch
@@ -68,8 +68,10 @@ class FabricLearner(Learner):
                 "A sharded strategy builds the optimizer after sharding, so it needs a factory, not an "
                 "instance: pass e.g. optimizer=functools.partial(torch.optim.Adam, lr=3e-4), or None for Adam."
             )
+        group_existed = torch.distributed.is_available() and torch.distributed.is_initialized()
         launch(fabric)
         object.__setattr__(self, "fabric", fabric)
+        self._closed = False
         plugin = fabric.strategy.precision
         convert = plugin.convert_input if type(plugin).convert_input is not Precision.convert_input else None
         object.__setattr__(self, "_precision", plugin)
@@ -90,6 +92,30 @@ class FabricLearner(Learner):
         object.__setattr__(self, "_module", module)
         self.optimizer = opt
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
+        if fabric.world_size > 1:
+            _lifecycle.register(self, group_existed)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the learner's distributed state; idempotent.
+
+        Closing the last learner of a process group this package started ends the group in a
+        safe order (see ``_lifecycle``), so every rank must close it, as every rank built it.
+        A script that just returns gets the same teardown from an exit hook.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.capabilities.distributed:
+            _lifecycle.close(self)
+
+    def __enter__(self) -> "FabricLearner":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:  # on an error, the exit hook ends this rank without waiting for peers
+            self.close()
 
     # ---- the step, through Fabric ---------------------------------------------------------
 
@@ -112,6 +138,8 @@ class FabricLearner(Learner):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def update(self, batch):
+        if self._closed:
+            raise RuntimeError("This FabricLearner is closed; build a new one to keep training.")
         result = super().update(batch)
         plugin = self._precision
         if type(plugin).convert_output is not Precision.convert_output:

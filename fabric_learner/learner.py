@@ -148,6 +148,18 @@ class Learner(nn.Module):
     def world_size(self) -> int:
         return 1
 
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what the learner holds beyond Python objects (nothing, for one process)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.close()
+
     # ---- weights ----------------------------------------------------------------------------
 
     def get_weights(self, *, cpu_offload: bool = True) -> TensorDictBase:
@@ -204,7 +216,8 @@ class Learner(nn.Module):
         optimizer_state = checkpoint["optimizer"]
         if checkpoint.get("param_names") is not None:
             optimizer_state = reindex_optimizer_state(
-                optimizer_state, checkpoint["param_names"], self._optimizer_param_names()
+                optimizer_state, checkpoint["param_names"], self._optimizer_param_names(),
+                [len(g["params"]) for g in self.optimizer.param_groups],
             )
         check_optimizer_state(optimizer_state, self.optimizer)
         self._load_model_state(checkpoint["model"])

@@ -289,3 +289,17 @@ def test_default_optimizer_covers_expanded_critics_and_alpha():
     names = {n for n, p in loss.named_parameters() if id(p) in covered}
     assert "log_alpha" in names and any(n.startswith("qvalue_network_params") for n in names)
     assert not any("target" in n for n in names)
+
+
+def test_checkpoint_restores_moments_by_parameter_name_whatever_the_order(kind, tmp_path):
+    loss, _ = make_loss("ppo")
+    reversed_opt = torch.optim.Adam(list(reversed(list(loss.parameters()))), lr=1e-2)
+    learner = make_learner(kind, loss, reversed_opt)
+    learner.update(make_batch("ppo"))
+    learner.save(tmp_path / "c.pt")
+    fresh_loss, _ = make_loss("ppo", seed=3)
+    fresh = make_learner(kind, fresh_loss, functools.partial(torch.optim.Adam, lr=1e-2))
+    fresh.load(tmp_path / "c.pt")
+    by_param = {id(p): s for p, s in learner.optimizer.state.items()}
+    for (name, p), (_, q) in zip(loss.named_parameters(), fresh_loss.named_parameters()):
+        assert torch.equal(by_param[id(p)]["exp_avg"], fresh.optimizer.state[q]["exp_avg"]), name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 from multiproc import WORKERS, fabric_run, python, run, torchrun
@@ -16,12 +17,13 @@ MODES = {
     "fabric-run-ddp": (fabric_run(SCRIPT), {"FL_MODE": "external"}, False),
     "fabric-run-fsdp": (fabric_run(SCRIPT, strategy="fsdp"), {"FL_MODE": "external"}, True),
     "torchrun-ddp": (torchrun(SCRIPT), {"FL_MODE": "external"}, False),
+    "torchrun-fsdp": (torchrun(SCRIPT), {"FL_MODE": "external", "FL_STRATEGY": "fsdp"}, True),
 }
 
 
 def results(stdout):
-    return sorted((json.loads(line.split("RESULT ", 1)[1]) for line in stdout.splitlines() if "RESULT " in line),
-                  key=lambda r: r["rank"])
+    # ranks share one pipe, so their lines may interleave
+    return sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^}]*\})", stdout)), key=lambda r: r["rank"])
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -35,3 +37,15 @@ def test_script_runs_under_each_launcher(mode):
     for r in ranks:
         assert r["world_size"] == 2 and r["sharded"] == sharded and r["updates"] == 3
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # ranks agree
+
+
+@pytest.mark.parametrize("mode", ["python-ddp", "torchrun-ddp"])
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_failing_rank_ends_every_process_promptly(mode, fail_rank):
+    cmd, env, _ = MODES[mode]
+    proc = run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert proc.leftovers == 0, "processes were left running"
+    assert f"rank {fail_rank} fails on purpose" in proc.stdout
+    assert f"rank {fail_rank} failed" in proc.stdout or f"rank {fail_rank} exited" in proc.stdout \
+        or "Root Cause" in proc.stdout, proc.stdout[-3000:]

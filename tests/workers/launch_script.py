@@ -2,6 +2,8 @@
 
 FL_MODE=plain-ddp | plain-fsdp : the learner starts rank 1 itself (``python launch_script.py``)
 FL_MODE=external               : no strategy arguments (``fabric run`` / ``torchrun``)
+FL_STRATEGY=fsdp               : with FL_MODE=external, only the strategy is given (torchrun + FSDP)
+FL_CLOSE=1                     : call learner.close() instead of relying on the exit hook
 FL_FAIL_RANK=r                 : rank r raises after its second update
 """
 
@@ -25,6 +27,8 @@ def main():
     kwargs = {}
     if mode.startswith("plain-"):
         kwargs = {"accelerator": "cpu", "devices": 2, "strategy": mode.split("-", 1)[1]}
+    elif "FL_STRATEGY" in os.environ:  # torchrun: the world comes from the launcher, the strategy from code
+        kwargs = {"strategy": os.environ["FL_STRATEGY"]}
     loss, _ = make_loss("dqn")
     learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-2), clip_grad_norm=1.0, **kwargs)
     rank = learner.global_rank
@@ -38,8 +42,8 @@ def main():
     print("RESULT " + json.dumps({"rank": rank, "world_size": learner.world_size,
                                   "sharded": learner.capabilities.sharded, "checksum": checksum,
                                   "updates": learner.num_updates}), flush=True)
-    if hasattr(learner, "close"):
-        learner.close()
+    if os.environ.get("FL_CLOSE") == "1":
+        learner.close()  # otherwise the exit hook tears down
 
 
 if __name__ == "__main__":

@@ -1,0 +1,204 @@
+"""Ending distributed runs cleanly: every rank exits 0 when done, promptly non-zero on failure.
+
+Why teardown needs care on gloo (torch 2.13): a gloo worker thread (``pt_gloo_runloop``)
+drops its reference to a finished collective *after* waking the caller, and freeing the
+collective's Python-owned tensors needs the GIL. If the main thread meanwhile starts
+interpreter finalization, the worker is unwound off ``take_gil`` inside a noexcept destructor:
+``terminate called without an active exception`` (SIGABRT). If instead the main thread holds
+the GIL while destroying the last process-group reference (DDP's ``Reducer``, freed when the
+wrapped module dies), ``~ProcessGroupGloo`` joins a worker that waits for that GIL: a hang.
+
+So teardown (``close()``, or the exit hook for scripts that simply return) runs: a monitored
+barrier (all ranks done, or an error naming the missing rank), release of DDP's references to
+the group, a drain that sleeps with the GIL released until every gloo worker is parked, then
+``destroy_process_group()``. A rank that dies of an uncaught exception exits at once with
+status 1 after printing its traceback (and kills the ranks it launched), so peers see the
+closed connection and fail fast instead of waiting for the group timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_open: weakref.WeakSet = weakref.WeakSet()
+_state = {"installed": False, "owns_group": False, "crashed": False, "fabrics": [], "done": False}
+_lock = threading.Lock()
+BARRIER_TIMEOUT = timedelta(minutes=5)
+
+
+def register(learner, group_existed: bool) -> None:
+    """Track a distributed learner; install the exit hooks once per process."""
+    with _lock:
+        _open.add(learner)
+        if not group_existed and not _state["installed"]:
+            _state["owns_group"] = True
+        if learner.fabric not in _state["fabrics"]:
+            _state["fabrics"].append(learner.fabric)
+        if not _state["installed"]:
+            _state["installed"] = True
+            atexit.register(_at_exit)
+            previous = sys.excepthook
+
+            def excepthook(kind, value, tb):
+                _state["crashed"] = True
+                previous(kind, value, tb)
+                rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else os.environ.get("RANK", "?")
+                print(f"fabric_learner: rank {rank} failed ({kind.__name__}); exiting with status 1 without "
+                      "waiting for the other ranks.", file=sys.stderr, flush=True)
+                _die(1)
+
+            sys.excepthook = excepthook
+
+
+def close(learner) -> None:
+    """Release ``learner``'s hold on the process group; end the group with the last learner.
+
+    Collective when it ends a group this package created: every rank must close.
+    """
+    with _lock:
+        was_open = learner in _open
+        _open.discard(learner)
+        last = was_open and not _open
+    _release_ddp(getattr(learner, "_module", None))
+    if last and _state["owns_group"]:
+        teardown_group()
+    elif was_open:
+        drain_gloo_workers()
+
+
+def teardown_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=BARRIER_TIMEOUT, wait_all_ranks=True)
+    else:
+        dist.barrier()
+    gc.collect()
+    drain_gloo_workers()
+    dist.destroy_process_group()
+    drain_gloo_workers()
+
+
+def _at_exit() -> None:
+    """A script that returned: close what is open, then (launching parent) wait for the ranks it started."""
+    if _state["crashed"] or _state["done"]:
+        return
+    _state["done"] = True
+    try:
+        for learner in list(_open):
+            close(learner)
+        if dist.is_available() and dist.is_initialized():
+            drain_gloo_workers()  # a group owned by the user: leave it, but never abort on it
+    except BaseException as err:  # noqa: BLE001 - report, then fail the process
+        print(f"fabric_learner: teardown failed on this rank: {err!r}", file=sys.stderr, flush=True)
+        _die(1)
+    worst = _wait_for_children()
+    if worst:
+        sys.stdout.flush()
+        _die(worst)
+
+
+def _launched_children() -> list:
+    procs = []
+    for fabric in _state["fabrics"]:
+        launcher = getattr(fabric.strategy, "launcher", None) or getattr(fabric, "_launcher", None)
+        procs.extend(getattr(launcher, "procs", None) or [])
+    return procs
+
+
+def _wait_for_children(timeout: float = BARRIER_TIMEOUT.total_seconds()) -> int:
+    """Rank 0 of a plain ``python`` launch: the exit status of the worst child (named if not 0)."""
+    worst = 0
+    for rank, proc in enumerate(_launched_children(), start=1):
+        try:
+            code = proc.wait(timeout=timeout)
+        except Exception:  # noqa: BLE001 - a child that will not end is killed
+            proc.kill()
+            code = proc.wait()
+        if code != 0:
+            print(f"fabric_learner: rank {rank} exited with status {code}", file=sys.stderr, flush=True)
+            worst = worst or (code if code > 0 else 128 - code)
+    return worst
+
+
+def _die(code: int) -> None:
+    """Exit now, skipping interpreter finalization (gloo work may be in flight), children first."""
+    for rank, proc in enumerate(_launched_children(), start=1):
+        code = proc.poll()
+        if code is None:
+            proc.kill()
+        elif code != 0:
+            print(f"fabric_learner: rank {rank} exited with status {code}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _release_ddp(module) -> None:
+    """Drop DDP's references to the group, so its ``Reducer`` never ends the group later."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for candidate in (module, getattr(module, "_forward_module", None), getattr(module, "module", None)):
+        if isinstance(candidate, DistributedDataParallel):
+            for attr in ("reducer", "logger", "process_group"):
+                if hasattr(candidate, attr):
+                    try:
+                        setattr(candidate, attr, None)
+                    except (AttributeError, TypeError):
+                        pass
+
+
+def _gloo_workers() -> dict[int, tuple[str, int]]:
+    """``{tid: (state, voluntary context switches)}`` of this process's gloo worker threads."""
+    found = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "pt_gloo_runloop":
+                    continue
+            fields = {}
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    fields[key] = value.strip()
+            found[int(tid)] = (fields["State"][0], int(fields["voluntary_ctxt_switches"]))
+        except (OSError, KeyError, ValueError):
+            continue
+    return found
+
+
+def drain_gloo_workers(timeout: float = 10.0, interval: float = 0.01, stable_samples: int = 3) -> bool:
+    """Sleep, GIL released, until every gloo worker is parked (asleep, no wake-ups for a while).
+
+    A worker still freeing a finished collective is runnable or wakes every 5 ms in the GIL's
+    timed wait, so it never looks parked. Without /proc, sleeps briefly instead.
+    """
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(0.2)
+        return True
+    deadline = time.monotonic() + timeout
+    previous, stable = None, 0
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        current = _gloo_workers()
+        if all(state == "S" for state, _ in current.values()) and current == previous:
+            stable += 1
+            if stable >= stable_samples:
+                return True
+        else:
+            stable = 0
+        previous = current
+    return False
