@@ -42,7 +42,7 @@ class ShardedLoss(nn.Module):
         self.__dict__["_convert"] = convert
         names, shapes, originals = [], {}, {}
         for name, param in loss_module.named_parameters():
-            data = param.detach().clone()
+            data = param.detach()  # shares storage; the loss's own object is emptied below
             self.register_parameter(
                 flat_name(name), nn.Parameter(data.reshape(1) if data.ndim == 0 else data, param.requires_grad)
             )

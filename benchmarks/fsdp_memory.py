@@ -1,0 +1,79 @@
+"""Case c: per-rank memory of parameters + gradients + optimizer state, FSDP vs DDP, 2 CPU ranks.
+
+    python benchmarks/fsdp_memory.py --strategy fsdp --out fsdp.json   # the learner starts rank 1
+
+Counts the bytes each rank holds in tensors after a few Adam updates of a 20M+ parameter PPO
+loss (local shards under FSDP, plus the replicated buffers such as target networks), and the
+process's peak resident memory, which also includes the transient all-gathered parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import common  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    timeout = timedelta(minutes=5)
+    strategy = DDPStrategy(timeout=timeout) if args.strategy == "ddp" else \
+        ModelParallelStrategy(parallelize_fn=shard_loss, timeout=timeout)
+    torch.manual_seed(0)
+    loss, _ = common.make_loss("ppo_big_actor")
+    n_params = sum(p.numel() for p in loss.parameters())
+    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-4), accelerator="cpu", devices=2,
+                            strategy=strategy)
+    rank = learner.global_rank
+    for step in range(args.steps):
+        learner.update(common.make_batch("ppo_big_actor", n=64, seed=step + 10 * rank))
+    params = [p for g in learner.optimizer.param_groups for p in g["params"]]
+    held = {
+        "parameters": sum(local_bytes(p) for p in params),
+        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(local_bytes(v) for s in learner.optimizer.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor)),
+        "buffers": sum(local_bytes(b) for b in loss.buffers()),
+        "loss_own_parameters": sum(local_bytes(p) for p in loss.parameters()) if args.strategy == "fsdp" else 0,
+    }
+    result = {"strategy": args.strategy, "rank": rank, "n_params": n_params, "bytes": held,
+              "total_mib": sum(held.values()) / 2**20, "peak_rss_mib": peak_rss_mib()}
+    gathered = [None, None]
+    torch.distributed.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f, indent=1)
+    learner.close()
+
+
+if __name__ == "__main__":
+    main()
