@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,5 +98,13 @@ def torchrun(*args, nproc=2):
 
 
 def fabric_run(*args, devices=2, strategy="ddp"):
+    """``fabric run`` on a port free now (its default, 29400, collides between concurrent runs)."""
     fabric = os.path.join(os.path.dirname(sys.executable), "fabric")
-    return [fabric, "run", "--accelerator=cpu", f"--strategy={strategy}", f"--devices={devices}", *args]
+    return [fabric, "run", "--accelerator=cpu", f"--strategy={strategy}", f"--devices={devices}",
+            f"--main-port={free_port()}", *args]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
