@@ -161,6 +161,12 @@ class FabricLearner(Learner):
     def world_size(self) -> int:
         return self.fabric.world_size
 
+    def full_parameters(self) -> contextlib.AbstractContextManager:
+        """See ``Learner.full_parameters``: under FSDP, every rank must enter it together."""
+        if self._wrapper is None:
+            return super().full_parameters()
+        return self._wrapper.full_parameters_in_loss()
+
     @property
     def sharded_module(self) -> ShardedLoss | None:
         """The ``ShardedLoss`` under sharded strategies (``full_parameters_in_loss()`` lives there)."""

@@ -148,6 +148,14 @@ class Learner(nn.Module):
     def world_size(self) -> int:
         return 1
 
+    def full_parameters(self) -> contextlib.AbstractContextManager:
+        """Inside this context the loss's own modules (actor, critics) hold the full weights.
+
+        For code that runs the networks outside ``update``: rollouts, value estimators, target
+        updaters. A no-op where parameters are not sharded; a collective where they are.
+        """
+        return contextlib.nullcontext(self.loss_module)
+
     # ---- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:

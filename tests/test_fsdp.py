@@ -99,6 +99,16 @@ def test_get_weights_gathers_plain_tensors(fsdp):
             assert torch.equal(value, r0["weights_offload"][key])
 
 
+def test_full_parameters_lets_the_loss_modules_run(fsdp):
+    for rank in fsdp["ranks"]:
+        _, actor = make_loss("sac")
+        rank["weights_full"].to_module(actor)
+        with torch.no_grad():
+            expected = actor(make_batch("sac", n=4, seed=9))["loc"]
+        torch.testing.assert_close(rank["actor_loc"], expected, atol=1e-6, rtol=0)
+        assert rank["actor_numel_after"] == 0  # the full copies are dropped again
+
+
 def test_round_trip_fsdp_ddp_local_fsdp_continues_training(fsdp):
     rt0, rt1 = (r["round_trip"] for r in fsdp["ranks"])
     assert_equal_states(rt0["model"], rt1["model"])

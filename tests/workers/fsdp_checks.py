@@ -116,6 +116,9 @@ def main(out_dir):
     results["weights_offload"] = learner.get_weights(cpu_offload=True)
     results["weights_full"] = learner.get_weights(cpu_offload=False)
     results["weights_model"] = learner.checkpoint()["model"]
+    with learner.full_parameters(), torch.no_grad():  # rollouts and value estimates run in here
+        results["actor_loc"] = learner.policy(make_batch("sac", n=4, seed=9))["loc"]
+    results["actor_numel_after"] = sum(p.numel() for p in learner.policy.parameters())
     results["round_trip"] = round_trip(out_dir, rank)
     results["resume"] = resume(out_dir, rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
