@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,34 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def overwrite_error(path: str | os.PathLike) -> str | None:
+    """Why ``path`` must not be replaced by a checkpoint, or ``None`` when it may be.
+
+    Only a missing path or a single-file checkpoint this package wrote (a torch zip whose
+    ``"format"`` is ``FORMAT``) may be replaced; the check reads the pickle, not the tensors.
+    """
+    path = Path(path)
+    if not path.exists() or path.is_dir():  # folders are refused by the writers themselves
+        return None
+    if _is_checkpoint_file(path):
+        return None
+    return (f"{path} exists and is not a fabric_learner checkpoint; refusing to replace it. Pass another path, "
+            "or remove the file first if it is no longer needed.")
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    try:
+        if not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as archive:
+            if not any(name.endswith("/data.pkl") for name in archive.namelist()):
+                return False
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable means "not ours"
+        return False
+    return isinstance(state, dict) and state.get("format") == FORMAT
 
 
 def weights_only_load(path: str | os.PathLike) -> dict[str, Any]:

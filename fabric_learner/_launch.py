@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from datetime import timedelta
 from typing import Any
 
 from lightning.fabric import Fabric
@@ -11,6 +12,20 @@ from lightning.fabric import Fabric
 from fabric_learner._sharded import default_sharded_strategy
 
 SHARDED_NAMES = ("fsdp", "fsdp2")
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+def as_timeout(timeout: Any) -> timedelta | None:
+    """A process-group timeout from a ``timedelta``, seconds, or ``None`` (torch's default)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, a number of seconds or None, got {type(timeout).__name__}.")
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout must be positive, got {timeout!r}.")
+    return timeout
 
 
 def using_fabric_cli() -> bool:
@@ -27,7 +42,7 @@ def external_world() -> tuple[int, int] | None:
     return local, max(1, world // max(local, 1))
 
 
-def resolve_strategy(strategy: Any) -> Any:
+def resolve_strategy(strategy: Any, timeout: timedelta | None = None) -> Any:
     """``"fsdp"`` means FSDP2 sharding of the loss's parameters, which works on CPU and GPU.
 
     Fabric's own ``"fsdp"`` (FSDP1) refuses CPU and cannot wrap a torchrl ``LossModule``.
@@ -35,7 +50,7 @@ def resolve_strategy(strategy: Any) -> Any:
     from lightning.fabric.strategies import FSDPStrategy
 
     if isinstance(strategy, str) and strategy.lower() in SHARDED_NAMES:
-        return default_sharded_strategy()
+        return default_sharded_strategy(timeout)
     if isinstance(strategy, FSDPStrategy):
         raise ValueError(
             "Fabric's FSDPStrategy (FSDP1) cannot wrap a torchrl LossModule and refuses CPU. Use "
@@ -54,7 +69,8 @@ def _without_env(*names: str):
         os.environ.update(saved)
 
 
-def build_fabric(*, accelerator: Any, strategy: Any, devices: Any, num_nodes: int, precision: Any) -> Fabric:
+def build_fabric(*, accelerator: Any, strategy: Any, devices: Any, num_nodes: int, precision: Any,
+                 timeout: timedelta | None = None) -> Fabric:
     """A Fabric for these settings, honouring the launcher's.
 
     ``"auto"`` devices under torchrun means the launched world (Fabric alone would give each
@@ -69,14 +85,31 @@ def build_fabric(*, accelerator: Any, strategy: Any, devices: Any, num_nodes: in
     hidden = []
     if strategy == "auto" and os.environ.get("LT_STRATEGY", "").lower() in SHARDED_NAMES:
         strategy = os.environ["LT_STRATEGY"]
-    strategy = resolve_strategy(strategy)
+    by_name = isinstance(strategy, str)
+    strategy = resolve_strategy(strategy, timeout)
     if not isinstance(strategy, str):
         hidden.append("LT_STRATEGY")  # Fabric would let the CLI's string override the object
     if using_fabric_cli() and precision == "32-true" and "LT_PRECISION" in os.environ:
         precision = None
     with _without_env(*hidden):
-        return Fabric(accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes,
-                      precision=precision)
+        fabric = Fabric(accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes,
+                        precision=precision)
+    if by_name and timeout is not None:
+        set_timeout(fabric.strategy, timeout)
+    return fabric
+
+
+def set_timeout(strategy: Any, timeout: timedelta) -> None:
+    """Give a strategy Fabric built from a name (DDP, FSDP2) our process-group timeout.
+
+    Fabric resolves names such as ``"auto"`` or ``"ddp_spawn"`` itself, so the timeout is set on
+    the strategy it chose, before ``launch()`` creates the group. Strategies without a process
+    group timeout (single device) are left alone.
+    """
+    from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, (DDPStrategy, ModelParallelStrategy)):
+        strategy._timeout = timeout
 
 
 def launch(fabric: Fabric) -> None:

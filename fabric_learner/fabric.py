@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from fabric_learner import _dcp, _lifecycle
 from fabric_learner._batch import Carrier, LossForwarder
-from fabric_learner._checkpoint import FORMAT, check_format, weights_only_load
-from fabric_learner._launch import build_fabric, launch
+from fabric_learner._checkpoint import FORMAT, check_format, overwrite_error, weights_only_load
+from fabric_learner._launch import DEFAULT_TIMEOUT, as_timeout, build_fabric, launch
 from fabric_learner._optim import OptimizerLike, build_optimizer
 from fabric_learner._sharded import ShardedLoss, check_sharded, flat_name, is_sharded_strategy
 from fabric_learner.learner import Capabilities, Learner
@@ -35,6 +36,11 @@ class FabricLearner(Learner):
     ``ModelParallelStrategy``), on CPU and GPU; a user-built ``ModelParallelStrategy`` receives
     a ``ShardedLoss`` holding those parameters. Sharded strategies need an optimizer factory,
     and ``get_weights``, ``checkpoint``, ``save`` and ``load`` are collectives there.
+
+    ``timeout`` (a ``timedelta``, seconds, or ``None`` for torch's default) bounds every
+    collective of the process group Fabric builds from a strategy name (default 5 minutes), so a
+    rank that stops answering fails its peers instead of hanging them; a strategy object or a
+    ``fabric`` passed in keeps its own.
     """
 
     def __init__(
@@ -51,8 +57,12 @@ class FabricLearner(Learner):
         num_nodes: int = 1,
         precision: Any = "32-true",
         fabric: Fabric | None = None,
+        on_nonfinite: str = "raise",
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
     ) -> None:
-        super().__init__(loss_module, policy=policy, clip_grad_norm=clip_grad_norm, grad_accum_steps=grad_accum_steps)
+        super().__init__(loss_module, policy=policy, clip_grad_norm=clip_grad_norm, grad_accum_steps=grad_accum_steps,
+                         on_nonfinite=on_nonfinite)
+        timeout = as_timeout(timeout)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
             raise TypeError(
                 f"optimizer must be None, a torch.optim.Optimizer or a callable params -> Optimizer, "
@@ -60,7 +70,8 @@ class FabricLearner(Learner):
             )
         if fabric is None:
             fabric = build_fabric(
-                accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision
+                accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision,
+                timeout=timeout,
             )
         sharded = is_sharded_strategy(fabric.strategy)
         if sharded and isinstance(optimizer, torch.optim.Optimizer):
@@ -136,6 +147,21 @@ class FabricLearner(Learner):
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         norm = self.fabric.clip_gradients(self._module, self.optimizer, max_norm=max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def _any_rank(self, flag: torch.Tensor) -> bool:
+        if self.fabric.world_size > 1:  # one tiny all-reduce (fabric.all_reduce would add a barrier)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag)
+
+    def _scaler_handles_overflow(self) -> bool:
+        return getattr(self._precision, "scaler", None) is not None
+
+    def _abandon_window(self) -> None:
+        super()._abandon_window()
+        scaler = getattr(self._precision, "scaler", None)
+        if scaler is not None and getattr(scaler, "_per_optimizer_states", None):
+            with contextlib.suppress(AssertionError):  # gradients were unscaled for a step not taken
+                scaler.update()
 
     def update(self, batch):
         if self._closed:
@@ -293,6 +319,11 @@ class FabricLearner(Learner):
         state = self._live_state()
         if Path(path).is_dir():
             raise IsADirectoryError(f"{path} is a folder; a single-file checkpoint would replace it. Pass a file path.")
+        error = overwrite_error(path) if self.global_rank == 0 else None
+        if self.world_size > 1:  # rank 0 writes, so its answer holds for every rank
+            error = self.fabric.broadcast(error, src=0)
+        if error is not None:
+            raise FileExistsError(error)
         self.fabric.save(path, {"format": FORMAT, "model": self.loss_module, "optimizer": self.optimizer,
                                 "param_names": state["param_names"], "accum_step": state["accum_step"],
                                 "num_updates": state["num_updates"]})

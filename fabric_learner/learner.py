@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from fabric_learner._loss import total_loss
+from fabric_learner._loss import loss_keys, total_loss
 from fabric_learner._optim import coverage_error, optimizer_params, uncovered_with_grad
 from fabric_learner._state import check_checkpoint, check_optimizer_state, clone_state, reindex_optimizer_state
 
@@ -42,6 +42,12 @@ class Learner(nn.Module):
     A Learner is an ``nn.Module`` whose only submodule is ``loss_module``, so
     ``state_dict()`` keeps its plain meaning (weights only); ``checkpoint()`` and
     ``save()`` carry the optimizer and counters as well.
+
+    A non-finite summed loss (on any micro-batch of the window) or grad norm never reaches the
+    optimizer: ``on_nonfinite="raise"`` raises ``FloatingPointError`` on the step call,
+    ``"skip"`` skips the step and counts it in ``skipped_updates``. Either way the gradients
+    are zeroed, a new window starts and ``num_updates`` is unchanged; under DDP/FSDP every
+    rank takes the same decision.
     """
 
     capabilities = Capabilities(sharded=False, distributed=False)
@@ -53,6 +59,7 @@ class Learner(nn.Module):
         policy: nn.Module | None = None,
         clip_grad_norm: float | None = None,
         grad_accum_steps: int = 1,
+        on_nonfinite: str = "raise",
     ) -> None:
         if not isinstance(loss_module, nn.Module):
             raise TypeError(f"loss_module must be a torchrl LossModule (an nn.Module), got {type(loss_module).__name__}.")
@@ -61,6 +68,11 @@ class Learner(nn.Module):
         if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
             raise ValueError(
                 f"clip_grad_norm must be a positive number or None (no clipping), got {clip_grad_norm!r}."
+            )
+        if on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(
+                f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}: 'raise' raises "
+                "FloatingPointError on a non-finite loss or grad norm, 'skip' skips that optimizer step."
             )
         if policy is not None and not isinstance(policy, nn.Module):
             raise TypeError(f"policy must be an nn.Module or None, got {type(policy).__name__}.")
@@ -72,8 +84,11 @@ class Learner(nn.Module):
         object.__setattr__(self, "policy", policy)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.grad_accum_steps = grad_accum_steps
+        self.on_nonfinite = on_nonfinite
         self.num_updates = 0
+        self.skipped_updates = 0
         self._accum_step = 0
+        self._window_losses: list[TensorDictBase] = []  # this window's loss entries, detached
         self._coverage_checked = False
         self.optimizer: torch.optim.Optimizer
 
@@ -83,29 +98,82 @@ class Learner(nn.Module):
         """Take one micro-step on ``batch``; step the optimizer at the end of each window."""
         if not isinstance(batch, TensorDictBase):
             raise TypeError(f"update() takes a TensorDict batch, got {type(batch).__name__}.")
+        if batch.batch_size.numel() == 0 or batch.is_empty():
+            raise ValueError(
+                f"update() got an empty batch (batch_size {tuple(batch.batch_size)}, keys "
+                f"{sorted(map(str, batch.keys()))}); a loss over no samples has nothing to learn from. "
+                "Skip empty batches before calling update()."
+            )
         stepping = self._accum_step + 1 == self.grad_accum_steps
         with self._sync_context(stepping):
-            output = self._forward(batch)
+            try:
+                output = self._forward(batch)
+            except (KeyError, AttributeError, TypeError, RuntimeError) as err:
+                named = _input_error(err, batch, self.loss_module)
+                if named is err:
+                    raise
+                raise named from err
             loss = total_loss(output)
             if self._accum_step == 0:
                 self.optimizer.zero_grad(set_to_none=True)
+                self._window_losses = []
             if self.grad_accum_steps > 1:
                 loss = loss / self.grad_accum_steps
-            self._backward(loss)
+            self._backward(loss)  # even when non-finite: ranks must run the same collectives
         self._accum_step += 1
         result = output.detach()
+        self._window_losses.append(result.select(*loss_keys(result)))
         if stepping:
             self._accum_step = 0
             if not self._coverage_checked:
                 missing = uncovered_with_grad(self._named_parameters(), self.optimizer)
                 if missing:
+                    self._abandon_window()
                     raise coverage_error(missing)
                 self._coverage_checked = True
             grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
+            result.set("grad_norm", grad_norm.detach().reshape(()).to(result.device or grad_norm.device))
+            if self._any_rank(self._nonfinite_flag(loss, grad_norm)):  # the one host sync per step
+                self._abandon_window()
+                if self.on_nonfinite == "raise":
+                    raise self._nonfinite_error(grad_norm)
+                self.skipped_updates += 1
+                self._window_losses = []
+                return result
+            self._window_losses = []
             self._optimizer_step()
             self.num_updates += 1
-            result.set("grad_norm", grad_norm.detach().reshape(()).to(result.device or grad_norm.device))
         return result
+
+    def _nonfinite_flag(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """A one-element tensor, non-zero when this rank saw a non-finite loss or grad norm (no sync)."""
+        total = torch.stack([t.sum(dtype=torch.float32).to(loss.device)
+                             for td in self._window_losses for t in td.values()]).sum()
+        if not self._scaler_handles_overflow():  # a grad scaler skips inf-gradient steps itself
+            total = total + grad_norm.detach().to(device=total.device, dtype=torch.float32).reshape(())
+        return (~torch.isfinite(total)).to(torch.float32)
+
+    def _nonfinite_error(self, grad_norm: torch.Tensor) -> FloatingPointError:
+        bad = sorted({str(k) for td in self._window_losses for k, v in td.items() if not torch.isfinite(v).all()})
+        if bad:
+            what = f"the loss entries {bad} are non-finite"
+        elif not torch.isfinite(grad_norm).all() and not self._scaler_handles_overflow():
+            what = f"grad_norm is non-finite ({grad_norm.item()})"
+        else:
+            what = "another rank saw a non-finite loss or grad norm"
+        rank = f" (rank {self.global_rank})" if self.world_size > 1 else ""
+        self._window_losses = []
+        return FloatingPointError(
+            f"Optimizer step {self.num_updates + 1} refused{rank}: {what}. No parameter or optimizer state "
+            "changed; gradients were zeroed and a new accumulation window starts. Check the batch for "
+            "nan/inf, lower the learning rate or set clip_grad_norm, or build the learner with "
+            "on_nonfinite='skip' to skip such steps."
+        )
+
+    def _abandon_window(self) -> None:
+        """Drop this window's gradients so the next call starts a fresh one."""
+        self._accum_step = 0
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ---- what backends provide ------------------------------------------------------------
 
@@ -124,6 +192,14 @@ class Learner(nn.Module):
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
+
+    def _any_rank(self, flag: torch.Tensor) -> bool:
+        """Whether ``flag`` is non-zero on any rank; the same answer on every rank."""
+        return bool(flag)
+
+    def _scaler_handles_overflow(self) -> bool:
+        """True when a grad scaler steps the optimizer (it skips inf-gradient steps itself)."""
+        return False
 
     def _named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The trained module's parameters, named as in ``loss_module``."""
@@ -248,6 +324,63 @@ class Learner(nn.Module):
     def load(self, path) -> None:
         raise NotImplementedError
 
+
+
+NONFINITE_MODES = ("raise", "skip")
+
+
+def _input_error(err: Exception, batch: TensorDictBase, loss_module: nn.Module) -> Exception:
+    """The loss forward's error, replaced by one naming the batch's problem when there is one."""
+    if isinstance(err, RuntimeError) and not isinstance(err, NotImplementedError):
+        typed = _dtype_error(err, batch, loss_module)
+        if typed is not err:
+            return typed
+    return _missing_keys_error(err, batch, loss_module)
+
+
+def _dtype_error(err: RuntimeError, batch: TensorDictBase, loss_module: nn.Module) -> Exception:
+    """A ``TypeError`` naming the batch's floating entries whose dtype differs from the loss's."""
+    if "dtype" not in str(err) and "scalar type" not in str(err):
+        return err
+    dtypes = {p.dtype for p in loss_module.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        return err
+    want = dtypes.pop()
+    odd = {key: str(t.dtype).replace("torch.", "") for key, t in batch.items(include_nested=True, leaves_only=True)
+           if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != want}
+    if not odd:
+        return err
+    return TypeError(
+        f"The batch's floating entries {odd} differ from the loss's parameter dtype "
+        f"{str(want).replace('torch.', '')}, and the loss failed on the mismatch ({err}). Cast them "
+        "(e.g. batch.float()) or train at a matching precision (FabricLearner(precision='64-true'))."
+    )
+
+
+def _missing_keys_error(err: Exception, batch: TensorDictBase, loss_module: nn.Module) -> Exception:
+    """A ``KeyError`` naming the keys of ``loss_module.in_keys`` the batch lacks, else ``err``.
+
+    Applies to the loss's ``KeyError``, to the ``AttributeError``/``TypeError`` on ``None`` that
+    a loss reading a missing key with ``td.get(key)`` (``None`` by default) runs into, and to a
+    ``RuntimeError`` (e.g. stacking tensordicts with different keys). ``in_keys``
+    over-approximate what a loss reads (PPO lists ``("next", "reward")`` even when
+    ``"advantage"`` is given), so they are consulted only after the forward failed.
+    """
+    if isinstance(err, (AttributeError, TypeError)) and "NoneType" not in str(err):
+        return err
+    in_keys = getattr(loss_module, "in_keys", None)
+    try:
+        present = set(batch.keys(include_nested=True, leaves_only=False))
+        missing = [k for k in (in_keys or ()) if (k if isinstance(k, str) or len(k) > 1 else k[0]) not in present]
+    except Exception:  # noqa: BLE001 - unusual in_keys: keep the loss's own error
+        return err
+    if not missing:
+        return err
+    return KeyError(
+        f"The loss failed on this batch ({type(err).__name__}, above), which lacks these keys from "
+        f"loss_module.in_keys: {missing}; add them to the batch (nested keys as tuples, e.g. "
+        "('next', 'reward')). Some in_keys are only read in some configurations, so not all of them may be needed."
+    )
 
 
 def _plain_copy(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fabric_learner._dcp import is_sharded_checkpoint, read_full
-from fabric_learner._checkpoint import atomic_torch_save, file_state, weights_only_load
+from fabric_learner._checkpoint import atomic_torch_save, file_state, overwrite_error, weights_only_load
 from fabric_learner._optim import OptimizerLike, build_optimizer, optimizer_params
 from fabric_learner.learner import Capabilities, Learner
 
@@ -30,8 +30,10 @@ class LocalLearner(Learner):
         policy: nn.Module | None = None,
         clip_grad_norm: float | None = None,
         grad_accum_steps: int = 1,
+        on_nonfinite: str = "raise",
     ) -> None:
-        super().__init__(loss_module, policy=policy, clip_grad_norm=clip_grad_norm, grad_accum_steps=grad_accum_steps)
+        super().__init__(loss_module, policy=policy, clip_grad_norm=clip_grad_norm, grad_accum_steps=grad_accum_steps,
+                         on_nonfinite=on_nonfinite)
         self.optimizer = build_optimizer(optimizer, loss_module.parameters())
 
     def _forward(self, batch):
@@ -46,7 +48,14 @@ class LocalLearner(Learner):
         )
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write ``checkpoint()`` to ``path`` atomically (the same file format as FabricLearner)."""
+        """Write ``checkpoint()`` to ``path`` atomically (the same file format as FabricLearner).
+
+        Replaces only a checkpoint this package wrote: any other file at ``path`` raises
+        ``FileExistsError`` before anything is written.
+        """
+        error = overwrite_error(path)
+        if error is not None:
+            raise FileExistsError(error)
         atomic_torch_save(file_state(self._live_state()), path)
 
     def load(self, path: str | os.PathLike) -> None:

@@ -122,3 +122,20 @@ def test_ddp_checkpoint_loads_into_one_process(ddp):
     torch.manual_seed(0)
     out = learner.update(make_batch("sac"))
     assert torch.isfinite(out["grad_norm"])
+
+
+def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank(ddp):
+    r0, r1 = (r["nonfinite"] for r in ddp["ranks"])
+    for r in (r0, r1):
+        assert r["skipped_updates"] == 1 and r["num_updates"] == 1
+        assert not torch.isfinite(r["skip_grad_norm"])
+        for k, v in r["before"].items():
+            assert torch.equal(r["after_skip"][k], v), k
+        assert torch.isfinite(r["next_grad_norm"]) and r["final_num_updates"] == 2
+        assert r["raise_num_updates"] == 3
+    assert "loss entries" in r1["raised"] and "(rank 1)" in r1["raised"]
+    assert "(rank 0)" in r0["raised"] and ("grad_norm" in r0["raised"] or "another rank" in r0["raised"])
+    assert_ranks_identical(r0["after_skip"], r1["after_skip"])
+    assert_ranks_identical(r0["after_next"], r1["after_next"])
+    assert_ranks_identical(r0["after_raise"], r1["after_raise"])
+    assert any(not torch.equal(r0["after_next"][k], v) for k, v in r0["before"].items())

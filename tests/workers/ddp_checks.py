@@ -64,6 +64,31 @@ def integrity(rank, precision):
     }
 
 
+def nonfinite_on_one_rank(rank):
+    """Only rank 1 feeds a NaN batch; with on_nonfinite="skip" every rank must skip together."""
+    loss, _ = make_loss("ppo")
+    learner = ddp(loss_module=loss, optimizer=functools.partial(torch.optim.Adam, lr=LR), on_nonfinite="skip")
+    learner.update(halves(make_batch("ppo", n=16, seed=30), rank))
+    before = flat_params(loss)
+    batch = halves(make_batch("ppo", n=16, seed=31), rank)
+    if rank == 1:
+        batch["observation"] = torch.full_like(batch["observation"], float("nan"))
+    out = learner.update(batch)
+    res = {"before": before, "after_skip": flat_params(loss), "skipped_updates": learner.skipped_updates,
+           "num_updates": learner.num_updates, "skip_grad_norm": out["grad_norm"]}
+    out = learner.update(halves(make_batch("ppo", n=16, seed=32), rank))
+    res.update(after_next=flat_params(loss), next_grad_norm=out["grad_norm"], final_num_updates=learner.num_updates)
+    # the same with on_nonfinite="raise": every rank raises, and can go on
+    learner.on_nonfinite = "raise"
+    try:
+        learner.update(batch)
+    except FloatingPointError as err:
+        res["raised"] = str(err)
+    out = learner.update(halves(make_batch("ppo", n=16, seed=33), rank))
+    res.update(after_raise=flat_params(loss), raise_num_updates=learner.num_updates)
+    return res
+
+
 def main(out_dir, local_ckpt):
     results = {"cases": {}, "accum": {}, "integrity": {}}
     rank = None
@@ -77,6 +102,7 @@ def main(out_dir, local_ckpt):
             results["saved_sac"] = learner.checkpoint()
     for case in ("dqn", "ppo"):
         results["accum"][case] = train(case, rank, grad_accum_steps=2)[1]
+    results["nonfinite"] = nonfinite_on_one_rank(rank)
     for precision in ("32-true", "bf16-mixed", "bf16-true", "64-true"):
         results["integrity"][precision] = integrity(rank, precision)
     # a checkpoint written by LocalLearner loads under DDP, and training continues in step

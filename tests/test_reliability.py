@@ -1,0 +1,278 @@
+"""Reliability: non-finite steps, bad batches, process-group timeout, crash-consistent saves."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+
+import pytest
+import torch
+from conftest import make_learner
+from multiproc import ROOT, env
+from rl_cases import flat_params, make_batch, make_loss
+from tensordict import TensorDict
+
+from fabric_learner import LocalLearner
+
+
+def snapshot(learner):
+    return flat_params(learner.loss_module), repr(learner.optimizer.state_dict())
+
+
+def assert_unchanged(learner, before):
+    params, opt = before
+    for k, v in flat_params(learner.loss_module).items():
+        assert torch.equal(v, params[k]), k
+    assert repr(learner.optimizer.state_dict()) == opt
+
+
+def nan_batch(case, **kw):
+    batch = make_batch(case, **kw)
+    batch["observation"][0] = float("nan")
+    return batch
+
+
+# ---- non-finite values ---------------------------------------------------------------------
+
+
+def test_on_nonfinite_is_validated(kind):
+    with pytest.raises(ValueError, match="on_nonfinite.*'ignore'"):
+        make_learner(kind, make_loss("dqn")[0], on_nonfinite="ignore")
+
+
+@pytest.mark.parametrize("case", ["dqn", "ppo"])
+def test_nonfinite_loss_raises_before_any_change_and_learner_stays_usable(kind, case):
+    loss, _ = make_loss(case)
+    learner = make_learner(kind, loss, clip_grad_norm=1.0)
+    learner.update(make_batch(case, seed=1))
+    before = snapshot(learner)
+    with pytest.raises(FloatingPointError, match=r"loss.*non-finite.*on_nonfinite='skip'"):
+        learner.update(nan_batch(case, seed=2))
+    assert_unchanged(learner, before)
+    assert learner.num_updates == 1 and learner.skipped_updates == 0 and learner._accum_step == 0
+    assert all(p.grad is None for p in loss.parameters())
+    out = learner.update(make_batch(case, seed=3))
+    assert torch.isfinite(out["grad_norm"]) and learner.num_updates == 2
+
+
+def test_nonfinite_loss_is_skipped(kind):
+    loss, _ = make_loss("ppo")
+    learner = make_learner(kind, loss, on_nonfinite="skip")
+    learner.update(make_batch("ppo", seed=1))
+    before = snapshot(learner)
+    out = learner.update(nan_batch("ppo", seed=2))
+    assert {"loss_objective", "loss_critic", "loss_entropy", "grad_norm"} <= set(out.keys())
+    assert not torch.isfinite(out["grad_norm"])
+    assert_unchanged(learner, before)
+    assert learner.skipped_updates == 1 and learner.num_updates == 1 and learner._accum_step == 0
+    assert all(p.grad is None for p in loss.parameters())
+    learner.update(make_batch("ppo", seed=3))
+    assert learner.num_updates == 2 and learner.skipped_updates == 1
+
+
+def test_nonfinite_loss_on_first_micro_batch_skips_the_whole_window(kind):
+    loss, _ = make_loss("dqn")
+    learner = make_learner(kind, loss, on_nonfinite="skip", grad_accum_steps=2)
+    before = snapshot(learner)
+    first = learner.update(nan_batch("dqn", seed=1))
+    assert "grad_norm" not in first.keys() and learner._accum_step == 1
+    learner.update(make_batch("dqn", seed=2))
+    assert_unchanged(learner, before)
+    assert learner.skipped_updates == 1 and learner.num_updates == 0 and learner._accum_step == 0
+    learner.update(make_batch("dqn", seed=3))
+    learner.update(make_batch("dqn", seed=4))
+    assert learner.num_updates == 1
+
+
+class GradBomb(torch.autograd.Function):
+    """Identity forward, infinite gradient backward: a finite loss with a non-finite grad norm."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class BombLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(3, 1)
+
+    def forward(self, td):
+        return TensorDict({"loss": GradBomb.apply(self.net(td["x"])).mean()}, [])
+
+
+def test_nonfinite_grad_norm_raises_naming_grad_norm(kind):
+    learner = make_learner(kind, BombLoss(), functools.partial(torch.optim.Adam, lr=0.1))
+    before = snapshot(learner)
+    with pytest.raises(FloatingPointError, match="grad_norm is non-finite"):
+        learner.update(TensorDict({"x": torch.ones(4, 3)}, [4]))
+    assert_unchanged(learner, before)
+    assert learner.num_updates == 0
+
+
+def test_nonfinite_grad_norm_is_skipped(kind):
+    learner = make_learner(kind, BombLoss(), functools.partial(torch.optim.Adam, lr=0.1), on_nonfinite="skip")
+    before = snapshot(learner)
+    out = learner.update(TensorDict({"x": torch.ones(4, 3)}, [4]))
+    assert torch.isfinite(out["loss"]) and not torch.isfinite(out["grad_norm"])
+    assert_unchanged(learner, before)
+    assert learner.skipped_updates == 1 and learner.num_updates == 0
+
+
+# ---- batch validation -----------------------------------------------------------------------
+
+
+def test_empty_batch_is_refused_before_the_forward(kind):
+    loss, _ = make_loss("dqn")
+    learner = make_learner(kind, loss)
+    before = snapshot(learner)
+    with pytest.raises(ValueError, match=r"empty batch.*\(0,\)"):
+        learner.update(make_batch("dqn")[:0])
+    assert_unchanged(learner, before)
+    assert learner._accum_step == 0
+
+
+@pytest.mark.parametrize("case,drop,named", [
+    ("dqn", ["action"], "'action'"),
+    ("sac", ["action"], "'action'"),
+    ("ppo", ["advantage", ("next", "reward")], "('next', 'reward')"),  # nested, read by the value estimator
+])
+def test_missing_keys_are_named(kind, case, drop, named):
+    loss, _ = make_loss(case)
+    learner = make_learner(kind, loss)
+    before = snapshot(learner)
+    with pytest.raises(KeyError) as info:
+        learner.update(make_batch(case).exclude(*drop))
+    message = str(info.value)
+    assert "lacks these keys" in message and named in message and "add them to the batch" in message
+    assert_unchanged(learner, before)
+
+
+def test_over_approximate_in_keys_are_not_required():
+    loss, _ = make_loss("ppo")  # in_keys list ("next", "reward"), unused when "advantage" is given
+    assert ("next", "reward") in loss.in_keys
+    out = LocalLearner(loss).update(make_batch("ppo").exclude(("next", "reward")))
+    assert torch.isfinite(out["grad_norm"])
+
+
+# ---- process-group timeout -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("timeout,expected", [(None, timedelta(minutes=5)), (42, timedelta(seconds=42)),
+                                              (timedelta(seconds=7), timedelta(seconds=7))])
+def test_strategies_built_from_names_carry_the_timeout(strategy, timeout, expected):
+    from fabric_learner._launch import DEFAULT_TIMEOUT, as_timeout, build_fabric
+
+    fabric = build_fabric(accelerator="cpu", strategy=strategy, devices=2, num_nodes=1, precision="32-true",
+                          timeout=as_timeout(DEFAULT_TIMEOUT if timeout is None else timeout))
+    assert fabric.strategy._timeout == expected
+
+
+def test_a_strategy_object_keeps_its_timeout():
+    from lightning.fabric.strategies import DDPStrategy
+
+    from fabric_learner._launch import build_fabric
+
+    given = DDPStrategy(timeout=timedelta(seconds=90))
+    fabric = build_fabric(accelerator="cpu", strategy=given, devices=2, num_nodes=1, precision="32-true",
+                          timeout=timedelta(seconds=3))
+    assert fabric.strategy is given and given._timeout == timedelta(seconds=90)
+
+
+@pytest.mark.parametrize("timeout,error", [(0, ValueError), (-1.0, ValueError), ("5m", TypeError), (True, TypeError)])
+def test_bad_timeout_is_refused(timeout, error):
+    from fabric_learner import FabricLearner
+
+    with pytest.raises(error, match="timeout"):
+        FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=1, timeout=timeout)
+
+
+# ---- saves: crash consistency and never replacing foreign files -------------------------------
+
+CRASHING_SAVE = textwrap.dedent(
+    """
+    import io, os, signal, sys, torch
+    sys.path.insert(0, "tests")
+    from rl_cases import make_batch, make_loss
+    from fabric_learner import LocalLearner
+
+    learner = LocalLearner(make_loss("sac", seed=5)[0])
+    learner.update(make_batch("sac", seed=9))
+    real_save = torch.save
+
+    def half_then_die(obj, f, *args, **kwargs):
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = half_then_die
+    learner.save(sys.argv[1])
+    """
+)
+
+
+def test_sigkill_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    loss, _ = make_loss("sac")
+    learner = LocalLearner(loss)
+    learner.update(make_batch("sac"))
+    path = tmp_path / "ckpt.pt"
+    learner.save(path)
+    saved = path.read_bytes()
+    proc = subprocess.run([sys.executable, "-c", CRASHING_SAVE, str(path)], cwd=ROOT, env=env(), timeout=240,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert path.read_bytes() == saved  # whole, byte for byte
+    strays = [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
+    assert strays and all(p.name.startswith(".ckpt.pt.") for p in strays)  # the half-written temp file
+    fresh = LocalLearner(make_loss("sac", seed=3)[0])
+    fresh.load(path)
+    assert fresh.num_updates == 1
+    for k, v in flat_params(loss).items():
+        assert torch.equal(flat_params(fresh.loss_module)[k], v), k
+    learner.update(make_batch("sac", seed=2))
+    learner.save(path)  # a later save replaces it as usual
+    fresh.load(path)
+    assert fresh.num_updates == 2
+
+
+@pytest.mark.parametrize("content", ["text", "torch_dict", "torch_tensor"])
+def test_save_never_replaces_a_file_it_did_not_write(kind, tmp_path, content):
+    path = tmp_path / "precious.pt"
+    if content == "text":
+        path.write_text("my notes")
+    elif content == "torch_dict":
+        torch.save({"model": {}, "optimizer": {}}, path)
+    else:
+        torch.save(torch.ones(3), path)
+    data = path.read_bytes()
+    learner = make_learner(kind, make_loss("dqn")[0])
+    with pytest.raises(FileExistsError, match="precious.pt.*not a fabric_learner checkpoint"):
+        learner.save(path)
+    assert path.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.pt"]
+
+
+def test_save_replaces_its_own_checkpoint_from_either_backend(kind, tmp_path):
+    path = tmp_path / "c.pt"
+    other = "fabric" if kind == "local" else "local"
+    make_learner(other, make_loss("dqn")[0]).save(path)
+    learner = make_learner(kind, make_loss("dqn")[0])
+    learner.update(make_batch("dqn"))
+    learner.save(path)
+    fresh = make_learner(kind, make_loss("dqn", seed=4)[0])
+    fresh.load(path)
+    assert fresh.num_updates == 1
