@@ -1,16 +1,28 @@
-"""PPO on torchrl's PendulumEnv under DDP: every rank collects its own rollouts and learns.
+"""PPO on a pendulum swing-up, rollout to update on every rank, through ``fabric_learner.Trainer``.
 
     python examples/ppo_pendulum.py                       # launches 2 CPU ranks itself (DDP)
     fabric run --accelerator=cpu --strategy=ddp --devices=2 examples/ppo_pendulum.py
     torchrun --nproc-per-node=2 examples/ppo_pendulum.py
+    python examples/ppo_pendulum.py --devices 1           # one process
+    python examples/ppo_pendulum.py --strategy fsdp       # FSDP2 (sharded parameters) on 2 CPU ranks
 
-The loss code is plain torchrl; only the FabricLearner line knows about distribution.
+Every rank runs this same program: it collects its own rollouts (16 pendulums stepped as one
+batch), computes GAE, and takes PPO epochs over minibatches that partition its own data
+without replacement, with advantages normalised over all ranks' minibatches; DDP averages the
+gradients. torchrl's Trainer loop drives it all (collector -> GAE -> EpochPartitionSampler ->
+GlobalAdvantageNormalization -> learner.update), shows a progress bar on rank 0, logs losses,
+grad norm, episode return and throughput to TensorBoard (``--logdir``) through Fabric's
+TensorBoardLogger, and prints a summary. The environment has gym's Pendulum-v1 dynamics (those
+of torchrl's ``PendulumEnv``), vectorised: one ``EnvBase`` steps all ``--envs`` pendulums in a
+single batched call, where a ``SerialEnv`` of ``PendulumEnv``s would step them one by one.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
+import math
 import os
 import time
 
@@ -18,98 +30,233 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
-from torchrl.data import Unbounded
-from torchrl.envs import PendulumEnv, SerialEnv, StepCounter, Transform, TransformedEnv
+from torchrl.collectors import Collector
+from torchrl.data import Bounded, Composite, Unbounded
+from torchrl.envs import EnvBase, StepCounter, TransformedEnv
 from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
+from torchrl.trainers import TrainerHookBase
 
 from fabric_learner import FabricLearner
+from fabric_learner.onpolicy import (
+    EpochPartitionSampler,
+    GlobalAdvantageNormalization,
+    LearnerValueEstimator,
+    global_mean,
+)
+from fabric_learner.trainer import Trainer
+
+MAX_STEPS = 200  # one episode: a batch holds exactly one episode per pendulum
 
 
-class PendulumObservation(Transform):
-    """``observation = [cos th, sin th, thdot]`` from the raw pendulum state."""
+class VecPendulum(EnvBase):
+    """``num_envs`` pendulums (Pendulum-v1 / torchrl ``PendulumEnv`` dynamics) stepped as one batch.
 
-    def __init__(self):
-        super().__init__(in_keys=["th", "thdot"], out_keys=["observation"])
+    Observation ``[cos th, sin th, thdot / 8]``; action: torque in [-2, 2]; reward:
+    ``-(th^2 + 0.1 thdot^2 + 0.001 u^2)``. Stateless (the state ``th, thdot`` travels in the
+    tensordict), so a trainer checkpoint restores episodes mid-flight.
+    """
 
-    def _call(self, td):
-        th, thdot = td.get("th"), td.get("thdot")
-        return td.set("observation", torch.stack([th.cos(), th.sin(), thdot / 8.0], -1))
+    _supports_set_state = True
 
-    def _reset(self, td, td_reset):
-        return self._call(td_reset)
+    def __init__(self, num_envs: int = 16, seed: int = 0):
+        super().__init__(batch_size=torch.Size([num_envs]))
+        n = (num_envs,)
+        self.observation_spec = Composite(observation=Unbounded(shape=(*n, 3)), th=Unbounded(shape=n),
+                                          thdot=Unbounded(shape=n), shape=n)
+        self.state_spec = Composite(th=Unbounded(shape=n), thdot=Unbounded(shape=n), shape=n)
+        self.action_spec = Bounded(-2.0, 2.0, shape=(*n, 1))
+        self.reward_spec = Unbounded(shape=(*n, 1))
+        self.rng = torch.Generator().manual_seed(seed)
 
-    def transform_observation_spec(self, spec):
-        spec["observation"] = Unbounded(shape=(*spec.shape, 3), dtype=torch.float32, device=spec.device)
-        return spec
+    def _set_seed(self, seed):
+        self.rng = torch.Generator().manual_seed(int(seed))
+
+    def _state(self, th, thdot):
+        n = self.batch_size
+        return {"th": th, "thdot": thdot, "observation": torch.stack([th.cos(), th.sin(), thdot / 8.0], -1),
+                "done": torch.zeros(*n, 1, dtype=torch.bool), "terminated": torch.zeros(*n, 1, dtype=torch.bool)}
+
+    def _reset(self, td, **kwargs):
+        if kwargs.get("set_state") and td is not None and "th" in td.keys():
+            return TensorDict(self._state(td["th"], td["thdot"]), self.batch_size)
+        th = (torch.rand(self.batch_size, generator=self.rng) * 2 - 1) * math.pi
+        thdot = torch.rand(self.batch_size, generator=self.rng) * 2 - 1
+        return TensorDict(self._state(th, thdot), self.batch_size)
+
+    def _step(self, td):
+        th, thdot = td["th"], td["thdot"]
+        u = td["action"].squeeze(-1).clamp(-2.0, 2.0)
+        cost = (((th + math.pi) % (2 * math.pi)) - math.pi) ** 2 + 0.1 * thdot**2 + 0.001 * u**2
+        thdot = (thdot + (15.0 * th.sin() + 3.0 * u) * 0.05).clamp(-8.0, 8.0)
+        th = ((th + thdot * 0.05 + math.pi) % (2 * math.pi)) - math.pi
+        out = self._state(th, thdot)
+        out["reward"] = -cost.unsqueeze(-1)
+        return TensorDict(out, self.batch_size)
 
 
 def make_env(num_envs: int):
-    def one():
-        return TransformedEnv(PendulumEnv(), PendulumObservation())
-
-    return TransformedEnv(SerialEnv(num_envs, one), StepCounter(max_steps=200))
+    return TransformedEnv(VecPendulum(num_envs), StepCounter(max_steps=MAX_STEPS))
 
 
-def make_agent(action_spec):
-    net = nn.Sequential(MLP(in_features=3, out_features=2, num_cells=[64, 64], activation_class=nn.Tanh), NormalParamExtractor())
+def make_agent(hidden: int = 64):
+    net = nn.Sequential(MLP(in_features=3, out_features=2, num_cells=[hidden, hidden], activation_class=nn.Tanh),
+                        NormalParamExtractor())
     actor = ProbabilisticActor(
         TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
-        in_keys=["loc", "scale"], spec=action_spec, distribution_class=TanhNormal,
+        in_keys=["loc", "scale"], distribution_class=TanhNormal,
         distribution_kwargs={"low": -2.0, "high": 2.0}, return_log_prob=True,
     )
-    critic = ValueOperator(MLP(in_features=3, out_features=1, num_cells=[64, 64], activation_class=nn.Tanh), in_keys=["observation"])
+    critic = ValueOperator(MLP(in_features=3, out_features=1, num_cells=[hidden, hidden], activation_class=nn.Tanh),
+                           in_keys=["observation"])
     return actor, critic
 
 
-def launcher_kwargs(args) -> dict:
-    """No strategy arguments under `fabric run` / `torchrun`: the launcher decides."""
-    if "LT_CLI_USED" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+class EpisodeReturn(TrainerHookBase):
+    """Logs the mean episode return over all ranks' pendulums and keeps the learning curve (rank 0)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.curve: list[tuple[int, float, float]] = []  # (global frames, mean return, seconds)
+        self._t0 = time.perf_counter()
+
+    def __call__(self, batch):
+        returns = batch["next", "reward"].sum(-2)  # [envs, 1]: one full episode per pendulum
+        value = global_mean(returns).item()
+        self.curve.append((self.trainer.collected_frames, value, time.perf_counter() - self._t0))
+        return {"episode_return": value, "log_pbar": True}
+
+    def state_dict(self):
         return {}
+
+    def load_state_dict(self, state_dict):
+        return
+
+    def register(self, trainer, name="episode_return"):
+        trainer.register_op("pre_steps_log", self)
+        trainer.register_module(name, self)
+
+
+def scale_reward(batch, scale: float):
+    batch["next", "scaled_reward"] = batch["next", "reward"] * scale
+    return batch
+
+
+def sharded(args) -> bool:
+    return args.strategy == "fsdp" or os.environ.get("LT_STRATEGY") == "fsdp"
+
+
+def launcher_kwargs(args) -> dict:
+    """No device arguments under `fabric run` / `torchrun`: the launcher decides."""
+    if "LT_CLI_USED" in os.environ:
+        return {}
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return {"strategy": "fsdp"} if args.strategy == "fsdp" else {}
+    if args.devices == 1:
+        return {"accelerator": "cpu", "devices": 1}
     return {"accelerator": "cpu", "strategy": args.strategy, "devices": args.devices}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--iterations", type=int, default=int(os.environ.get("DEMO_ITERATIONS", 10)))
-    parser.add_argument("--strategy", default="ddp")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--envs", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frames", type=int, default=int(os.environ.get("DEMO_FRAMES", 160_000)),
+                   help="environment steps over all ranks together")
+    p.add_argument("--envs", type=int, default=16, help="pendulums per rank (one episode each per batch)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--minibatch", type=int, default=800, help="per rank")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--gamma", type=float, default=0.9)
+    p.add_argument("--reward-scale", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logdir", default=os.environ.get("DEMO_LOGDIR", "runs"), help="TensorBoard root ('' for none)")
+    p.add_argument("--checkpoint", default=None, help="trainer checkpoint folder, written at the end")
+    p.add_argument("--resume", default=None, help="trainer checkpoint folder to resume from")
+    p.add_argument("--plot", default=None, help="write the learning curve to this PNG (rank 0)")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
 
-    torch.manual_seed(args.seed)  # same initial weights on every rank
+
+def build(args, learner_kwargs: dict):
+    """The learner and the trainer with its hooks; every rank builds the same."""
+    torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     env = make_env(args.envs)
-    actor, critic = make_agent(env.action_spec)
-    loss = ClipPPOLoss(actor, critic, clip_epsilon=0.2, entropy_coeff=1e-3, normalize_advantage=True)
-    gae = GAE(gamma=0.99, lmbda=0.95, value_network=critic, average_gae=False)
-    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-3), policy=actor,
-                            clip_grad_norm=0.5, **launcher_kwargs(args))
-    rank, world = learner.global_rank, learner.world_size
-    torch.manual_seed(args.seed + 1000 * rank)  # each rank explores differently
-    env.set_seed(args.seed + 1000 * rank)
+    actor, critic = make_agent()
+    # DDP: the collector runs the very actor the loss trains (shared memory, always current).
+    # FSDP: the loss's parameters are shards, so the collector acts with its own full copy,
+    # refreshed from learner.get_weights() after every batch by the trainer's PublishWeights.
+    acting = copy.deepcopy(actor) if sharded(args) else actor
+    loss = ClipPPOLoss(actor, critic, clip_epsilon=0.2, entropy_coeff=0.0, critic_coeff=0.5, loss_critic_type="l2",
+                       normalize_advantage=False)  # advantages are normalised over all ranks by the hook below
+    gae = GAE(gamma=args.gamma, lmbda=0.95, value_network=critic, average_gae=False)
+    gae.set_keys(reward="scaled_reward")  # learn on rewards scaled to about [-1.6, 0]; log the raw ones
+    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=args.lr), policy=actor, clip_grad_norm=args.clip,
+                            **learner_kwargs)
+    frames_per_batch = args.envs * MAX_STEPS
+    collector = Collector(env, acting, frames_per_batch=frames_per_batch, total_frames=-1,
+                          auto_register_policy_transforms=False)
+    logger = None
+    if args.logdir:
+        from lightning.fabric.loggers import TensorBoardLogger
 
-    steps_per_rollout, epochs, minibatch = 200, 4, 200
-    start, first_reward = time.time(), None
-    for it in range(args.iterations):
-        with torch.no_grad():
-            rollout = env.rollout(steps_per_rollout, actor, break_when_any_done=False)
-            gae(rollout)
-        reward = rollout["next", "reward"].sum(-2).mean()  # mean episode return on this rank
-        reward = learner.fabric.all_reduce(reward, reduce_op="mean")
-        first_reward = reward.item() if first_reward is None else first_reward
-        flat = rollout.reshape(-1)
-        for _ in range(epochs):
-            for idx in torch.randperm(flat.shape[0]).split(minibatch):
-                out = learner.update(flat[idx])
-        if rank == 0 and (it % 5 == 0 or it == args.iterations - 1):
-            print(f"iter {it:3d}  return {reward.item():8.1f}  loss_objective {out['loss_objective'].item():+.3f}"
-                  f"  grad_norm {out['grad_norm'].item():.3f}", flush=True)
+        logger = TensorBoardLogger(root_dir=args.logdir, name="ppo_pendulum")
+    trainer = Trainer(
+        learner=learner, collector=collector, total_frames=args.frames,
+        optim_steps_per_batch=frames_per_batch // args.minibatch, num_epochs=args.epochs,
+        logger=logger, log_interval=0, seed=args.seed, progress_bar=not args.no_progress,
+        save_trainer_file=args.checkpoint, save_trainer_interval=10**12,
+    )
+    trainer.register_op("batch_process", functools.partial(scale_reward, scale=args.reward_scale))
+    LearnerValueEstimator(learner, gae).register(trainer)  # GAE once per batch (with full weights under FSDP)
+    EpochPartitionSampler(args.minibatch).register(trainer)  # pre_epoch + process_optim_batch
+    GlobalAdvantageNormalization().register(trainer)  # process_optim_batch, after the sampler
+    returns = EpisodeReturn(trainer)
+    returns.register(trainer)
+    return learner, trainer, returns
+
+
+def plot(curve, path, world_size):  # rank 0, after training
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    frames, rets, secs = zip(*curve)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(frames, rets, marker=".")
+    ax.set_xlabel(f"environment steps (all {world_size} ranks)")
+    ax.set_ylabel("mean episode return (200 steps)")
+    ax.set_title(f"PPO on Pendulum, fabric_learner.Trainer, DDP on {world_size} CPU ranks")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.perf_counter()
+    learner, trainer, returns = build(args, launcher_kwargs(args))
+    if args.resume:
+        trainer.load_from_file(args.resume)
+    trainer.train()
+    rank, world = learner.global_rank, learner.world_size
     if rank == 0:
-        print(f"done: {world} rank(s), {learner.num_updates} updates, return {first_reward:.1f} -> "
-              f"{reward.item():.1f} in {time.time() - start:.0f}s")
-    learner.close() if hasattr(learner, "close") else None
+        curve = returns.curve
+        how = "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__
+        print(f"done: {world} rank(s) {how}, {learner.num_updates} updates, {trainer.collected_frames} frames, "
+              f"episode return {curve[0][1]:.0f} -> {curve[-1][1]:.0f} in {time.perf_counter() - start:.0f}s", flush=True)
+        if args.plot:
+            plot(curve, args.plot, world)
+    if hasattr(learner, "close"):
+        learner.close()
+    elif world > 1:
+        learner.fabric.barrier()
+        torch.distributed.destroy_process_group()
+    return learner, trainer, returns
 
 
 if __name__ == "__main__":

@@ -133,11 +133,11 @@ def _wait_for_children(timeout: float = BARRIER_TIMEOUT.total_seconds()) -> int:
 def _die(code: int) -> None:
     """Exit now, skipping interpreter finalization (gloo work may be in flight), children first."""
     for rank, proc in enumerate(_launched_children(), start=1):
-        code = proc.poll()
-        if code is None:
+        status = proc.poll()
+        if status is None:
             proc.kill()
-        elif code != 0:
-            print(f"fabric_learner: rank {rank} exited with status {code}", file=sys.stderr, flush=True)
+        elif status != 0:
+            print(f"fabric_learner: rank {rank} exited with status {status}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -14,7 +14,9 @@ learn exactly as one process on the whole batch:
 - :func:`global_sum`, :func:`global_mean`, :func:`global_count`: the reductions themselves;
 - :func:`partition_indices` / :class:`EpochPartitionSampler`: PPO minibatches that partition
   the rank's batch without replacement each epoch, with the same number of minibatches on
-  every rank (a rank that stepped once more than another would hang the others).
+  every rank (a rank that stepped once more than another would hang the others);
+- :class:`LearnerValueEstimator`: GAE (or any value estimator) on each collected batch with
+  the learner's full weights, also under FSDP.
 
 Single process (no initialised process group, or world size 1) every helper reduces to the
 ordinary local computation, so the same code runs under ``LocalLearner``.
@@ -24,6 +26,7 @@ the same order.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -37,6 +40,7 @@ __all__ = [
     "EpochPartitionSampler",
     "GlobalAdvantageNormalization",
     "GlobalMeanLoss",
+    "LearnerValueEstimator",
     "all_reduce",
     "distributed_world_size",
     "global_count",
@@ -160,21 +164,18 @@ def normalize_advantage(
     adv = batch.get(key)
     mask = batch.get(mask_key) if mask_key is not None else None
     a = adv.detach().to(torch.float64)
-    if mask is None:
-        stats = all_reduce(torch.stack([a.sum(), torch.tensor(float(a.numel()), dtype=torch.float64)]), "sum", group)
-        mean = stats[0] / stats[1]
-        sq = all_reduce(((a - mean) ** 2).sum(), "sum", group)
-        std = (sq / (stats[1] - 1).clamp_min(1)).sqrt().to(adv.dtype)
-        eps = torch.finfo(torch.float).resolution if adv.dtype.is_floating_point else 1e-6
-        result = (adv - mean.to(adv.dtype)) / std.clamp_min(eps)
-    else:
-        m = _broadcast_mask(mask, a).to(torch.float64)
-        stats = all_reduce(torch.stack([(a * m).sum(), m.sum()]), "sum", group)
-        count = stats[1].clamp_min(1)
-        mean = stats[0] / count
-        sq = all_reduce((((a - mean) ** 2) * m).sum(), "sum", group)
-        std = (sq / count).sqrt().to(adv.dtype)
-        result = (adv - mean.to(adv.dtype)) / std.clamp_min(1e-4)
+    m = torch.ones_like(a) if mask is None else _broadcast_mask(mask, a).to(torch.float64)
+    # one all-reduce of (sum, sum of squares, count), in float64
+    total, sq, count = all_reduce(torch.stack([(a * m).sum(), (a * a * m).sum(), m.sum()]), "sum", group).unbind()
+    mean = total / count.clamp_min(1)
+    centred = (sq - count * mean * mean).clamp_min(0)
+    if mask is None:  # torchrl's _standardize: unbiased std, clamped at the float32 resolution
+        std = (centred / (count - 1).clamp_min(1)).sqrt()
+        eps = torch.finfo(torch.float).resolution
+    else:  # torchrl's masked PPO standardisation: biased std over the valid entries, clamped at 1e-4
+        std = (centred / count.clamp_min(1)).sqrt()
+        eps = 1e-4
+    result = (adv - mean.to(adv.dtype)) / std.to(adv.dtype).clamp_min(eps)
     batch.set(out_key if out_key is not None else key, result)
     return batch
 
@@ -210,6 +211,43 @@ class GlobalAdvantageNormalization(TrainerHookBase):
         trainer.register_module(name, self)
 
 
+# ---- value estimates with the learner's weights -------------------------------------------------
+
+
+class LearnerValueEstimator(TrainerHookBase):
+    """Trainer hook: a value estimator (e.g. torchrl's ``GAE``) run on each collected batch.
+
+    Like torchrl's ``ValueEstimatorHook``, but the estimator runs inside
+    ``learner.full_parameters()`` and without gradients: under a sharded learner the loss's
+    critic holds no weights outside ``update``, and this gathers them for the call (a
+    collective: every rank runs it, as every rank runs the same hooks). Unsharded it is the
+    plain call. ``stage="batch_process"`` (default) computes advantages once per batch;
+    ``"pre_epoch"`` recomputes them before every epoch, with the critic as it is then.
+    """
+
+    def __init__(self, learner, value_estimator, *, stage: str = "batch_process") -> None:
+        if stage not in ("batch_process", "pre_epoch"):
+            raise ValueError(f"stage must be 'batch_process' or 'pre_epoch', got {stage!r}.")
+        self.learner, self.value_estimator, self.stage = learner, value_estimator, stage
+
+    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
+        if batch is None:
+            return batch
+        full = self.learner.full_parameters() if self.learner.capabilities.sharded else contextlib.nullcontext()
+        with full, torch.no_grad():
+            return self.value_estimator(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return
+
+    def register(self, trainer, name: str = "value_estimator") -> None:
+        trainer.register_op(self.stage, self)
+        trainer.register_module(name, self)
+
+
 # ---- global means inside a loss -------------------------------------------------------------
 
 
@@ -239,7 +277,9 @@ class GlobalMeanLoss(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["loss_module"], name)
+            if name.startswith("__") or "_modules" not in self.__dict__ or "loss_module" not in self.__dict__["_modules"]:
+                raise
+            return getattr(self.__dict__["_modules"]["loss_module"], name)
 
     def forward(self, batch: TensorDictBase) -> TensorDictBase:
         out = self.loss_module(batch)

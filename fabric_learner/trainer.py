@@ -3,7 +3,7 @@
 ``Trainer(learner=learner, collector=collector, total_frames=..., optim_steps_per_batch=...)``
 keeps torchrl's collect -> epochs -> minibatches loop and its hooks; each optimisation step is
 ``learner.update(sub_batch)`` (through an ``OptimizationStepper``), so the same trainer runs in
-one process (``LocalLearner``) or on many ranks (``FabricLearner`` under DDP, FSDP later).
+one process (``LocalLearner``) or on many ranks (``FabricLearner`` under DDP or FSDP).
 
 What changes against torchrl's Trainer, and why:
 
@@ -25,8 +25,9 @@ What changes against torchrl's Trainer, and why:
   ``lightning.fabric.loggers.TensorBoardLogger``) is accepted as well as a torchrl one.
   Throughput (global frames/s, updates/s) is logged by default.
 - After each batch's updates the rank's collector acts with the new weights
-  (:class:`~fabric_learner.weights.PublishWeights`; a no-op when it shares the learner's
-  parameters, as with DDP on one device).
+  (:class:`~fabric_learner.weights.PublishWeights`): a no-op when it runs the very policy the
+  loss trains (DDP, one process); under FSDP the collector holds its own copy, and every rank
+  gathers the full weights into it with ``learner.get_weights(cpu_offload=False)``.
 - ``seed`` seeds every rank differently (``seed + 1000 * rank``), so ranks explore
   different trajectories.
 - Checkpoints (``save_trainer_file``, ``save_trainer_interval``, ``load_from_file``) are a
@@ -40,6 +41,7 @@ What changes against torchrl's Trainer, and why:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -61,7 +63,7 @@ from torchrl.trainers import LogScalar, OptimizationStepper, TrainerHookBase
 from torchrl.trainers import Trainer as _TorchRLTrainer
 
 from fabric_learner.onpolicy import all_reduce, distributed_world_size
-from fabric_learner.weights import PublishWeights
+from fabric_learner.weights import PublishWeights, check_collector_policy
 
 __all__ = ["FabricLoggerAdapter", "GlobalLogScalar", "LearnerStepper", "LogThroughput", "Trainer"]
 
@@ -109,8 +111,14 @@ class _TargetNetUpdate(TrainerHookBase):
         self._last = learner.num_updates
 
     def __call__(self) -> None:
-        for _ in range(self.learner.num_updates - self._last):
-            self.updater.step()
+        steps = self.learner.num_updates - self._last
+        if steps <= 0:
+            return
+        # A sharded learner keeps the loss's own parameter objects empty outside update(); the
+        # updater reads them, so they hold the gathered weights for the call (a collective).
+        with _full_parameters(self.learner):
+            for _ in range(steps):
+                self.updater.step()
         self._last = self.learner.num_updates
 
     def state_dict(self) -> dict[str, Any]:
@@ -125,6 +133,13 @@ class _TargetNetUpdate(TrainerHookBase):
     def register(self, trainer, name: str = "target_net_updater") -> None:
         trainer.register_op("post_optim", self)
         trainer.register_module(name, self)
+
+
+def _full_parameters(learner):
+    """Inside the block the loss's modules hold the full weights (a collective when sharded)."""
+    if not learner.capabilities.sharded:
+        return contextlib.nullcontext()
+    return learner.full_parameters()
 
 
 # ---- logging --------------------------------------------------------------------------------------
@@ -325,10 +340,12 @@ class Trainer(_TorchRLTrainer):
         if target_net_updater is not None:
             _TargetNetUpdate(target_net_updater, learner).register(self)
         if publish_weights and collector is not None:
+            check_collector_policy(learner, collector)
             PublishWeights(learner, collector).register(self)
         if log_throughput:
             LogThroughput(self).register(self)
         self._pbar = None
+        self._collector_state_at_end = None
 
     # ---- ranks --------------------------------------------------------------------------------
 
@@ -416,6 +433,7 @@ class Trainer(_TorchRLTrainer):
             if self._pbar is not None:
                 self._pbar.close()
         self._shutdown_hook()
+        self._collector_state_at_end = self._collector_state()  # a shut-down collector has no env left
         self.collector.shutdown()
 
     def _sync_counts(self, frames: int, exhausted: bool, init_random: int) -> tuple[int, bool, int]:
@@ -507,16 +525,28 @@ class Trainer(_TorchRLTrainer):
         self._publish_after_load()
         _set_rng_state(state_dict["rng"], self.collector)
 
+    def _collector_state(self) -> dict[str, Any]:
+        collector = self.collector
+        if collector is None:
+            return {"collector": None, "carrier": None, "env_rng": []}
+        if not hasattr(collector, "env") and getattr(self, "_collector_state_at_end", None) is not None:
+            return self._collector_state_at_end  # train() ended and shut the collector down
+        return {"collector": collector.state_dict(), "carrier": _carrier_state(collector),
+                "env_rng": [g.get_state() for g in _env_generators(getattr(collector, "env", None))]}
+
     def _rank_state(self) -> dict[str, Any]:
+        collector = self._collector_state()
+        rng = _rng_state()
+        rng["env"] = collector["env_rng"]
         return {
             "format": CHECKPOINT_FORMAT,
             "world_size": self._world_size,
             "rank": self.global_rank,
             "state": {k: v for k, v in self._get_state().items()},
-            "collector": self.collector.state_dict() if self.collector is not None else None,
-            "carrier": _carrier_state(self.collector),
+            "collector": collector["collector"],
+            "carrier": collector["carrier"],
             "modules": {name: module.state_dict() for name, module in self._modules.items()},
-            "rng": _rng_state(self.collector),
+            "rng": rng,
         }
 
     def _load_rank_state(self, state: dict[str, Any], *, restore_rng: bool = True) -> None:
@@ -637,14 +667,13 @@ def _env_generators(env, depth: int = 0) -> list[torch.Generator]:
     return found
 
 
-def _rng_state(collector) -> dict[str, Any]:
+def _rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "python": random.getstate(),
-        "env": [g.get_state() for g in _env_generators(getattr(collector, "env", None))],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()

@@ -24,8 +24,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.trainers import TrainerHookBase
 
-__all__ = ["PublishFromRank0", "PublishWeights", "collector_policy", "publish_from_rank0", "publish_to_collector",
-           "shares_policy_memory"]
+__all__ = ["PublishFromRank0", "PublishWeights", "check_collector_policy", "collector_policy", "publish_from_rank0",
+           "publish_to_collector", "shares_policy_memory"]
 
 
 def collector_policy(collector) -> nn.Module | None:
@@ -60,6 +60,24 @@ def shares_policy_memory(learner, collector) -> bool:
     return all(p.untyped_storage().data_ptr() in ours for p in theirs)
 
 
+def check_collector_policy(learner, collector) -> None:
+    """Raise if a sharded learner's collector runs the loss's own (emptied) policy module."""
+    if not learner.capabilities.sharded or collector is None:
+        return
+    policy = collector_policy(collector)
+    if policy is None:
+        return
+    ours = {id(p) for p in learner.loss_module.parameters()}
+    if any(id(p) in ours for p in policy.parameters()):
+        raise ValueError(
+            "Under a sharded learner the loss's own modules hold no weights outside update() (the shards live "
+            "in the learner), so the collector cannot act with them. Give the collector its own copy of the "
+            "policy, made before building the learner (e.g. copy.deepcopy(actor)), and build the learner with "
+            "policy=<the loss's actor>; the trainer then refreshes the copy from learner.get_weights() after "
+            "every batch."
+        )
+
+
 def publish_to_collector(learner, collector) -> bool:
     """Make ``collector`` act with the learner's current weights. Call it on every rank.
 
@@ -76,9 +94,8 @@ def publish_to_collector(learner, collector) -> bool:
             "but the learner was built without policy=: its get_weights() has the loss module's layout, "
             "not the policy's. Build the learner with policy=<the policy module the loss trains>."
         )
-    # TODO(FSDP): under a sharded learner this gathers the full weights on every rank
-    # (cpu_offload=False is the collective that gives every rank the full tensors); check the layout
-    # against the collector's unsharded policy copy once the FSDP learner lands.
+    # Under a sharded learner this is the collective that gives every rank the full tensors, laid
+    # out as the learner's policy, i.e. as the collector's unsharded copy of it.
     weights = learner.get_weights(cpu_offload=False)
     policy = collector_policy(collector)
     weights = _to_policy_device(weights, policy)
@@ -155,8 +172,7 @@ def publish_from_rank0(learner, target: Any) -> TensorDictBase | None:
     Returns the weights sent (rank 0) or ``None`` (other ranks).
     """
     if learner.capabilities.sharded:
-        # TODO(FSDP): collective gather; full weights on rank 0, empty TensorDict elsewhere.
-        weights = learner.get_weights(cpu_offload=True)
+        weights = learner.get_weights(cpu_offload=True)  # collective: full on rank 0, empty elsewhere
     elif learner.global_rank == 0:
         weights = learner.get_weights(cpu_offload=True)
     else:

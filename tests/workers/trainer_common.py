@@ -24,7 +24,7 @@ from torchrl.objectives import SoftUpdate  # noqa: E402
 from torchrl.trainers import LogScalar, ReplayBufferTrainer, UpdateWeights  # noqa: E402
 
 from fabric_learner.replay import TorchPrioritizedSampler  # noqa: E402
-from fabric_learner.trainer import Trainer  # noqa: E402
+from fabric_learner.trainer import GlobalLogScalar, Trainer  # noqa: E402
 
 NUM_ENVS, STEPS_PER_BATCH, MAX_STEPS = 4, 6, 5
 FRAMES_PER_BATCH = NUM_ENVS * STEPS_PER_BATCH
@@ -76,30 +76,68 @@ def make_env(seed: int = 0):
     return TransformedEnv(ChainEnv(seed=seed), StepCounter(max_steps=MAX_STEPS))
 
 
+class RecordingLogger:
+    """A torchrl-style logger that only remembers what it was asked to log."""
+
+    def __init__(self):
+        self.calls = []
+
+    def log_scalar(self, name, value, step=None):
+        self.calls.append((name, float(value), step))
+
+
 def build_dqn(learner_factory, *, total_frames: int, save_file=None, seed: int = 0, record=None,
-              save_interval: int = 10**9):
+              save_interval: int = 10**9, logger=None, progress_bar: bool = False, own_policy_copy: bool = False):
     """A DQN trainer: collector with epsilon-greedy exploration, prioritized replay, soft target updates.
 
     ``learner_factory(loss, optimizer_factory, policy)`` builds the learner. ``record`` (a list)
     receives ``(index, td_error)`` of every minibatch after the priority update.
+    ``own_policy_copy``: the collector acts with a copy of the exploration policy (made before
+    the learner is built, as a sharded learner empties the loss's own parameters), which the
+    trainer refreshes from ``learner.get_weights`` after every batch; otherwise it runs the
+    loss's own Q-network in place (shared memory, DDP/local), plus torchrl's ``UpdateWeights``.
     """
+    import copy
+
     loss, qnet = make_loss("dqn", seed=0)  # same initial weights on every rank
-    learner = learner_factory(loss, functools.partial(torch.optim.Adam, lr=LR), qnet)
     env = make_env()
     explore = TensorDictSequential(qnet, EGreedyModule(env.action_spec, eps_init=0.3, eps_end=0.3))
-    collector = Collector(env, explore, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1,
+    acting = copy.deepcopy(explore) if own_policy_copy else explore
+    updater = SoftUpdate(loss, tau=0.1)
+    learner = learner_factory(loss, functools.partial(torch.optim.Adam, lr=LR), explore if own_policy_copy else qnet)
+    collector = Collector(env, acting, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1,
                           auto_register_policy_transforms=False)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(1000), sampler=TorchPrioritizedSampler(1000, alpha=0.7, beta=0.5),
                                 priority_key="td_error", batch_size=RB_BATCH)
     trainer = Trainer(learner=learner, collector=collector, total_frames=total_frames, optim_steps_per_batch=OPTIM_STEPS,
-                      target_net_updater=SoftUpdate(loss, tau=0.1), seed=seed, progress_bar=False,
+                      target_net_updater=updater, seed=seed, progress_bar=progress_bar, logger=logger,
                       save_trainer_file=save_file, save_trainer_interval=save_interval, log_interval=0)
     ReplayBufferTrainer(rb, flatten_tensordicts=True).register(trainer)
     if record is not None:
         trainer.register_op("post_loss", lambda batch: record.append((batch["index"].clone(), batch["td_error"].clone())))
     LogScalar(("next", "reward"), "reward").register(trainer)
-    UpdateWeights(collector, 1).register(trainer)  # torchrl's hook keeps working alongside PublishWeights
+    GlobalLogScalar(("next", "reward"), "reward_all_ranks").register(trainer)
+    trainer.register_op("pre_steps_log", _LocalRewardStats(trainer))
+    if not own_policy_copy:
+        UpdateWeights(collector, 1).register(trainer)  # torchrl's hook keeps working alongside PublishWeights
     return trainer, learner, loss, qnet, rb, collector
+
+
+class _LocalRewardStats:
+    """Remembers this rank's reward sum and count of the last batch (to check GlobalLogScalar)."""
+
+    def __init__(self, trainer):
+        trainer.local_reward = None
+
+        def record(batch):
+            r = batch["next", "reward"]
+            trainer.local_reward = (r.sum().item(), r.numel())
+
+        self.record = record
+
+    def __call__(self, batch):
+        self.record(batch)
+        return None
 
 
 def snapshot(trainer, learner, loss, qnet, rb, collector) -> dict:
@@ -108,9 +146,10 @@ def snapshot(trainer, learner, loss, qnet, rb, collector) -> dict:
 
     sampler = rb._sampler
     n = len(rb)
-    ckpt = learner.checkpoint()
+    ckpt = learner.checkpoint()  # full state on every rank, also when sharded (a collective)
+    acting = TensorDict.from_module(collector_policy(collector)).apply(lambda t: t.detach().clone())
     return {
-        "params": {k: v.detach().clone() for k, v in loss.state_dict().items()},
+        "params": {k: v.detach().clone() for k, v in ckpt["model"].items()},
         "optimizer": ckpt["optimizer"],
         "num_updates": learner.num_updates,
         "optim_count": trainer._optim_count,
@@ -120,9 +159,13 @@ def snapshot(trainer, learner, loss, qnet, rb, collector) -> dict:
         "priorities": sampler._sum_tree.values[:n].clone(),
         "max_priority": sampler._max_priority[0],
         "alpha": sampler._alpha, "eps": sampler._eps,
-        "collector_weights": TensorDict.from_module(collector_policy(collector)).apply(lambda t: t.detach().clone()),
-        "learner_weights": learner.get_weights(),
+        "collector_weights": acting,
+        "learner_weights": learner.get_weights(cpu_offload=False),
         "rng": torch.get_rng_state(),
+        "progress_bar": trainer.progress_bar,
+        "logged": list(getattr(trainer.logger, "calls", [])),
+        "local_reward": trainer.local_reward,
+        "history": {k: list(v) for k, v in trainer._log_dict.items() if k.startswith("reward")},
     }
 
 

@@ -1,0 +1,210 @@
+"""DQN with a prioritized replay buffer under DDP, through ``fabric_learner.Trainer``.
+
+    python examples/dqn_replay_ddp.py                     # launches 2 CPU ranks itself (DDP)
+    fabric run --accelerator=cpu --strategy=ddp --devices=2 examples/dqn_replay_ddp.py
+    torchrun --nproc-per-node=2 examples/dqn_replay_ddp.py
+
+Off-policy, every rank running this same program: each rank steps its own cart-poles with an
+epsilon-greedy Q-network, writes the transitions into its *own* prioritized replay buffer,
+samples its own minibatches and feeds them to ``learner.update``; DDP averages the gradients,
+so every rank holds the same Q-network. torchrl's hooks do the rest, unchanged:
+``ReplayBufferTrainer`` (extend, sample, and the priority update from DQN's ``td_error``,
+which ``fabric_learner.Trainer`` runs after each update), a ``SoftUpdate`` target network,
+epsilon annealing, reward logging. The collector acts with the Q-network the loss trains
+(shared memory under DDP), so it always uses the newest weights.
+
+The environment is the classic cart-pole (Barto et al.; gym's CartPole-v1 dynamics) written
+as one torch ``EnvBase`` holding ``--envs`` poles, so nothing is downloaded. Episodes end when
+the pole falls or after 500 steps; the mean length of the episodes that ended is the score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import time
+
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictSequential
+from torchrl.collectors import Collector
+from torchrl.data import Composite, LazyTensorStorage, OneHot, TensorDictReplayBuffer, Unbounded
+from torchrl.envs import EnvBase, StepCounter, TransformedEnv
+from torchrl.modules import MLP, EGreedyModule, QValueActor
+from torchrl.objectives import DQNLoss, SoftUpdate
+from torchrl.trainers import ReplayBufferTrainer, TrainerHookBase
+
+from fabric_learner import FabricLearner
+from fabric_learner.onpolicy import global_mean
+from fabric_learner.replay import TorchPrioritizedSampler
+from fabric_learner.trainer import Trainer
+
+MAX_STEPS = 500
+
+
+class VecCartPole(EnvBase):
+    """``num_envs`` cart-poles (CartPole-v1 dynamics) stepped as one batch; reward 1 per step."""
+
+    _supports_set_state = True  # the whole state is the observation, carried in the tensordict
+
+    def __init__(self, num_envs: int = 8, seed: int = 0):
+        super().__init__(batch_size=torch.Size([num_envs]))
+        n = (num_envs,)
+        self.observation_spec = Composite(observation=Unbounded(shape=(*n, 4)), shape=n)
+        self.state_spec = Composite(observation=Unbounded(shape=(*n, 4)), shape=n)
+        self.action_spec = OneHot(2, shape=(*n, 2))
+        self.reward_spec = Unbounded(shape=(*n, 1))
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def _set_seed(self, seed):
+        self.rng = torch.Generator().manual_seed(int(seed))
+
+    def _flags(self, failed):
+        return {"done": failed.clone(), "terminated": failed.clone()}
+
+    def _reset(self, td, **kwargs):
+        n = self.batch_size
+        if kwargs.get("set_state") and td is not None and "observation" in td.keys():
+            obs = td["observation"]
+        else:
+            obs = (torch.rand(*n, 4, generator=self.rng) - 0.5) * 0.1
+        return TensorDict({"observation": obs, **self._flags(torch.zeros(*n, 1, dtype=torch.bool))}, n)
+
+    def _step(self, td):
+        x, x_dot, theta, theta_dot = td["observation"].unbind(-1)
+        force = torch.where(td["action"][..., 1].bool(), 10.0, -10.0)
+        cos, sin = theta.cos(), theta.sin()
+        temp = (force + 0.05 * theta_dot**2 * sin) / 1.1
+        theta_acc = (9.8 * sin - cos * temp) / (0.5 * (4.0 / 3.0 - 0.1 * cos**2 / 1.1))
+        x_acc = temp - 0.05 * theta_acc * cos / 1.1
+        tau = 0.02
+        obs = torch.stack([x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot, theta_dot + tau * theta_acc], -1)
+        failed = ((obs[..., 0].abs() > 2.4) | (obs[..., 2].abs() > 12 * 2 * math.pi / 360)).unsqueeze(-1)
+        n = self.batch_size
+        return TensorDict({"observation": obs, "reward": torch.ones(*n, 1), **self._flags(failed)}, n)
+
+
+class EpisodeLength(TrainerHookBase):
+    """Mean length of the episodes that ended in this batch, over all ranks (a collective)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.curve: list[tuple[int, float]] = []
+
+    def __call__(self, batch):
+        done = batch["next", "done"].squeeze(-1)
+        length = global_mean(batch["next", "step_count"].squeeze(-1).float(), done)
+        if not bool(global_mean(done.float()) > 0):
+            return {}
+        self.curve.append((self.trainer.collected_frames, length.item()))
+        return {"episode_length": length.item(), "log_pbar": True}
+
+    def state_dict(self):
+        return {"curve": list(self.curve)}
+
+    def load_state_dict(self, state_dict):
+        self.curve = [tuple(x) for x in state_dict.get("curve", [])]
+
+    def register(self, trainer, name="episode_length"):
+        trainer.register_op("pre_steps_log", self)
+        trainer.register_module(name, self)
+
+
+class AnnealEpsilon(TrainerHookBase):
+    """Steps the epsilon-greedy schedule by the frames this rank collected (``post_steps``)."""
+
+    def __init__(self, egreedy: EGreedyModule, frames_per_batch: int):
+        self.egreedy, self.frames = egreedy, frames_per_batch
+
+    def __call__(self):
+        self.egreedy.step(self.frames)
+
+    def state_dict(self):
+        return {}  # eps lives in the policy's buffers: the collector's state carries it
+
+    def load_state_dict(self, state_dict):
+        return
+
+    def register(self, trainer, name="anneal_epsilon"):
+        trainer.register_op("post_steps", self)
+        trainer.register_module(name, self)
+
+
+def launcher_kwargs(args) -> dict:
+    if "LT_CLI_USED" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return {}
+    if args.devices == 1:
+        return {"accelerator": "cpu", "devices": 1}
+    return {"accelerator": "cpu", "strategy": "ddp", "devices": args.devices}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frames", type=int, default=int(os.environ.get("DQN_FRAMES", 30_000)),
+                   help="environment steps over all ranks together")
+    p.add_argument("--envs", type=int, default=8, help="cart-poles per rank")
+    p.add_argument("--steps", type=int, default=8, help="steps per env per collected batch")
+    p.add_argument("--updates", type=int, default=8, help="optimizer steps per collected batch")
+    p.add_argument("--batch", type=int, default=128, help="replay minibatch per rank")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logdir", default="runs", help="TensorBoard root ('' for none)")
+    p.add_argument("--checkpoint", default=None, help="trainer checkpoint folder, written every 10k frames")
+    p.add_argument("--resume", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def build(args, learner_kwargs: dict):
+    torch.manual_seed(args.seed)
+    env = TransformedEnv(VecCartPole(args.envs), StepCounter(max_steps=MAX_STEPS))
+    qnet = QValueActor(MLP(in_features=4, out_features=2, num_cells=[128, 128]), in_keys=["observation"],
+                       spec=env.action_spec, action_space="one_hot")
+    loss = DQNLoss(qnet, action_space="one_hot", delay_value=True, double_dqn=True, loss_function="smooth_l1")
+    loss.make_value_estimator(gamma=0.99)
+    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=args.lr), policy=qnet, clip_grad_norm=10.0,
+                            **learner_kwargs)
+    frames_per_batch = args.envs * args.steps
+    per_rank = args.frames // learner.world_size
+    egreedy = EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.05, annealing_num_steps=per_rank // 3)
+    collector = Collector(env, TensorDictSequential(qnet, egreedy), frames_per_batch=frames_per_batch,
+                          total_frames=-1, init_random_frames=1000, auto_register_policy_transforms=False)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(50_000), priority_key="td_error", batch_size=args.batch,
+                                sampler=TorchPrioritizedSampler(50_000, alpha=0.6, beta=0.4))
+    logger = None
+    if args.logdir:
+        from lightning.fabric.loggers import TensorBoardLogger
+
+        logger = TensorBoardLogger(root_dir=args.logdir, name="dqn_cartpole")
+    trainer = Trainer(learner=learner, collector=collector, total_frames=args.frames, optim_steps_per_batch=args.updates,
+                      target_net_updater=SoftUpdate(loss, tau=0.01), logger=logger, log_interval=2_000,
+                      seed=args.seed, progress_bar=not args.no_progress, save_trainer_file=args.checkpoint,
+                      save_trainer_interval=10_000)
+    ReplayBufferTrainer(rb, flatten_tensordicts=True).register(trainer)  # extend, sample, update priorities
+    AnnealEpsilon(egreedy, frames_per_batch).register(trainer)
+    lengths = EpisodeLength(trainer)
+    lengths.register(trainer)
+    return learner, trainer, lengths
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.perf_counter()
+    learner, trainer, lengths = build(args, launcher_kwargs(args))
+    if args.resume:
+        trainer.load_from_file(args.resume)
+    trainer.train()
+    if learner.global_rank == 0:
+        curve = lengths.curve
+        first = sum(v for _, v in curve[:5]) / max(len(curve[:5]), 1)
+        last = sum(v for _, v in curve[-5:]) / max(len(curve[-5:]), 1)
+        print(f"done: {learner.world_size} rank(s) {type(learner.fabric.strategy).__name__}, {learner.num_updates} updates, {trainer.collected_frames} frames, "
+              f"episode length {first:.0f} -> {last:.0f} in {time.perf_counter() - start:.0f}s", flush=True)
+    learner.close()
+
+
+if __name__ == "__main__":
+    main()
