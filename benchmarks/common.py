@@ -191,12 +191,16 @@ def interleaved(
     inner: int,
     warmup: int,
     sync: Callable[[], None] | None = None,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
-    """Per-call seconds for each contender, ``reps`` samples each.
+    """Per-call wall seconds for each contender, ``reps`` samples each.
 
     ``contenders[name](i)`` does the i-th unit of work. Each repetition runs every contender
     once, ``inner`` calls timed together with ``time.perf_counter``, in a rotated order.
     ``sync`` (a barrier) runs before and after each timed block when given (multi-rank).
+    When ``cpu`` is a dict, it receives the same samples in process CPU seconds
+    (``time.process_time``): on a shared machine that excludes the time this process waited
+    for a core, so it resolves small differences that wall time drowns in scheduling noise.
     """
     names = list(contenders)
     for name in names:
@@ -211,12 +215,17 @@ def interleaved(
             if sync is not None:
                 sync()
             i0 = counters[name]
+            c0 = time.process_time()
             t0 = time.perf_counter()
             for i in range(i0, i0 + inner):
                 fn(i)
             if sync is not None:
                 sync()
-            samples[name].append((time.perf_counter() - t0) / inner)
+            t1 = time.perf_counter()
+            c1 = time.process_time()
+            samples[name].append((t1 - t0) / inner)
+            if cpu is not None:
+                cpu.setdefault(name, []).append((c1 - c0) / inner)
             counters[name] = i0 + inner
     return samples
 
@@ -228,6 +237,16 @@ def median(xs: Sequence[float]) -> float:
 def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     """Median over repetitions of num[r] / den[r]: adjacent blocks, so shared noise cancels."""
     return statistics.median(a / b for a, b in zip(num, den))
+
+
+def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of ``paired_ratio``: how far noise alone moves it."""
+    import random
+
+    rng = random.Random(seed)
+    ratios = [a / b for a, b in zip(num, den)]
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
 def set_one_thread() -> None:

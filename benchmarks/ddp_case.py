@@ -60,17 +60,17 @@ def main() -> None:
             "FabricLearner(ddp)": lambda i: learner.update(batches[i % k]),
             "hand DDP": lambda i: hand.update(batches[i % k]),
         }
+        cpu: dict[str, list[float]] = {}
         samples = common.interleaved(contenders, reps=args.reps, inner=args.inner, warmup=args.warmup,
-                                     sync=dist.barrier)
+                                     sync=dist.barrier, cpu=cpu)
         # Both contenders took the same steps on the same batches; DQN is deterministic, so their
         # weights must still agree (PPO's and SAC's losses sample, so theirs drift apart).
         same = None
         if name == "dqn":
             same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
                        for a, b in zip(loss_l.parameters(), loss_h.parameters()))
-        results["updates"][name] = {"samples_s": samples, "same_weights": same,
+        results["updates"][name] = {"samples_s": samples, "cpu_s": cpu, "same_weights": same,
                                     "threads": torch.get_num_threads()}
-        del learner, hand
 
     if args.gw_reps:
         loss_g, policy = common.make_loss("ppo_big_actor", seed=0)
@@ -83,10 +83,10 @@ def main() -> None:
                 k: v.detach().clone() for k, v in policy.state_dict().items()
             },
         }
+        cpu = {}
         samples = common.interleaved(contenders, reps=args.gw_reps, inner=args.gw_inner, warmup=1,
-                                     sync=dist.barrier)
-        results["get_weights"] = {"samples_s": samples, "policy_params": common.count_params(policy)}
-        del learner
+                                     sync=dist.barrier, cpu=cpu)
+        results["get_weights"] = {"samples_s": samples, "cpu_s": cpu, "policy_params": common.count_params(policy)}
 
     results.update(rank=rank, world_size=world, wall_s=time.perf_counter() - t_start)
     if dist.is_initialized():

@@ -91,21 +91,156 @@ def null_contenders(name: str):
 
 def part_overhead(workloads, reps: int, inner: int) -> dict:
     print("== overhead: near-free loss forward; us/update, median over", reps, "interleaved repetitions of",
-          inner, "updates")
+          inner, "updates;\n   cpu = process CPU time, wall = perf_counter; min = least disturbed block (the intrinsic cost "
+          "on a shared machine)")
     results = {}
     for name in workloads:
-        s = common.interleaved(null_contenders(name), reps=reps, inner=inner, warmup=20)
-        base = common.median(s["hand torchrl loop"]) * 1e6
-        base_f = common.median(s["hand Fabric loop"]) * 1e6
+        cpu: dict[str, list[float]] = {}
+        wall = common.interleaved(null_contenders(name), reps=reps, inner=inner, warmup=20, cpu=cpu)
         print(f"-- {name}: {common.WORKLOAD_DESC[name]}")
-        for c, xs in s.items():
-            m = common.median(xs) * 1e6
-            extra = m - base
-            paired = common.median([(a - b) * 1e6 for a, b in zip(xs, s["hand torchrl loop"])])
-            print(f"   {c:30s} {m:9.1f} us   - hand torchrl: {extra:+7.1f} us (paired {paired:+7.1f})"
-                  + (f"   - hand Fabric: {m - base_f:+7.1f} us" if c.startswith("Fabric") else ""))
-        results[name] = {c: [x * 1e6 for x in xs] for c, xs in s.items()}
+        for clock, s in (("cpu", cpu), ("wall", wall)):
+            for stat, agg in (("min", min), ("median", common.median)):
+                base = agg(s["hand torchrl loop"]) * 1e6
+                base_f = agg(s["hand Fabric loop"]) * 1e6
+                for c, xs in s.items():
+                    m = agg(xs) * 1e6
+                    print(f"   {clock:4s} {stat:6s} {c:28s} {m:8.0f} us   vs hand torchrl {m - base:+6.0f} us"
+                          + (f"   vs hand Fabric {m - base_f:+6.0f} us" if c.startswith("Fabric") else ""))
+        results[name] = {"cpu_us": {c: [x * 1e6 for x in xs] for c, xs in cpu.items()},
+                         "wall_us": {c: [x * 1e6 for x in xs] for c, xs in wall.items()}}
     return results
+
+
+STAGES = ("batch checks", "forward", "sum losses", "zero_grad", "backward", "detach output", "keep window losses",
+          "clip", "set grad_norm", "non-finite check", "optimizer step")
+
+
+def _stage_steps(name: str):
+    """Per contender, the update split into its stages, in the order each one runs them.
+
+    The learners' stages call the same methods ``Learner.update`` calls (private hooks of
+    fabric_learner; see learner.py), so their sum is the update minus its bookkeeping.
+    """
+    from fabric_learner._loss import loss_keys, total_loss
+
+    def hand_torchrl():
+        h = common.HandTorchrl(common.make_loss(name)[0])
+        st = {}
+
+        def run(td):
+            st["out"] = h.loss(td)
+            yield "forward"
+            st["loss"] = common.summed_loss(st["out"])
+            yield "sum losses"
+            st["loss"].backward()
+            yield "backward"
+            torch.nn.utils.clip_grad_norm_(h.params, h.clip)
+            yield "clip"
+            h.opt.step()
+            yield "optimizer step"
+            h.opt.zero_grad()
+            yield "zero_grad"
+        return run
+
+    def hand_fabric():
+        h = common.HandFabric(common.make_loss(name)[0])
+        st = {}
+
+        def run(td):
+            st["out"] = h.module(td)
+            yield "forward"
+            st["loss"] = common.summed_loss(st["out"])
+            yield "sum losses"
+            h.fabric.backward(st["loss"])
+            yield "backward"
+            h.fabric.clip_gradients(h.module, h.opt, max_norm=h.clip)
+            yield "clip"
+            h.opt.step()
+            yield "optimizer step"
+            h.opt.zero_grad()
+            yield "zero_grad"
+        return run
+
+    def learner(make):
+        lr = make()
+        for td in common.make_batches(name, count=2):
+            lr.update(td)  # past the one-time coverage check
+        st = {}
+        # Newer versions of Learner.update also check the batch, keep the window's loss entries and
+        # refuse non-finite steps; replicate whichever of these this checkout has.
+        has_checks = hasattr(lr, "_nonfinite_flag")
+
+        def run(td):
+            if has_checks:
+                _ = td.batch_size.numel() == 0 or td.is_empty()
+                yield "batch checks"
+            st["out"] = lr._forward(td)
+            yield "forward"
+            st["loss"] = total_loss(st["out"])
+            yield "sum losses"
+            lr.optimizer.zero_grad(set_to_none=True)
+            if has_checks:
+                lr._window_losses = []
+            yield "zero_grad"
+            lr._backward(st["loss"])
+            yield "backward"
+            st["res"] = st["out"].detach()
+            yield "detach output"
+            if has_checks:
+                lr._window_losses.append(st["res"].select(*loss_keys(st["res"])))
+                yield "keep window losses"
+            gn = lr._clip_gradients(lr.clip_grad_norm)
+            yield "clip"
+            st["res"].set("grad_norm", gn.detach().reshape(()).to(st["res"].device or gn.device))
+            yield "set grad_norm"
+            if has_checks:
+                if lr._any_rank(lr._nonfinite_flag(st["loss"], gn)):
+                    raise FloatingPointError("non-finite step in the profile")
+                lr._window_losses = []
+                yield "non-finite check"
+            lr._optimizer_step()
+            yield "optimizer step"
+        return run
+
+    return {
+        "hand torchrl loop": hand_torchrl(),
+        "hand Fabric loop": hand_fabric(),
+        "LocalLearner": learner(lambda: LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP)),
+        "FabricLearner(cpu,1)": learner(lambda: FabricLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP,
+                                                              accelerator="cpu", devices=1)),
+    }
+
+
+def part_stages(workloads, n: int) -> dict:
+    """Median CPU time of each stage over ``n`` interleaved updates; robust to preemption spikes."""
+    import time
+
+    print(f"== stages: median CPU us per call over {n} updates (contenders alternate update by update)")
+    out = {}
+    for name in workloads:
+        steps = _stage_steps(name)
+        batches = common.make_batches(name)
+        samples = {c: {s: [] for s in STAGES} for c in steps}
+        for i in range(n + 10):
+            for c in common.order_for(i, list(steps)):
+                t = time.thread_time_ns()
+                for stage in steps[c](batches[i % len(batches)]):
+                    now = time.thread_time_ns()
+                    if i >= 10:
+                        samples[c][stage].append((now - t) / 1e3)
+                    t = now
+        med = {c: {s: common.median(v) for s, v in st.items() if v} for c, st in samples.items()}
+        print(f"-- {name}: {common.WORKLOAD_DESC[name]}")
+        cols = list(steps)
+        print("   " + f"{'stage':16s}" + "".join(f"{c:>22s}" for c in cols))
+        for s in STAGES:
+            print("   " + f"{s:16s}" + "".join(f"{med[c][s]:22.1f}" if s in med[c] else f"{'-':>22s}" for c in cols))
+        totals = {c: sum(med[c].values()) for c in cols}
+        print("   " + f"{'sum of stages':16s}" + "".join(f"{totals[c]:22.1f}" for c in cols))
+        base = totals["hand torchrl loop"]
+        print("   " + f"{'vs hand torchrl':16s}" + "".join(f"{totals[c] - base:+21.1f} " for c in cols))
+        out[name] = med
+    return out
 
 
 def _us(fn, number: int = 2000, repeat: int = 7) -> float:
@@ -145,10 +280,99 @@ def part_pieces(workloads) -> None:
             ("fabric.clip_gradients(opt, max_norm=1.0)",
              lambda: fabric.clip_gradients(loss, fab_opt, max_norm=1.0, error_if_nonfinite=False)),
         ]
+        learner = LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP)
+        learner.update(batch)
+        if hasattr(learner, "_nonfinite_flag"):  # the per-step non-finite check of Learner.update
+            from fabric_learner._loss import loss_keys
+
+            l_out = learner.loss_module(batch)
+            l_loss = _loss.total_loss(l_out)
+            l_res = l_out.detach()
+            learner._window_losses = [l_res.select(*loss_keys(l_res))]
+            rows += [
+                ("Learner._any_rank(_nonfinite_flag(loss, gn))", lambda: learner._any_rank(
+                    learner._nonfinite_flag(l_loss, gn))),
+                ("proposed: bool(~isfinite(loss.detach() + gn))", lambda: bool(~torch.isfinite(l_loss.detach() + gn))),
+                ("result.select(*loss_keys(result))  [window losses]", lambda: l_res.select(*loss_keys(l_res))),
+            ]
         print(f"-- {name}: output keys {sorted(out.keys())}, {len(params)} parameter tensors")
         for label, fn in rows:
             n = 200 if "clip" in label else 2000
             print(f"   {label:55s} {_us(fn, number=n):8.2f} us")
+        _fabric_wrapper_cost(name)
+    _overwrite_check_cost()
+
+
+def _fabric_wrapper_cost(name: str) -> None:
+    """What ``_FabricModule.forward`` adds around ``LossForwarder``, with a near-free loss."""
+    import time
+
+    from fabric_learner._batch import Carrier
+
+    real, out, batch = real_output(name)
+    null = NullLoss(real, out)
+    learner = FabricLearner(null, accelerator="cpu", devices=1)
+    forwarder = learner._module._forward_module
+    calls = {
+        "loss(batch)": lambda: null(batch),
+        "LossForwarder(Carrier(batch))": lambda: forwarder(Carrier(batch)),
+        "_FabricModule(Carrier(batch))": lambda: learner._module(Carrier(batch)),
+    }
+    best = {k: float("inf") for k in calls}
+    for rep in range(30):
+        for k in common.order_for(rep, list(calls)):
+            t = time.thread_time_ns()
+            for _ in range(100):
+                calls[k]()
+            best[k] = min(best[k], (time.thread_time_ns() - t) / 100 / 1e3)
+    base = best["loss(batch)"]
+    for k, v in best.items():
+        print(f"   {k + '  [near-free loss, min of 30 x 100]':55s} {v:8.2f} us  (+{v - base:.1f} over the loss)")
+
+
+def _overwrite_check_cost() -> None:
+    """``_checkpoint._is_checkpoint_file`` on the case-d checkpoint vs reading only the pickle's head."""
+    import pickletools
+    import zipfile
+    from pathlib import Path
+
+    from fabric_learner import _checkpoint
+
+    if not hasattr(_checkpoint, "_is_checkpoint_file"):
+        return
+
+    def head_check(path: Path) -> bool:
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
+            if name is None:
+                return False
+            with archive.open(name) as f:
+                head = f.read(256)
+        strings = []
+        try:
+            for _op, arg, _pos in pickletools.genops(head):
+                if isinstance(arg, str):
+                    strings.append(arg)
+                    if len(strings) == 2:
+                        break
+        except Exception:  # noqa: BLE001 - a truncated head ends the scan
+            pass
+        return strings == ["format", _checkpoint.FORMAT]
+
+    learner = LocalLearner(common.make_loss("ppo", cells=(1024, 1024, 1024))[0])
+    learner.update(common.make_batch("ppo"))
+    tmp = tempfile.mkdtemp(prefix="fl_prof_")
+    path = Path(tmp) / "ckpt.pt"
+    try:
+        learner.save(path)
+        assert _checkpoint._is_checkpoint_file(path) and head_check(path)
+        print("-- overwrite check before save (case d checkpoint), ms per call (min of 5 x 10)")
+        for label, fn in (("_checkpoint._is_checkpoint_file(path)", lambda: _checkpoint._is_checkpoint_file(path)),
+                          ("proposed: first two strings of data.pkl", lambda: head_check(path))):
+            print(f"   {label:55s} {_us(fn, number=10, repeat=5) / 1e3:8.2f} ms")
+    finally:
+        path.unlink(missing_ok=True)
+        os.rmdir(tmp)
 
 
 def _print_stats(pr: cProfile.Profile, n: int, title: str, filt=("fabric_learner", "lightning"), top: int = 30):
@@ -216,16 +440,19 @@ def part_cprofile(workloads, n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", default="overhead,pieces,cprofile")
+    p.add_argument("--part", default="stages,pieces,cprofile", help="any of stages,overhead,pieces,cprofile")
     p.add_argument("--workloads", default=",".join(common.WORKLOADS))
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--inner", type=int, default=50)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--inner", type=int, default=20)
     p.add_argument("--n", type=int, default=100, help="updates under cProfile")
+    p.add_argument("--stage-n", type=int, default=300, help="updates per contender in the stages part")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     common.set_one_thread()
     workloads = [w for w in args.workloads.split(",") if w]
     parts = set(args.part.split(","))
+    if "stages" in parts:
+        part_stages(workloads, args.stage_n)
     if "overhead" in parts:
         part_overhead(workloads, args.reps, args.inner)
     if "pieces" in parts:

@@ -1,8 +1,9 @@
 """The fabric_learner benchmark suite: every case, side by side, in one command.
 
-    python benchmarks/run.py            # full mode (~10 minutes on 2 busy cores)
+    python benchmarks/run.py            # full mode (~10-15 minutes on 2 busy cores)
     python benchmarks/run.py --quick    # under 5 minutes on 2 cores
-    python benchmarks/run.py --only a,d # a subset of cases (a b d e f, plus the hooks below)
+    python benchmarks/run.py --only a,d # a subset of cases (a b c d e f compile)
+    python benchmarks/run.py --smoke    # 2 repetitions: checks that the suite runs, numbers meaningless
 
 Each case compares a learner call with the code a user would write by hand for the same work,
 same seeds, same data. Contenders take turns: every repetition runs each of them once (``inner``
@@ -14,7 +15,8 @@ ratios (adjacent blocks, so it cancels shared noise best). Results go to
 
 Cases: a) one process, one thread, update(): PPO, DQN, SAC; b) DDP on 2 gloo ranks, update();
 d) checkpoint save/load; e) get_weights of a 20M+ parameter policy (1 process and DDP);
-f) updates/second per rank at 1 and 2 ranks. c) FSDP memory and compile=True: HOOKS below.
+f) updates/second per rank at 1 and 2 ranks; c) memory per rank, FSDP vs DDP (``fsdp_memory.py``,
+full mode or ``--only c``). compile=True: a HOOK below, for the work on that issue.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: one thread, here and in every rank
@@ -65,19 +67,26 @@ class Config:
     gw_reps: int
     gw_inner: int
     workloads: tuple[str, ...] = common.WORKLOADS
+    explicit_c: bool = False  # quick mode runs case c only when asked for with --only
 
 
-QUICK = Config(quick=True, reps=7, inner=10, warmup=3, ddp_reps=5, ddp_inner=6, ddp_timeout_s=200,
-               ckpt_reps=5, ckpt_inner=2, gw_reps=5, gw_inner=2)
-FULL = Config(quick=False, reps=21, inner=20, warmup=5, ddp_reps=15, ddp_inner=10, ddp_timeout_s=600,
-              ckpt_reps=15, ckpt_inner=3, gw_reps=15, gw_inner=3)
+QUICK = Config(quick=True, reps=9, inner=4, warmup=2, ddp_reps=5, ddp_inner=4, ddp_timeout_s=200,
+               ckpt_reps=4, ckpt_inner=1, gw_reps=4, gw_inner=1)
+FULL = Config(quick=False, reps=31, inner=6, warmup=4, ddp_reps=15, ddp_inner=6, ddp_timeout_s=600,
+              ckpt_reps=10, ckpt_inner=2, gw_reps=10, gw_inner=2)
 SMOKE = Config(quick=True, reps=2, inner=2, warmup=1, ddp_reps=2, ddp_inner=2, ddp_timeout_s=200,
                ckpt_reps=2, ckpt_inner=1, gw_reps=2, gw_inner=1)  # checks the suite runs; numbers meaningless
 
 
 @dataclass
 class Row:
-    """One comparison: ``contender`` (a learner call) against ``baseline`` (hand-written)."""
+    """One comparison: ``contender`` (a learner call) against ``baseline`` (hand-written).
+
+    ``ratio`` (the goal's measure) = contender median / baseline median, wall clock.
+    ``paired`` = median over repetitions of the per-repetition ratio, with its 95% bootstrap
+    interval ``ci``; ``cpu_ratio`` = the ratio of medians in process CPU time, which leaves out
+    the time spent waiting for a core on a shared machine.
+    """
 
     case: str
     workload: str
@@ -88,21 +97,46 @@ class Row:
     baseline_median: float
     ratio: float
     paired: float
+    ci: tuple[float, float]
+    cpu_ratio: float | None
     goal: float | None
     met: bool | None
+    verdict: str
     note: str = ""
     samples: dict[str, list[float]] = field(default_factory=dict)
+    cpu_samples: dict[str, list[float]] = field(default_factory=dict)
+
+
+def verdict(ratio: float, ci: tuple[float, float], cpu_ratio: float | None, goal: float | None) -> str:
+    if goal is None:
+        return "-"
+    if ratio <= goal:
+        return "met"
+    if ci[0] <= goal or (cpu_ratio is not None and cpu_ratio <= goal):
+        return "NOT met (within noise)"  # the noise interval or the CPU-time ratio reaches the goal
+    return "NOT met"
 
 
 def compare(case: str, workload: str, samples_s: dict[str, list[float]], contender: str, baseline: str,
-            goal: float | None, *, unit: str = "ms", note: str = "") -> Row:
-    """A Row from interleaved per-call samples in seconds (reported in milliseconds)."""
+            goal: float | None, *, unit: str = "ms", note: str = "",
+            cpu_s: dict[str, list[float]] | None = None, cpu_in_verdict: bool = True) -> Row:
+    """A Row from interleaved per-call samples in seconds (reported in milliseconds).
+
+    ``cpu_in_verdict=False`` for I/O-bound calls, whose CPU time leaves out the I/O wait.
+    """
     c, b = samples_s[contender], samples_s[baseline]
     cm, bm = common.median(c) * 1e3, common.median(b) * 1e3
     ratio = cm / bm
-    return Row(case, workload, contender, baseline, unit, cm, bm, ratio, common.paired_ratio(c, b), goal,
-               None if goal is None else ratio <= goal, note,
-               {contender: [x * 1e3 for x in c], baseline: [x * 1e3 for x in b]})
+    ci = common.bootstrap_ci(c, b)
+    cpu_ratio = None
+    cpu_samples = {}
+    if cpu_s and contender in cpu_s and baseline in cpu_s:
+        cpu_ratio = common.median(cpu_s[contender]) / common.median(cpu_s[baseline])
+        cpu_samples = {k: [x * 1e3 for x in cpu_s[k]] for k in (contender, baseline)}
+    return Row(case, workload, contender, baseline, unit, cm, bm, ratio, common.paired_ratio(c, b), ci, cpu_ratio,
+               goal, None if goal is None else ratio <= goal,
+               verdict(ratio, ci, cpu_ratio if cpu_in_verdict else None, goal), note,
+               {contender: [x * 1e3 for x in c], baseline: [x * 1e3 for x in b]}, cpu_samples)
 
 
 # ---- case a: one process, one thread, update() ---------------------------------------------------
@@ -117,6 +151,7 @@ def case_a(cfg: Config) -> list[Row]:
         hand_fabric = common.HandFabric(common.make_loss(name)[0])
         local = LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP)
         fabric = FabricLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP, accelerator="cpu", devices=1)
+        cpu: dict[str, list[float]] = {}
         samples = common.interleaved(
             {
                 "hand torchrl loop": lambda i: hand.update(batches[i % k]),
@@ -124,23 +159,48 @@ def case_a(cfg: Config) -> list[Row]:
                 "LocalLearner.update": lambda i: local.update(batches[i % k]),
                 "FabricLearner(cpu,1).update": lambda i: fabric.update(batches[i % k]),
             },
-            reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup,
+            reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu,
         )
         assert torch.get_num_threads() == 1, torch.get_num_threads()
         note = common.WORKLOAD_DESC[name]
         rows += [
-            compare("a", name, samples, "LocalLearner.update", "hand torchrl loop", 1.03, unit="ms/update", note=note),
+            compare("a", name, samples, "LocalLearner.update", "hand torchrl loop", 1.03, unit="ms/update",
+                    note=note, cpu_s=cpu),
             compare("a", name, samples, "FabricLearner(cpu,1).update", "hand torchrl loop", 1.03, unit="ms/update",
-                    note=note),
+                    note=note, cpu_s=cpu),
             compare("a", name, samples, "FabricLearner(cpu,1).update", "hand Fabric loop", 1.03, unit="ms/update",
-                    note=note),
+                    note=note, cpu_s=cpu),
             compare("a", name, samples, "hand Fabric loop", "hand torchrl loop", None, unit="ms/update",
-                    note="reference: what Fabric itself costs"),
+                    note="reference: what Fabric itself costs", cpu_s=cpu),
         ]
     return rows
 
 
 # ---- cases b, e (DDP) and f: multi-rank launches --------------------------------------------------
+
+
+def _run_bounded(cmd: list[str], timeout_s: int, what: str) -> str:
+    """Run ``cmd`` in its own session with one thread per process; kill the whole group on timeout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=ROOT)
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED",
+                "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise RuntimeError(f"{what} did not finish in {timeout_s}s:\n{log[-3000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the launch outlives it
+        except (ProcessLookupError, PermissionError):
+            pass
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{log[-3000:]}")
+    return log
 
 
 def launch_ranks(nproc: int, cfg: Config, *, get_weights: bool) -> dict[str, Any]:
@@ -151,60 +211,53 @@ def launch_ranks(nproc: int, cfg: Config, *, get_weights: bool) -> dict[str, Any
            os.path.join(HERE, "ddp_case.py"), "--out", out, "--workloads", ",".join(cfg.workloads),
            "--reps", str(cfg.ddp_reps), "--inner", str(cfg.ddp_inner), "--warmup", str(cfg.warmup),
            "--gw-reps", str(cfg.gw_reps if get_weights else 0), "--gw-inner", str(cfg.gw_inner)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=ROOT)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED",
-                "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
     try:
-        log, _ = proc.communicate(timeout=cfg.ddp_timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        raise RuntimeError(f"{nproc}-rank launch did not finish in {cfg.ddp_timeout_s}s:\n{log[-3000:]}") from None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the launch outlives it
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        if proc.returncode != 0:
-            raise RuntimeError(f"{nproc}-rank launch failed (exit {proc.returncode}):\n{log[-3000:]}")
+        _run_bounded(cmd, cfg.ddp_timeout_s, f"{nproc}-rank launch")
         with open(out) as f:
             return json.load(f)
     finally:
         os.unlink(out)
 
 
-def case_b_e_f(cfg: Config, single_rows: list[Row]) -> tuple[list[Row], list[dict]]:
-    two = launch_ranks(2, cfg, get_weights=True)
-    one = launch_ranks(1, cfg, get_weights=False)
+def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
+               with_f: bool = True) -> tuple[list[Row], list[dict]]:
+    """One 2-rank launch (b, and e under DDP); for f in full mode, one 1-rank launch of the same worker.
+
+    Quick mode skips the 1-rank DDP launch (its start-up alone is ~30 s on 2 busy cores): its
+    1-rank reference is then the single-process, no-DDP time of case a.
+    """
+    two = launch_ranks(2, cfg, get_weights=with_e)
+    one = launch_ranks(1, cfg, get_weights=False) if with_f and not cfg.quick else None
     rows = []
     for name, res in two["updates"].items():
         note = "2 gloo ranks, 1 thread each" + ("" if res["same_weights"] is not False else "; WEIGHTS DIFFER")
         rows.append(compare("b", name, res["samples_s"], "FabricLearner(ddp)", "hand DDP", 1.05,
-                            unit="ms/update", note=note))
+                            unit="ms/update", note=note, cpu_s=res.get("cpu_s")))
     gw = two.get("get_weights")
     if gw:
         rows.append(compare("e", f"ppo actor {gw['policy_params'] / 1e6:.1f}M params", gw["samples_s"],
                             "FabricLearner(ddp).get_weights", "raw TensorDict.from_module(policy).data.clone()",
-                            None, unit="ms/call", note="DDP, 2 ranks (rank 0's clock)"))
+                            None, unit="ms/call", note="DDP, 2 ranks (rank 0's clock)", cpu_s=gw.get("cpu_s")))
     scaling = []
+    if not with_f:
+        return rows, scaling
     single = {(r.workload, r.contender): r.contender_median for r in single_rows if r.case == "a"}
+    single.update({(r.workload, r.baseline): r.baseline_median for r in single_rows if r.case == "a"})
     for name in two["updates"]:
         for contender in ("FabricLearner(ddp)", "hand DDP"):
-            ms1 = common.median(one["updates"][name]["samples_s"][contender]) * 1e3
             ms2 = common.median(two["updates"][name]["samples_s"][contender]) * 1e3
+            ms1 = None if one is None else common.median(one["updates"][name]["samples_s"][contender]) * 1e3
             ref = "FabricLearner(cpu,1).update" if contender == "FabricLearner(ddp)" else "hand torchrl loop"
             ms0 = single.get((name, ref))
+            base = ms1 if ms1 is not None else ms0  # the 1-rank time efficiency is measured against
             scaling.append({
                 "workload": name, "contender": contender,
                 "no_ddp_1proc_updates_per_s": None if ms0 is None else 1e3 / ms0,
-                "ddp_1rank_updates_per_s": 1e3 / ms1,
+                "ddp_1rank_updates_per_s": None if ms1 is None else 1e3 / ms1,
                 "ddp_2rank_updates_per_s_per_rank": 1e3 / ms2,
-                "per_rank_efficiency": ms1 / ms2,  # 1.0 = perfect weak scaling
-                "total_speedup_2_vs_1": 2 * ms1 / ms2,
+                "efficiency_vs": "DDP 1 rank" if ms1 is not None else "1 process, no DDP",
+                "per_rank_efficiency": None if base is None else base / ms2,  # 1.0 = perfect weak scaling
+                "total_speedup_2_vs_1": None if base is None else 2 * base / ms2,
             })
     return rows, scaling
 
@@ -246,18 +299,19 @@ def case_d(cfg: Config) -> list[Row]:
         loss_h.load_state_dict(state["model"])
         opt_h.load_state_dict(state["optimizer"])
 
+    cpu: dict[str, list[float]] = {}
     try:
         save = common.interleaved({
             "torch.save(state_dicts)": hand_save,
             "torch.save + fsync + rename": hand_atomic_save,
             "LocalLearner.save": lambda i: local.save(paths["local"]),
             "FabricLearner.save": lambda i: fabric.save(paths["fabric"]),
-        }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1)
+        }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1, cpu=cpu)
         load = common.interleaved({
             "torch.load + load_state_dicts": hand_load,
             "LocalLearner.load": lambda i: local.load(paths["local"]),
             "FabricLearner.load": lambda i: fabric.load(paths["fabric"]),
-        }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1)
+        }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1, cpu=cpu)
         size_mb = os.path.getsize(paths["local"]) / 2**20
     finally:
         for p in paths.values():
@@ -266,14 +320,16 @@ def case_d(cfg: Config) -> list[Row]:
         os.rmdir(tmp)
     w = f"{workload}, {size_mb:.0f} MB file"
     return [
-        compare("d", w, save, "LocalLearner.save", "torch.save(state_dicts)", 1.2, unit="ms/call"),
-        compare("d", w, save, "FabricLearner.save", "torch.save(state_dicts)", 1.2, unit="ms/call"),
+        compare("d", w, save, "LocalLearner.save", "torch.save(state_dicts)", 1.2, unit="ms/call", cpu_s=cpu, cpu_in_verdict=False),
+        compare("d", w, save, "FabricLearner.save", "torch.save(state_dicts)", 1.2, unit="ms/call", cpu_s=cpu, cpu_in_verdict=False),
         compare("d", w, save, "torch.save + fsync + rename", "torch.save(state_dicts)", None, unit="ms/call",
-                note="reference: the cost of an atomic, durable write by hand"),
+                note="reference: the cost of an atomic, durable write by hand", cpu_s=cpu, cpu_in_verdict=False),
         compare("d", w, save, "LocalLearner.save", "torch.save + fsync + rename", None, unit="ms/call",
-                note="reference: learner vs an equally durable hand-written save"),
-        compare("d", w, load, "LocalLearner.load", "torch.load + load_state_dicts", 1.2, unit="ms/call"),
-        compare("d", w, load, "FabricLearner.load", "torch.load + load_state_dicts", 1.2, unit="ms/call"),
+                note="reference: learner vs an equally durable hand-written save", cpu_s=cpu, cpu_in_verdict=False),
+        compare("d", w, load, "LocalLearner.load", "torch.load + load_state_dicts", 1.2, unit="ms/call",
+                cpu_s=cpu, cpu_in_verdict=False),
+        compare("d", w, load, "FabricLearner.load", "torch.load + load_state_dicts", 1.2, unit="ms/call",
+                cpu_s=cpu, cpu_in_verdict=False),
     ]
 
 
@@ -284,20 +340,23 @@ def case_e(cfg: Config) -> list[Row]:
     loss, policy = common.make_loss("ppo_big_actor")
     local = LocalLearner(loss, policy=policy)
     fabric = FabricLearner(loss, policy=policy, accelerator="cpu", devices=1)
+    cpu: dict[str, list[float]] = {}
     samples = common.interleaved({
         "raw TensorDict.from_module(policy).data.clone()": lambda i: TensorDict.from_module(policy).data.clone(),
         "raw {k: v.detach().clone() for state_dict}": lambda i: {
             k: v.detach().clone() for k, v in policy.state_dict().items()},
         "LocalLearner.get_weights": lambda i: local.get_weights(),
         "FabricLearner(cpu,1).get_weights": lambda i: fabric.get_weights(),
-    }, reps=cfg.gw_reps, inner=cfg.gw_inner, warmup=1)
+    }, reps=cfg.gw_reps, inner=cfg.gw_inner, warmup=1, cpu=cpu)
     w = f"ppo actor {common.count_params(policy) / 1e6:.1f}M params"
     base = "raw TensorDict.from_module(policy).data.clone()"
     return [
-        compare("e", w, samples, "LocalLearner.get_weights", base, None, unit="ms/call", note="1 process"),
-        compare("e", w, samples, "FabricLearner(cpu,1).get_weights", base, None, unit="ms/call", note="1 process"),
+        compare("e", w, samples, "LocalLearner.get_weights", base, None, unit="ms/call", note="1 process",
+                cpu_s=cpu),
+        compare("e", w, samples, "FabricLearner(cpu,1).get_weights", base, None, unit="ms/call", note="1 process",
+                cpu_s=cpu),
         compare("e", w, samples, "raw {k: v.detach().clone() for state_dict}", base, None, unit="ms/call",
-                note="reference: the two raw calls"),
+                note="reference: the two raw calls", cpu_s=cpu),
     ]
 
 
@@ -312,14 +371,39 @@ def case_e(cfg: Config) -> list[Row]:
 
 
 def case_c_fsdp_memory(cfg: Config) -> list[Row] | None:
-    """HOOK, case c: peak memory per rank of ``FabricLearner(strategy="fsdp")`` vs hand-written FSDP.
+    """HOOK, case c: memory per rank of ``FabricLearner`` under FSDP vs under DDP (2 CPU ranks).
 
-    To add: a worker like ``ddp_case.py`` that builds the 20M+ parameter loss
-    (``common.make_loss("ppo_big_actor")``) under FabricLearner(strategy="fsdp") and under a
-    hand-written ``torch.distributed.fsdp.fully_shard`` loop, records peak RSS / allocated bytes per
-    rank after N updates, and returns rows with unit="MiB".
+    Runs ``fsdp_memory.py`` (by the FSDP work; a 21M-parameter PPO loss, a few Adam updates) once
+    per strategy: tensor bytes each rank holds (parameters + gradients + Adam state + buffers) and
+    peak RSS. Full mode only (two 2-rank launches, ~1 minute); ``--only c`` runs it alone.
+    Goal-less: the ideal state ratio on 2 ranks is 0.5.
     """
-    return None
+    if cfg.quick and not cfg.explicit_c:
+        return None
+    got = {}
+    for strategy in ("ddp", "fsdp"):
+        fd, out = tempfile.mkstemp(prefix=f"fl_bench_{strategy}_", suffix=".json")
+        os.close(fd)
+        try:
+            _run_bounded([sys.executable, os.path.join(HERE, "fsdp_memory.py"), "--strategy", strategy, "--out", out],
+                         cfg.ddp_timeout_s, f"fsdp_memory.py --strategy {strategy}")
+            with open(out) as f:
+                got[strategy] = json.load(f)
+        finally:
+            os.unlink(out)
+    n = got["ddp"][0]["n_params"]
+    rows = []
+    for metric, key in (("tensor state per rank (params+grads+Adam+buffers)", "total_mib"),
+                        ("peak RSS per rank", "peak_rss_mib")):
+        f_mib = max(r[key] for r in got["fsdp"])
+        d_mib = max(r[key] for r in got["ddp"])
+        ratio = f_mib / d_mib
+        rows.append(Row("c", f"ppo actor {n / 1e6:.1f}M params: {metric}", "FabricLearner(fsdp)", "FabricLearner(ddp)",
+                        "MiB", f_mib, d_mib, ratio, ratio, (ratio, ratio), None, None, None, "-",
+                        "max over the 2 ranks, one measurement; ideal state ratio 0.5",
+                        {"FabricLearner(fsdp)": [r[key] for r in got["fsdp"]],
+                         "FabricLearner(ddp)": [r[key] for r in got["ddp"]]}))
+    return rows
 
 
 def case_compile(cfg: Config) -> list[Row] | None:
@@ -338,14 +422,14 @@ HOOKS: dict[str, Callable[[Config], list[Row] | None]] = {"c": case_c_fsdp_memor
 
 
 def fmt_table(rows: list[Row]) -> str:
-    head = ("case", "workload", "contender", "baseline", "unit", "contender", "baseline", "ratio", "paired",
-            "goal", "met")
+    head = ("case", "workload", "contender", "baseline", "unit", "contender", "baseline", "ratio", "paired [95% CI]",
+            "cpu ratio", "goal", "verdict")
     lines = [head]
     for r in rows:
         lines.append((r.case, r.workload, r.contender, r.baseline, r.unit, f"{r.contender_median:.3f}",
-                      f"{r.baseline_median:.3f}", f"{r.ratio:.3f}", f"{r.paired:.3f}",
-                      "-" if r.goal is None else f"<= {r.goal:.2f}",
-                      "-" if r.met is None else ("yes" if r.met else "NO")))
+                      f"{r.baseline_median:.3f}", f"{r.ratio:.3f}", f"{r.paired:.3f} [{r.ci[0]:.2f}, {r.ci[1]:.2f}]",
+                      "-" if r.cpu_ratio is None else f"{r.cpu_ratio:.3f}",
+                      "-" if r.goal is None else f"<= {r.goal:.2f}", r.verdict))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -353,14 +437,17 @@ def fmt_table(rows: list[Row]) -> str:
 
 
 def fmt_scaling(scaling: list[dict]) -> str:
+    def num(x, f="{:.1f}"):
+        return "-" if x is None else f.format(x)
+
     head = ("workload", "contender", "1 proc, no DDP", "DDP 1 rank", "DDP 2 ranks (per rank)", "per-rank eff.",
-            "total speedup")
+            "total speedup", "efficiency vs")
     lines = [head]
     for s in scaling:
-        lines.append((s["workload"], s["contender"],
-                      "-" if s["no_ddp_1proc_updates_per_s"] is None else f"{s['no_ddp_1proc_updates_per_s']:.1f}",
-                      f"{s['ddp_1rank_updates_per_s']:.1f}", f"{s['ddp_2rank_updates_per_s_per_rank']:.1f}",
-                      f"{s['per_rank_efficiency']:.2f}", f"{s['total_speedup_2_vs_1']:.2f}x"))
+        lines.append((s["workload"], s["contender"], num(s["no_ddp_1proc_updates_per_s"]),
+                      num(s["ddp_1rank_updates_per_s"]), num(s["ddp_2rank_updates_per_s_per_rank"]),
+                      num(s["per_rank_efficiency"], "{:.2f}"), num(s["total_speedup_2_vs_1"], "{:.2f}x"),
+                      s["efficiency_vs"]))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -376,7 +463,10 @@ def plot(rows: list[Row], scaling: list[dict], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(16, max(6, 0.38 * len(rows) + 2)),
                              gridspec_kw={"width_ratios": [3, 2]})
     ax = axes[0]
-    labels = [f"{r.case}: {r.workload[:28]} | {r.contender} / {r.baseline}"[:95] for r in rows]
+    def short(r: Row) -> str:
+        return r.workload.split(": ")[-1].split(" (")[0] if r.case == "c" else r.workload.split(",")[0][:22]
+
+    labels = [f"{r.case} {short(r)}: {r.contender} / {r.baseline}"[:90] for r in rows]
     y = list(range(len(rows)))[::-1]
     colors = ["tab:gray" if r.met is None else ("tab:green" if r.met else "tab:red") for r in rows]
     ax.barh(y, [r.ratio for r in rows], color=colors)
@@ -392,12 +482,12 @@ def plot(rows: list[Row], scaling: list[dict], path: str, title: str) -> None:
     ax.set_title("learner vs hand-written (lower is better)")
     ax = axes[1]
     if scaling:
-        names = [f"{s['workload']}\n{s['contender']}" for s in scaling]
+        names = [f"{s['workload']}\n{s['contender'].replace('FabricLearner', 'Learner')}" for s in scaling]
         x = range(len(scaling))
         w = 0.27
         ax.bar([i - w for i in x], [s["no_ddp_1proc_updates_per_s"] or 0 for s in scaling], w,
                label="1 process, no DDP")
-        ax.bar(list(x), [s["ddp_1rank_updates_per_s"] for s in scaling], w, label="DDP, 1 rank")
+        ax.bar(list(x), [s["ddp_1rank_updates_per_s"] or 0 for s in scaling], w, label="DDP, 1 rank")
         ax.bar([i + w for i in x], [s["ddp_2rank_updates_per_s_per_rank"] for s in scaling], w,
                label="DDP, 2 ranks (per rank)")
         ax.set_xticks(list(x))
@@ -422,9 +512,45 @@ def machine() -> dict[str, Any]:
     import tensordict
     import torchrl
 
-    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
+    import hashlib
+
+    code = hashlib.sha256()
+    pkg = os.path.join(ROOT, "fabric_learner")
+    for fname in sorted(os.listdir(pkg)):
+        if fname.endswith(".py"):
+            with open(os.path.join(pkg, fname), "rb") as f:
+                code.update(fname.encode() + f.read())
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "fabric_learner"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        head, dirty = "?", None
+    return {"git_head": head, "fabric_learner_dirty": dirty, "fabric_learner_sha256": code.hexdigest()[:16],
+            "cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "tensordict": tensordict.__version__, "torchrl": torchrl.__version__,
             "lightning": lightning.__version__}
+
+
+def replot(path: str) -> int:
+    with open(path) as f:
+        saved = json.load(f)
+    rows = [Row(**{**r, "ci": tuple(r["ci"])}) for r in saved["rows"]]
+    meta = saved["meta"]
+    print(fmt_table(rows))
+    if saved["scaling"]:
+        print()
+        print(fmt_scaling(saved["scaling"]))
+    png = os.path.splitext(path)[0] + ".png"
+    plot(rows, saved["scaling"], png, _title(meta))
+    print(f"wrote {png}")
+    return 0
+
+
+def _title(meta: dict[str, Any]) -> str:
+    return (f"fabric_learner benchmarks, {meta['mode']} mode, {meta['date']}, {meta['machine']['cpus']} CPUs "
+            f"({meta['machine']['cpu']}), load {meta['loadavg_before'][0]:.1f}; torch {meta['machine']['torch']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,8 +560,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="a,b,d,e,f," + ",".join(HOOKS),
                    help="comma-separated cases to run (b, DDP get_weights and f share one launch)")
     p.add_argument("--out", default=os.path.join(RESULTS, "latest.json"))
+    p.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON, and print its tables")
     args = p.parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.only != p.get_default("only") and "c" in args.only.split(","):
+        cfg = replace(cfg, explicit_c=True)
     only = set(args.only.split(","))
     warnings.filterwarnings("ignore")
     common.set_one_thread()
@@ -457,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     if "a" in only:
         rows += timed("a", lambda: case_a(cfg))
     if only & {"b", "e", "f"}:
-        ddp_rows, scaling = timed("b+e(ddp)+f", lambda: case_b_e_f(cfg, rows))
+        ddp_rows, scaling = timed("b+e(ddp)+f", lambda: case_b_e_f(cfg, rows, with_e="e" in only,
+                                                                    with_f="f" in only))
         rows += ddp_rows
     if "d" in only:
         rows += timed("d", lambda: case_d(cfg))
@@ -488,9 +620,9 @@ def main(argv: list[str] | None = None) -> int:
           + "".join(f"\n  NOT MET: {r.case} {r.workload}: {r.contender} / {r.baseline} = {r.ratio:.3f} "
                     f"(paired {r.paired:.3f}) > {r.goal}" for r in goals if not r.met))
     if skipped:
-        print(f"hooks not implemented yet: {', '.join(skipped)}")
-    print(f"mode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> {meta['loadavg_after'][0]:.1f}, "
-          f"{meta['machine']['cpus']} CPUs")
+        print(f"hooks skipped (not implemented yet, or case c in quick mode): {', '.join(skipped)}")
+    print(f"mode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> "
+          f"{meta['loadavg_after'][0]:.1f}, {meta['machine']['cpus']} CPUs")
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp"
@@ -499,9 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                    "scaling_table": fmt_scaling(scaling) if scaling else ""}, f, indent=1)
     os.replace(tmp, args.out)
     png = os.path.splitext(args.out)[0] + ".png"
-    plot(rows, scaling, png, f"fabric_learner benchmarks, {meta['mode']} mode, {meta['date']}, "
-                             f"{meta['machine']['cpus']} CPUs ({meta['machine']['cpu']}), "
-                             f"load {load_before[0]:.1f}; torch {torch.__version__}")
+    plot(rows, scaling, png, _title(meta))
     print(f"wrote {args.out} and {png}")
     return 0
 
