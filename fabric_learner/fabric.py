@@ -131,7 +131,11 @@ class FabricLearner(Learner):
     # ---- the step, through Fabric ---------------------------------------------------------
 
     def _forward(self, batch):
-        carried, _ = self._module(Carrier(batch))
+        # The strategy's module (DDP, FSDP2, or the forwarder) under the precision's forward
+        # context: what `_FabricModule.forward` adds beyond that (input/output conversion,
+        # backward-hook checks) is done by the carrier or not needed, and costs ~0.1-0.3 ms.
+        with self._precision.forward_context():
+            carried, _ = self._module._forward_module(Carrier(batch))
         return carried.value
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -426,7 +430,9 @@ class FabricLearner(Learner):
                     fields[field] = meta["optim_scalars"].get(by_flat[fqn], {}).get(field, fields[field])
         saved_groups = meta["param_groups"]
         for group, saved in zip(optim["param_groups"], saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+            # JSON has no tuples: give hyper-parameters such as Adam's betas their type back
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v
+                          for k, v in saved.items() if k != "params"})
         set_optimizer_state_dict(wrapper, self._raw_optimizer(), optim)
         self.num_updates = int(meta["num_updates"])
         self._accum_step = 0

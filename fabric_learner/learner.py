@@ -88,7 +88,8 @@ class Learner(nn.Module):
         self.num_updates = 0
         self.skipped_updates = 0
         self._accum_step = 0
-        self._window_losses: list[TensorDictBase] = []  # this window's loss entries, detached
+        self._window_results: list[TensorDictBase] = []  # this window's outputs, for error messages
+        self._window_total: torch.Tensor | None = None  # running sum of its summed losses
         self._coverage_checked = False
         self.optimizer: torch.optim.Optimizer
 
@@ -116,13 +117,16 @@ class Learner(nn.Module):
             loss = total_loss(output)
             if self._accum_step == 0:
                 self.optimizer.zero_grad(set_to_none=True)
-                self._window_losses = []
+                self._window_results, self._window_total = [], None
+            # non-finite exactly when an entry is (or the sum overflows); checked once per step
+            detached = loss.detach()
+            self._window_total = detached if self._window_total is None else self._window_total + detached
             if self.grad_accum_steps > 1:
                 loss = loss / self.grad_accum_steps
             self._backward(loss)  # even when non-finite: ranks must run the same collectives
         self._accum_step += 1
         result = output.detach()
-        self._window_losses.append(result.select(*loss_keys(result)))
+        self._window_results.append(result)
         if stepping:
             self._accum_step = 0
             if not self._coverage_checked:
@@ -138,23 +142,23 @@ class Learner(nn.Module):
                 if self.on_nonfinite == "raise":
                     raise self._nonfinite_error(grad_norm)
                 self.skipped_updates += 1
-                self._window_losses = []
+                self._window_results = []
                 return result
-            self._window_losses = []
+            self._window_results = []
             self._optimizer_step()
             self.num_updates += 1
         return result
 
     def _nonfinite_flag(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """A one-element tensor, non-zero when this rank saw a non-finite loss or grad norm (no sync)."""
-        total = torch.stack([t.sum(dtype=torch.float32).to(loss.device)
-                             for td in self._window_losses for t in td.values()]).sum()
+        total = self._window_total.to(torch.float32)
         if not self._scaler_handles_overflow():  # a grad scaler skips inf-gradient steps itself
             total = total + grad_norm.detach().to(device=total.device, dtype=torch.float32).reshape(())
         return (~torch.isfinite(total)).to(torch.float32)
 
     def _nonfinite_error(self, grad_norm: torch.Tensor) -> FloatingPointError:
-        bad = sorted({str(k) for td in self._window_losses for k, v in td.items() if not torch.isfinite(v).all()})
+        bad = sorted({str(k) for td in self._window_results for k in loss_keys(td)
+                      if not torch.isfinite(td.get(k)).all()})
         if bad:
             what = f"the loss entries {bad} are non-finite"
         elif not torch.isfinite(grad_norm).all() and not self._scaler_handles_overflow():
@@ -162,7 +166,7 @@ class Learner(nn.Module):
         else:
             what = "another rank saw a non-finite loss or grad norm"
         rank = f" (rank {self.global_rank})" if self.world_size > 1 else ""
-        self._window_losses = []
+        self._window_results = []
         return FloatingPointError(
             f"Optimizer step {self.num_updates + 1} refused{rank}: {what}. No parameter or optimizer state "
             "changed; gradients were zeroed and a new accumulation window starts. Check the batch for "
