@@ -100,5 +100,25 @@ def halves(batch: TensorDict, rank: int, world_size: int = 2) -> TensorDict:
     return batch[rank * n : (rank + 1) * n]
 
 
+STEPS, LR, CLIP = 3, 1e-2, 0.5  # the schedule every equivalence check trains with
+
+
+def run_steps(learner, case: str, rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1) -> torch.Tensor:
+    """Train ``STEPS`` steps of the shared schedule on this rank's share; the grad norms.
+
+    Step ``s`` uses the 16-sample batch of seed ``100 + s``; a rank takes its ``1/world_size``
+    slice in ``grad_accum_steps`` micro-batches, so one process with ``world_size=1`` sees the
+    very data all ranks see together.
+    """
+    norms = []
+    for step in range(STEPS):
+        local = halves(make_batch(case, n=16, seed=100 + step), rank, world_size)
+        torch.manual_seed(1000 * step + rank)
+        for micro in local.chunk(grad_accum_steps):
+            out = learner.update(micro)
+        norms.append(out["grad_norm"])
+    return torch.stack(norms)
+
+
 def flat_params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().cpu() for k, v in module.named_parameters()}

@@ -8,12 +8,11 @@ import os
 import pytest
 import torch
 from multiproc import WORKERS, python, run
-from rl_cases import CASES, make_batch, make_loss
+from rl_cases import CASES, CLIP, LR, STEPS, make_batch, make_loss, run_steps
 from tensordict import TensorDict
 
 from fabric_learner import LocalLearner
 
-STEPS, LR, CLIP = 3, 1e-2, 0.5
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +27,12 @@ def opt():
     return functools.partial(torch.optim.Adam, lr=LR)
 
 
-def reference(case, grad_accum_steps=1):
+def reference(case):
+    """LocalLearner on the full batch, on the schedule the ranks shared."""
     loss, _ = make_loss(case)
-    learner = LocalLearner(loss, opt(), clip_grad_norm=CLIP, grad_accum_steps=grad_accum_steps)
-    norms = []
-    for step in range(STEPS):
-        batch = make_batch(case, n=16, seed=100 + step)
-        for micro in batch.chunk(grad_accum_steps):
-            out = learner.update(micro)
-        norms.append(out["grad_norm"])
-    return {"model": learner.checkpoint()["model"], "grad_norm": torch.stack(norms)}
+    learner = LocalLearner(loss, opt(), clip_grad_norm=CLIP)
+    norms = run_steps(learner, case)
+    return {"model": learner.checkpoint()["model"], "grad_norm": norms}
 
 
 def assert_equal_states(a, b, atol=0.0):

@@ -15,12 +15,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy  # noqa: E402
-from rl_cases import CASES, flat_params, halves, make_batch, make_loss  # noqa: E402
+from rl_cases import CASES, CLIP, LR, STEPS, flat_params, halves, make_batch, make_loss, run_steps  # noqa: E402
 from tensordict import LazyStackedTensorDict  # noqa: E402
 
 from fabric_learner import FabricLearner  # noqa: E402
 
-STEPS, LR, CLIP = 3, 1e-2, 0.5
 
 
 def ddp(**kwargs):
@@ -33,14 +32,8 @@ def train(case, rank, grad_accum_steps=1):
     loss, _ = make_loss(case)
     learner = ddp(loss_module=loss, optimizer=functools.partial(torch.optim.Adam, lr=LR), clip_grad_norm=CLIP,
                   grad_accum_steps=grad_accum_steps)
-    norms = []
-    for step in range(STEPS):
-        local = halves(make_batch(case, n=16, seed=100 + step), rank)
-        torch.manual_seed(1000 * step + rank)
-        for micro in local.chunk(grad_accum_steps):
-            out = learner.update(micro)
-        norms.append(out["grad_norm"])
-    return learner, {"params": flat_params(loss), "grad_norm": torch.stack(norms), "num_updates": learner.num_updates}
+    norms = run_steps(learner, case, rank, 2, grad_accum_steps)
+    return learner, {"params": flat_params(loss), "grad_norm": norms, "num_updates": learner.num_updates}
 
 
 def integrity(rank, precision):

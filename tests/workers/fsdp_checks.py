@@ -15,11 +15,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from rl_cases import CASES, halves, make_batch, make_loss  # noqa: E402
+from rl_cases import CASES, CLIP, LR, halves, make_batch, make_loss, run_steps  # noqa: E402
 
 from fabric_learner import FabricLearner, LocalLearner, shard_loss  # noqa: E402
 
-STEPS, LR, CLIP = 3, 1e-2, 0.5
 TIMEOUT = timedelta(seconds=90)
 
 
@@ -36,15 +35,8 @@ def train(case, rank, grad_accum_steps=1, policy=False):
     loss, actor = make_loss(case)
     learner = fsdp(loss_module=loss, optimizer=opt(), clip_grad_norm=CLIP, grad_accum_steps=grad_accum_steps,
                    policy=actor if policy else None)
-    norms = []
-    for step in range(STEPS):
-        local = halves(make_batch(case, n=16, seed=100 + step), rank)
-        torch.manual_seed(1000 * step + rank)
-        for micro in local.chunk(grad_accum_steps):
-            out = learner.update(micro)
-        norms.append(out["grad_norm"])
-    return learner, {"model": learner.checkpoint()["model"], "grad_norm": torch.stack(norms),
-                     "num_updates": learner.num_updates}
+    norms = run_steps(learner, case, rank, 2, grad_accum_steps)
+    return learner, {"model": learner.checkpoint()["model"], "grad_norm": norms, "num_updates": learner.num_updates}
 
 
 def shard_fraction(learner):
