@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import zipfile
@@ -38,10 +39,10 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with _suppress_os_error():
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def overwrite_error(path: str | os.PathLike) -> str | None:
@@ -87,15 +88,7 @@ def check_format(state: Any, path: str | os.PathLike) -> None:
         raise ValueError(f"{path} is not a fabric_learner checkpoint (no 'model' and 'optimizer' entries).")
 
 
-class _suppress_os_error:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        return exc_type is not None and issubclass(exc_type, OSError)
-
-
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

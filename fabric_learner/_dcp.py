@@ -30,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from fabric_learner._checkpoint import fsync_dir
+
 SHARDED_FORMAT = "fabric_learner/sharded-1"
 LATEST = "LATEST"
 META = "meta.json"
@@ -150,11 +152,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def read_full(path: str | os.PathLike) -> dict[str, Any]:

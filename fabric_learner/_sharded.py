@@ -65,12 +65,10 @@ class ShardedLoss(nn.Module):
         for name in self.names:
             yield name, getattr(self, flat_name(name))
 
-    def _params(self, full: bool = False) -> TensorDict:
+    def _params(self) -> TensorDict:
         td = self._skeleton.clone(False)
         for name in self.names:
             t = getattr(self, flat_name(name))
-            if full and isinstance(t, DTensor):
-                t = t.full_tensor()
             td.set(tuple(name.split(".")), t.view(self.shapes[name]))
         return td
 

@@ -434,14 +434,7 @@ class FabricLearner(Learner):
             group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v
                           for k, v in saved.items() if k != "params"})
         set_optimizer_state_dict(wrapper, self._raw_optimizer(), optim)
-        self.num_updates = int(meta["num_updates"])
-        self._accum_step = 0
-        if meta["accum_step"]:
-            import warnings
-
-            warnings.warn("The checkpoint was taken mid accumulation window; training resumes at the start of a "
-                          "new window.", stacklevel=2)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._resume_counters(int(meta["num_updates"]), int(meta["accum_step"]))
 
 
 def _loss_shaped(value: Any, shape) -> Any:

@@ -310,14 +310,17 @@ class Learner(nn.Module):
         check_optimizer_state(optimizer_state, self.optimizer)
         self._load_model_state(checkpoint["model"])
         self._load_optimizer_state(optimizer_state)
-        self.num_updates = int(checkpoint.get("num_updates", 0))
-        accum_step = int(checkpoint.get("accum_step", 0))
+        self._resume_counters(int(checkpoint.get("num_updates", 0)), int(checkpoint.get("accum_step", 0)))
+
+    def _resume_counters(self, num_updates: int, accum_step: int) -> None:
+        """After a load: the saved update count, and a fresh window (gradients are not saved)."""
+        self.num_updates = num_updates
         if accum_step:
             warnings.warn(
                 f"The checkpoint was taken {accum_step} micro-batch(es) into a {self.grad_accum_steps}-step "
                 "accumulation window; gradients are not checkpointed, so training resumes at the start "
                 "of a new window.",
-                stacklevel=2,
+                stacklevel=3,
             )
         self._accum_step = 0
         self.optimizer.zero_grad(set_to_none=True)
