@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import tempfile
 import zipfile
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 FORMAT = "fabric_learner/1"
 
@@ -43,6 +45,24 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):  # left by saves that were killed
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Fabric's file checkpoint IO, written the way ``atomic_torch_save`` writes.
+
+    Fabric's own writes through an fsspec transaction: a temporary file in the system temp
+    folder, moved onto the path. Across filesystems that move is a copy, so a crash mid-copy
+    leaves a partial file where the previous checkpoint was, and a crash before it leaves the
+    temporary file behind in the temp folder.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("storage_options are not supported when saving a fabric_learner checkpoint.")
+        atomic_torch_save(checkpoint, path)
 
 
 def overwrite_error(path: str | os.PathLike) -> str | None:

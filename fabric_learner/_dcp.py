@@ -174,7 +174,27 @@ def read_full(path: str | os.PathLike) -> dict[str, Any]:
     index = {name: i for i, name in enumerate(names)}
     groups = [dict(g, params=[index[n] for n in g["params"]]) for g in meta["param_groups"]]
     return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "param_names": names,
-            "num_updates": meta["num_updates"], "accum_step": meta["accum_step"]}
+            "num_updates": meta["num_updates"], "accum_step": meta["accum_step"], "rng": read_rng(folder, tensors)}
+
+
+def rng_tensors(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every rank's random state under ``rng/<rank>/<generator>`` (the same on every rank)."""
+    return {f"rng/{r}/{name}": t for r, state in enumerate(states) for name, t in state.items()}
+
+
+def read_rng(folder: Path, tensors: dict[str, torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]] | None:
+    """The per-rank random states stored in ``folder`` (``None`` if it has none)."""
+    if tensors is None:
+        tensors = full_targets(read_metadata(folder), prefix="rng/")
+        if not tensors:
+            return None
+        load_into(tensors, folder, distributed=False)
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if key.startswith("rng/"):
+            _, rank, name = key.split("/", 2)
+            states.setdefault(int(rank), {})[name] = t
+    return [states[r] for r in sorted(states)] or None
 
 
 def _as_param_shape(value: Any, shape: list[int]) -> Any:

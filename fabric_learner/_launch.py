@@ -70,12 +70,13 @@ def _without_env(*names: str):
 
 
 def build_fabric(*, accelerator: Any, strategy: Any, devices: Any, num_nodes: int, precision: Any,
-                 timeout: timedelta | None = None) -> Fabric:
+                 timeout: timedelta | None = None) -> tuple[Fabric, bool]:
     """A Fabric for these settings, honouring the launcher's.
 
     ``"auto"`` devices under torchrun means the launched world (Fabric alone would give each
     process its own one-device world); ``fabric run --strategy=fsdp`` means the sharded
     strategy; ``fabric run --precision=...`` wins over this constructor's default precision.
+    Also says whether ``timeout`` is this Fabric's to set (its strategy was built from a name).
     """
     world = external_world()
     if world is not None and devices == "auto":
@@ -94,13 +95,20 @@ def build_fabric(*, accelerator: Any, strategy: Any, devices: Any, num_nodes: in
     with _without_env(*hidden):
         fabric = Fabric(accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes,
                         precision=precision)
-    if by_name and timeout is not None:
-        set_timeout(fabric.strategy, timeout)
-    return fabric
+    owns_timeout = by_name and timeout is not None
+    if owns_timeout:
+        set_timeout(fabric.strategy, rendezvous_timeout(timeout))
+    return fabric, owns_timeout
+
+
+def rendezvous_timeout(timeout: timedelta) -> timedelta:
+    """How long ranks may take to meet: never shorter than the default, since starting a rank
+    (imports, spawning) can take longer than a short collective timeout allows."""
+    return max(timeout, DEFAULT_TIMEOUT)
 
 
 def set_timeout(strategy: Any, timeout: timedelta) -> None:
-    """Give a strategy Fabric built from a name (DDP, FSDP2) our process-group timeout.
+    """Give a strategy Fabric built from a name (DDP, FSDP2) the timeout its group starts with.
 
     Fabric resolves names such as ``"auto"`` or ``"ddp_spawn"`` itself, so the timeout is set on
     the strategy it chose, before ``launch()`` creates the group. Strategies without a process
@@ -110,6 +118,26 @@ def set_timeout(strategy: Any, timeout: timedelta) -> None:
 
     if isinstance(strategy, (DDPStrategy, ModelParallelStrategy)):
         strategy._timeout = timeout
+
+
+def apply_collective_timeout(fabric: Fabric, timeout: timedelta) -> None:
+    """Bound every collective of the groups this Fabric's strategy uses by ``timeout``.
+
+    Applied once the group exists: the rendezvous had ``rendezvous_timeout``, and under
+    ``fabric run`` the group is created inside ``Fabric()``, before any strategy setting could
+    reach it.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    if not (dist.is_available() and dist.is_initialized()) or fabric.world_size == 1:
+        return
+    groups = [None]
+    mesh = getattr(fabric.strategy, "_device_mesh", None)
+    if mesh is not None:
+        groups += [g for g in mesh.get_all_groups() if g is not dist.group.WORLD]
+    for group in groups:
+        _set_pg_timeout(timeout, group)
 
 
 def launch(fabric: Fabric) -> None:

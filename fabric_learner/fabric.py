@@ -10,16 +10,17 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.strategies import SingleDeviceStrategy
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _dcp, _lifecycle
+from fabric_learner import _dcp, _lifecycle, _rng
 from fabric_learner._batch import Carrier, LossForwarder
-from fabric_learner._checkpoint import FORMAT, check_format, overwrite_error, weights_only_load
-from fabric_learner._launch import DEFAULT_TIMEOUT, as_timeout, build_fabric, launch
+from fabric_learner._checkpoint import FORMAT, AtomicCheckpointIO, check_format, overwrite_error, weights_only_load
+from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
 from fabric_learner._optim import OptimizerLike, build_optimizer
 from fabric_learner._sharded import ShardedLoss, check_sharded, flat_name, is_sharded_strategy
 from fabric_learner.learner import Capabilities, Learner
@@ -68,8 +69,10 @@ class FabricLearner(Learner):
                 f"optimizer must be None, a torch.optim.Optimizer or a callable params -> Optimizer, "
                 f"got {type(optimizer).__name__}."
             )
+        group_existed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        owns_timeout = False
         if fabric is None:
-            fabric = build_fabric(
+            fabric, owns_timeout = build_fabric(
                 accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision,
                 timeout=timeout,
             )
@@ -79,8 +82,12 @@ class FabricLearner(Learner):
                 "A sharded strategy builds the optimizer after sharding, so it needs a factory, not an "
                 "instance: pass e.g. optimizer=functools.partial(torch.optim.Adam, lr=3e-4), or None for Adam."
             )
-        group_existed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not sharded and type(fabric.strategy.checkpoint_io) is TorchCheckpointIO:  # a custom one is the user's
+            fabric.strategy.checkpoint_io = AtomicCheckpointIO()
         launch(fabric)
+        if owns_timeout and not group_existed:
+            apply_collective_timeout(fabric, timeout)
+        object.__setattr__(self, "_timeout", timeout if owns_timeout else None)
         object.__setattr__(self, "fabric", fabric)
         self._closed = False
         plugin = fabric.strategy.precision
@@ -152,10 +159,17 @@ class FabricLearner(Learner):
         norm = self.fabric.clip_gradients(self._module, self.optimizer, max_norm=max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-    def _any_rank(self, flag: torch.Tensor) -> bool:
-        if self.fabric.world_size > 1:  # one tiny all-reduce (fabric.all_reduce would add a barrier)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag)
+    def _any_rank(self, flag: torch.Tensor, samples: int) -> bool:
+        if self.fabric.world_size == 1:
+            return bool(flag)
+        # one tiny all-reduce (fabric.all_reduce would add a barrier): any flag, most and fewest samples
+        counts = torch.tensor([samples, -samples], dtype=flag.dtype, device=flag.device)
+        both = torch.cat([flag.reshape(1), counts])
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+        nonfinite, most, fewest = both.tolist()
+        if most != -fewest:
+            self._warn_unequal_samples(int(-fewest), int(most))
+        return bool(nonfinite)
 
     def _scaler_handles_overflow(self) -> bool:
         return getattr(self._precision, "scaler", None) is not None
@@ -170,7 +184,19 @@ class FabricLearner(Learner):
     def update(self, batch):
         if self._closed:
             raise RuntimeError("This FabricLearner is closed; build a new one to keep training.")
-        result = super().update(batch)
+        try:
+            result = super().update(batch)
+        except RuntimeError as err:
+            lost = _lost_peer(err) if self.world_size > 1 else None
+            if lost is None:
+                raise
+            raise RuntimeError(
+                f"Rank {self.global_rank}: update() call {self.num_updates * self.grad_accum_steps + self._accum_step + 1} "
+                f"could not complete a collective with the other ranks ({lost}). Another rank called update() fewer "
+                "times, ended or died, or is busy elsewhere for longer than the process-group timeout "
+                f"({getattr(self.fabric.strategy, '_timeout', None) if self._timeout is None else self._timeout}). "
+                "Every rank must call update() the same number of times; see that rank's output for its own error."
+            ) from err
         plugin = self._precision
         if type(plugin).convert_output is not Precision.convert_output:
             result = result.apply(plugin.convert_output)  # reported values in the default dtype
@@ -239,6 +265,12 @@ class FabricLearner(Learner):
         if not state:
             return {}
         return {n: state[flat_name(n)].detach().reshape(wrapper.shapes[n]).clone() for n in wrapper.names}
+
+    def _rng_states(self) -> list[dict[str, torch.Tensor]]:
+        if self.world_size == 1:
+            return super()._rng_states()
+        gathered = self.fabric.all_gather(_rng.local_state())
+        return [{k: v[r].cpu().clone() for k, v in gathered.items()} for r in range(self.world_size)]
 
     def _loss_buffers(self) -> dict[str, torch.Tensor]:
         names = set(self._wrapper.names)
@@ -314,8 +346,8 @@ class FabricLearner(Learner):
     def save(self, path: str | os.PathLike) -> None:
         """Write the learner's state; every rank must call it.
 
-        Unsharded: one file through ``fabric.save`` (written on rank 0 to a temporary file and
-        renamed). Sharded: a folder where each rank writes its own shards (see ``_dcp``), made
+        Unsharded: one file through ``fabric.save``, written on rank 0 to a temporary file beside
+        ``path``, flushed to disk and renamed onto it (``AtomicCheckpointIO``). Sharded: a folder where each rank writes its own shards (see ``_dcp``), made
         current by an atomic rename of its ``LATEST`` file.
         """
         if self._wrapper is not None:
@@ -330,7 +362,7 @@ class FabricLearner(Learner):
             raise FileExistsError(error)
         self.fabric.save(path, {"format": FORMAT, "model": self.loss_module, "optimizer": self.optimizer,
                                 "param_names": state["param_names"], "accum_step": state["accum_step"],
-                                "num_updates": state["num_updates"]})
+                                "num_updates": state["num_updates"], "rng": state["rng"]})
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner, any strategy or world size.
@@ -371,6 +403,7 @@ class FabricLearner(Learner):
                 else:
                     scalars.setdefault(by_flat[fqn], {})[field] = value
         groups = [{**_jsonable(g), "params": [by_flat[p] for p in g["params"]]} for g in optim["param_groups"]]
+        tensors.update(_dcp.rng_tensors(self._rng_states()))
         meta = {
             "num_updates": self.num_updates, "accum_step": self._accum_step,
             "model_keys": list(self.loss_module.state_dict(keep_vars=True)),
@@ -434,7 +467,17 @@ class FabricLearner(Learner):
             group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v
                           for k, v in saved.items() if k != "params"})
         set_optimizer_state_dict(wrapper, self._raw_optimizer(), optim)
-        self._resume_counters(int(meta["num_updates"]), int(meta["accum_step"]))
+        self._resume_counters(int(meta["num_updates"]), int(meta["accum_step"]), _dcp.read_rng(folder))
+
+
+def _lost_peer(err: RuntimeError) -> str | None:
+    """What a collective's error says about the other ranks, when it is about them."""
+    text = str(err)
+    if "Timed out" in text or "timed out" in text:
+        return "it timed out waiting for them"
+    if any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")):
+        return "a peer closed its connection"
+    return None
 
 
 def _loss_shaped(value: Any, shape) -> Any:

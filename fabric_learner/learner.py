@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
+from fabric_learner import _rng
 from fabric_learner._loss import loss_keys, total_loss
 from fabric_learner._optim import coverage_error, optimizer_params, uncovered_with_grad
 from fabric_learner._state import check_checkpoint, check_optimizer_state, clone_state, reindex_optimizer_state
@@ -90,6 +91,8 @@ class Learner(nn.Module):
         self._accum_step = 0
         self._window_results: list[TensorDictBase] = []  # this window's outputs, for error messages
         self._window_total: torch.Tensor | None = None  # running sum of its summed losses
+        self._window_samples = 0  # samples this rank fed in this window
+        self._warned_unequal = False
         self._coverage_checked = False
         self.optimizer: torch.optim.Optimizer
 
@@ -117,10 +120,11 @@ class Learner(nn.Module):
             loss = total_loss(output)
             if self._accum_step == 0:
                 self.optimizer.zero_grad(set_to_none=True)
-                self._window_results, self._window_total = [], None
+                self._window_results, self._window_total, self._window_samples = [], None, 0
             # non-finite exactly when an entry is (or the sum overflows); checked once per step
             detached = loss.detach()
             self._window_total = detached if self._window_total is None else self._window_total + detached
+            self._window_samples += batch.batch_size.numel()
             if self.grad_accum_steps > 1:
                 loss = loss / self.grad_accum_steps
             self._backward(loss)  # even when non-finite: ranks must run the same collectives
@@ -137,7 +141,7 @@ class Learner(nn.Module):
                 self._coverage_checked = True
             grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
             result.set("grad_norm", grad_norm.detach().reshape(()).to(result.device or grad_norm.device))
-            if self._any_rank(self._nonfinite_flag(loss, grad_norm)):  # the one host sync per step
+            if self._any_rank(self._nonfinite_flag(loss, grad_norm), self._window_samples):  # the one host sync
                 self._abandon_window()
                 if self.on_nonfinite == "raise":
                     raise self._nonfinite_error(grad_norm)
@@ -197,9 +201,25 @@ class Learner(nn.Module):
     def _optimizer_step(self) -> None:
         self.optimizer.step()
 
-    def _any_rank(self, flag: torch.Tensor) -> bool:
-        """Whether ``flag`` is non-zero on any rank; the same answer on every rank."""
+    def _any_rank(self, flag: torch.Tensor, samples: int) -> bool:
+        """Whether ``flag`` is non-zero on any rank; the same answer on every rank.
+
+        Ranks also compare ``samples`` (this window's batch sizes), to warn when they differ.
+        """
         return bool(flag)
+
+    def _warn_unequal_samples(self, fewest: int, most: int) -> None:
+        if self._warned_unequal:
+            return
+        self._warned_unequal = True
+        warnings.warn(
+            f"Ranks fed optimizer step {self.num_updates + 1} different numbers of samples (from {fewest} to "
+            f"{most}). Gradients are averaged over ranks, each rank's loss being a mean over its own samples, "
+            "so a sample on a rank with fewer weighs more and the step differs from one on the full batch. "
+            "Give every rank the same number of samples (split evenly; drop or pad the remainder) for "
+            "full-batch equivalence. Warned once per learner.",
+            stacklevel=3,
+        )
 
     def _scaler_handles_overflow(self) -> bool:
         """True when a grad scaler steps the optimizer (it skips inf-gradient steps itself)."""
@@ -277,7 +297,12 @@ class Learner(nn.Module):
             "param_names": self._optimizer_param_names(),
             "accum_step": self._accum_step,
             "num_updates": self.num_updates,
+            "rng": self._rng_states(),
         }
+
+    def _rng_states(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's generator states, in rank order (a collective where there are several)."""
+        return [_rng.local_state()]
 
     def _optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
@@ -298,9 +323,11 @@ class Learner(nn.Module):
         """Restore a ``checkpoint()``; everything is validated before anything is changed.
 
         A checkpoint taken mid-window resumes at the start of a window (gradients are not
-        checkpointed), with a warning.
+        checkpointed), with a warning. Each rank's random state is restored too, so a resumed run
+        draws what the uninterrupted one would have (not across world sizes: see ``_rng``).
         """
         check_checkpoint(checkpoint, self._model_shapes())
+        _rng.check(checkpoint.get("rng"))
         optimizer_state = checkpoint["optimizer"]
         if checkpoint.get("param_names") is not None:
             optimizer_state = reindex_optimizer_state(
@@ -310,10 +337,12 @@ class Learner(nn.Module):
         check_optimizer_state(optimizer_state, self.optimizer)
         self._load_model_state(checkpoint["model"])
         self._load_optimizer_state(optimizer_state)
-        self._resume_counters(int(checkpoint.get("num_updates", 0)), int(checkpoint.get("accum_step", 0)))
+        self._resume_counters(int(checkpoint.get("num_updates", 0)), int(checkpoint.get("accum_step", 0)),
+                              checkpoint.get("rng"))
 
-    def _resume_counters(self, num_updates: int, accum_step: int) -> None:
-        """After a load: the saved update count, and a fresh window (gradients are not saved)."""
+    def _resume_counters(self, num_updates: int, accum_step: int, rng: Any = None) -> None:
+        """After a load: the saved update count and random state, and a fresh window (gradients are not saved)."""
+        _rng.restore(rng, self.global_rank, self.world_size)
         self.num_updates = num_updates
         if accum_step:
             warnings.warn(

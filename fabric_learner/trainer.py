@@ -520,8 +520,9 @@ class Trainer(_TorchRLTrainer):
         return {**self._rank_state(), "learner": self.learner.checkpoint()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_rank_state(state_dict)
+        self.learner.load_checkpoint(state_dict["learner"])  # validated before it changes anything
         self._load_rank_state(state_dict, restore_rng=False)
-        self.learner.load_checkpoint(state_dict["learner"])
         self._publish_after_load()
         _set_rng_state(state_dict["rng"], self.collector)
 
@@ -549,8 +550,9 @@ class Trainer(_TorchRLTrainer):
             "rng": rng,
         }
 
-    def _load_rank_state(self, state: dict[str, Any], *, restore_rng: bool = True) -> None:
-        if state.get("format") != CHECKPOINT_FORMAT:
+    def _check_rank_state(self, state: dict[str, Any]) -> None:
+        """Raise, before anything is loaded, if this rank's state cannot be restored here."""
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"Not a fabric_learner trainer checkpoint (format {state.get('format')!r}).")
         if state["world_size"] != self._world_size:
             raise ValueError(
@@ -558,13 +560,16 @@ class Trainer(_TorchRLTrainer):
                 f"rank(s) and cannot be split over {self._world_size}. Load the learner alone with "
                 "learner.load(<checkpoint>/learner.ckpt)."
             )
-        if self.collector is not None and state["collector"] is not None:
-            self.collector.load_state_dict(state["collector"])
-            _restore_carrier(self.collector, state.get("carrier"))
         missing = [name for name in self._modules if name not in state["modules"]]
         if missing:
             raise ValueError(f"The checkpoint has no state for the registered hooks {missing}; register the same "
                              "hooks as the run that saved it.")
+
+    def _load_rank_state(self, state: dict[str, Any], *, restore_rng: bool = True) -> None:
+        self._check_rank_state(state)
+        if self.collector is not None and state["collector"] is not None:
+            self.collector.load_state_dict(state["collector"])
+            _restore_carrier(self.collector, state.get("carrier"))
         for name, module in self._modules.items():
             module.load_state_dict(state["modules"][name])
         counters = state["state"]
@@ -635,8 +640,9 @@ class Trainer(_TorchRLTrainer):
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{file} has format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}.")
         state = torch.load(path / f"rank{self.global_rank}.pt", map_location="cpu", weights_only=True)
+        self._check_rank_state(state)
+        self.learner.load(path / _LEARNER_FILE)  # validated before it changes anything
         self._load_rank_state(state, restore_rng=False)
-        self.learner.load(path / _LEARNER_FILE)
         self._publish_after_load()
         _set_rng_state(state["rng"], self.collector)
         return self

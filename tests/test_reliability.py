@@ -169,13 +169,14 @@ def test_over_approximate_in_keys_are_not_required():
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("timeout,expected", [(None, timedelta(minutes=5)), (42, timedelta(seconds=42)),
-                                              (timedelta(seconds=7), timedelta(seconds=7))])
+                                              (timedelta(hours=1), timedelta(hours=1))])
 def test_strategies_built_from_names_carry_the_timeout(strategy, timeout, expected):
+    """The group starts with at least the default (the rendezvous); collectives get ``timeout``."""
     from fabric_learner._launch import DEFAULT_TIMEOUT, as_timeout, build_fabric
 
-    fabric = build_fabric(accelerator="cpu", strategy=strategy, devices=2, num_nodes=1, precision="32-true",
-                          timeout=as_timeout(DEFAULT_TIMEOUT if timeout is None else timeout))
-    assert fabric.strategy._timeout == expected
+    fabric, owns = build_fabric(accelerator="cpu", strategy=strategy, devices=2, num_nodes=1, precision="32-true",
+                                timeout=as_timeout(DEFAULT_TIMEOUT if timeout is None else timeout))
+    assert fabric.strategy._timeout == max(expected, DEFAULT_TIMEOUT) and owns
 
 
 def test_a_strategy_object_keeps_its_timeout():
@@ -184,9 +185,32 @@ def test_a_strategy_object_keeps_its_timeout():
     from fabric_learner._launch import build_fabric
 
     given = DDPStrategy(timeout=timedelta(seconds=90))
-    fabric = build_fabric(accelerator="cpu", strategy=given, devices=2, num_nodes=1, precision="32-true",
-                          timeout=timedelta(seconds=3))
-    assert fabric.strategy is given and given._timeout == timedelta(seconds=90)
+    fabric, owns = build_fabric(accelerator="cpu", strategy=given, devices=2, num_nodes=1, precision="32-true",
+                                timeout=timedelta(seconds=3))
+    assert fabric.strategy is given and given._timeout == timedelta(seconds=90) and not owns
+
+
+@pytest.mark.parametrize("scenario,strategy,launcher", [
+    ("returns", "ddp", "python"),  # rank 1 calls update() once fewer and ends its program
+    ("busy", "fsdp", "python"),  # ... and works on elsewhere, past the timeout
+    ("busy", "ddp", "fabric"),  # the same under `fabric run`, which builds the group inside Fabric()
+    ("dies", "ddp", "python"),  # rank 1 is SIGKILLed
+])
+def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strategy, launcher):
+    from multiproc import WORKERS, fabric_run, python, run
+
+    script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
+    cmd = python(*script) if launcher == "python" else fabric_run(*script, strategy=strategy)
+    # 5 s collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
+    proc = run(cmd, timeout=150)
+    assert proc.returncode != 0 and proc.leftovers == 0, proc.stdout[-4000:]
+    failing_call = 2 if scenario == "dies" else 3  # rank 1 dies before its second update
+    assert f"rank 0 finished update {failing_call - 1}" in proc.stdout
+    assert f"rank 0 finished update {failing_call}" not in proc.stdout
+    assert f"Rank 0: update() call {failing_call} could not complete a collective with the other ranks" \
+        in proc.stdout, proc.stdout[-4000:]
+    if scenario == "busy":
+        assert "it timed out waiting for them" in proc.stdout and "(0:00:05)" in proc.stdout
 
 
 @pytest.mark.parametrize("timeout,error", [(0, ValueError), (-1.0, ValueError), ("5m", TypeError), (True, TypeError)])
@@ -276,3 +300,111 @@ def test_save_replaces_its_own_checkpoint_from_either_backend(kind, tmp_path):
     fresh = make_learner(kind, make_loss("dqn", seed=4)[0])
     fresh.load(path)
     assert fresh.num_updates == 1
+
+
+# ---- kill and resume ------------------------------------------------------------------------
+
+
+def _resume_results(tmp_path, world):
+    from multiproc import WORKERS, python, run
+
+    script = os.path.join(WORKERS, "resume_checks.py")
+    first = run(python(script, "first", str(world), str(tmp_path)), timeout=300)
+    assert first.returncode == -signal.SIGKILL and first.leftovers == 0, first.stdout[-4000:]
+    resumed = run(python(script, "resume", str(world), str(tmp_path)), timeout=300)
+    assert resumed.returncode == 0 and resumed.leftovers == 0, resumed.stdout[-4000:]
+    return lambda name: torch.load(tmp_path / name, weights_only=True)
+
+
+def _assert_same_run(a, b, atol=0.0):
+    assert a["num_updates"] == b["num_updates"] == 4
+    assert torch.equal(a["rng_after"], b["rng_after"])  # the resumed run drew exactly the same numbers
+    torch.testing.assert_close(a["grad_norm"], b["grad_norm"], atol=atol, rtol=0)
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], atol=atol, rtol=0, msg=k)
+
+
+def test_killed_and_resumed_run_is_bit_identical_in_one_process(tmp_path):
+    load = _resume_results(tmp_path, world=1)
+    _assert_same_run(load("local_first_rank0.pt"), load("local_resume_rank0.pt"))
+
+
+def test_killed_and_resumed_run_matches_under_ddp_and_fsdp(tmp_path):
+    load = _resume_results(tmp_path, world=2)
+    for rank in (0, 1):
+        _assert_same_run(load(f"ddp_first_rank{rank}.pt"), load(f"ddp_resume_rank{rank}.pt"))
+        _assert_same_run(load(f"fsdp_first_rank{rank}.pt"), load(f"fsdp_resume_rank{rank}.pt"), atol=1e-6)
+    first = [load(f"ddp_first_rank{r}.pt")["rng_after"] for r in (0, 1)]
+    assert not torch.equal(*first)  # each rank restored its own generator, not rank 0's
+
+
+def test_the_random_state_is_what_makes_a_stochastic_resume_exact():
+    """Control for the kill-and-resume tests: without the saved random state, SAC diverges."""
+    loss, _ = make_loss("sac", seed=3)
+    learner = LocalLearner(loss)
+    torch.manual_seed(0)
+    learner.update(make_batch("sac", seed=1))
+    saved = learner.checkpoint()
+    learner.update(make_batch("sac", seed=2))
+    expected = flat_params(loss)
+    for keep_rng in (True, False):
+        fresh = LocalLearner(make_loss("sac", seed=4)[0])
+        torch.manual_seed(5)
+        fresh.load_checkpoint(saved if keep_rng else {k: v for k, v in saved.items() if k != "rng"})
+        fresh.update(make_batch("sac", seed=2))
+        same = all(torch.equal(v, expected[k]) for k, v in flat_params(fresh.loss_module).items())
+        assert same is keep_rng
+
+
+def test_random_state_from_another_world_size_is_left_alone_with_a_warning():
+    learner = LocalLearner(make_loss("dqn")[0])
+    saved = learner.checkpoint()
+    saved["rng"] = saved["rng"] * 2
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    with pytest.warns(UserWarning, match="random state of 2 rank.*this run has 1"):
+        learner.load_checkpoint(saved)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_malformed_random_state_is_refused_before_anything_loads():
+    learner = LocalLearner(make_loss("dqn")[0])
+    learner.update(make_batch("dqn"))
+    saved = learner.checkpoint()
+    saved["rng"] = [{"torch": "not a tensor"}]
+    fresh = LocalLearner(make_loss("dqn", seed=9)[0])
+    before = snapshot(fresh)
+    with pytest.raises(ValueError, match=r"checkpoint\['rng'\]"):
+        fresh.load_checkpoint(saved)
+    assert_unchanged(fresh, before)
+
+
+@pytest.mark.parametrize("strategy,point", [("ddp", "file"), ("fsdp", "shard"), ("fsdp", "publish")])
+def test_sigkill_mid_save_on_two_ranks_leaves_the_previous_checkpoint(tmp_path, strategy, point):
+    from multiproc import WORKERS, python, run
+
+    temp = tmp_path / "system_temp"  # the workers' TMPDIR: a save must not leave files there
+    temp.mkdir()
+    proc = run(python(os.path.join(WORKERS, "crash_save.py"), strategy, point, str(tmp_path)), timeout=240,
+               TMPDIR=str(temp))
+    assert proc.returncode != 0 and proc.leftovers == 0, proc.stdout[-4000:]
+    assert "was not interrupted" not in proc.stdout
+    assert list(temp.iterdir()) == []
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    path = tmp_path / "ckpt"
+    if strategy == "ddp":
+        strays = [p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]
+        assert len(strays) == 1 and strays[0].endswith(".partial")  # the killed write, beside the file
+    else:
+        versions = [p for p in path.iterdir() if p.is_dir()]
+        assert len(versions) == 2  # the complete one LATEST names, and the interrupted one
+    fresh = LocalLearner(make_loss("dqn", seed=8)[0])
+    fresh.load(path)
+    assert fresh.num_updates == 1
+    for k, v in expected["model"].items():
+        assert torch.equal(fresh.loss_module.state_dict()[k], v), k
+    fresh.update(make_batch("dqn", seed=3))
+    if strategy == "ddp":  # the next save replaces the file and clears what the killed one left
+        fresh.save(path)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("ckpt", ".ckpt"))) == ["ckpt"]

@@ -471,3 +471,28 @@ def test_rank_local_statistics_do_not_give_the_one_process_update(ranks):
     params, _ = _one_process_reference(tc.make_global_ppo)
     naive = ranks[0]["equivalence"]["naive"]["params"]
     assert any(not torch.allclose(naive[k.removeprefix("loss_module.")], v, atol=1e-4) for k, v in params.items())
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['FL_MARKER']}",))
+
+
+@pytest.mark.parametrize("victim", ["rank0.pt", "learner.ckpt"])
+def test_a_crafted_trainer_checkpoint_is_refused_and_runs_nothing(tmp_path, monkeypatch, victim):
+    import pickle
+
+    trainer, learner = tc.build_dqn(local, total_frames=2 * tc.FRAMES_PER_BATCH, save_file=tmp_path / "ckpt")[:2]
+    trainer.train()
+    assert (tmp_path / "ckpt" / victim).is_file()
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("FL_MARKER", str(marker))
+    torch.save({"format": "fabric_learner/1", "model": {}, "optimizer": {}, "rng": _Payload()}, tmp_path / "ckpt" / victim)
+    fresh, fresh_learner = tc.build_dqn(local, total_frames=4 * tc.FRAMES_PER_BATCH)[:2]
+    before = {k: v.clone() for k, v in fresh_learner.loss_module.state_dict().items()}
+    with pytest.raises(pickle.UnpicklingError):
+        fresh.load_from_file(tmp_path / "ckpt")
+    assert not marker.exists()
+    assert fresh_learner.num_updates == 0
+    for k, v in fresh_learner.loss_module.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -1,0 +1,38 @@
+"""Ranks that fall out of step, on 2 gloo ranks with a 5-second process-group timeout.
+
+Usage: python hang_checks.py SCENARIO [STRATEGY]
+
+Rank 0 calls ``update`` three times; rank 1 calls it twice and then, by SCENARIO:
+``returns`` (ends its program), ``busy`` (works on for longer than the timeout) or ``dies``
+(is SIGKILLed before its second update). No scenario may leave a process waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from rl_cases import halves, make_batch, make_loss  # noqa: E402
+
+from fabric_learner import FabricLearner  # noqa: E402
+
+
+def main(scenario, strategy):
+    learner = FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=2, strategy=strategy, timeout=5)
+    rank = learner.global_rank
+    calls = 3 if rank == 0 else 2
+    for step in range(calls):
+        if rank == 1 and scenario == "dies" and step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        learner.update(halves(make_batch("dqn", n=16, seed=step), rank))
+        print(f"rank {rank} finished update {step + 1}", flush=True)
+    if rank == 1 and scenario == "busy":
+        time.sleep(120)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ddp")
