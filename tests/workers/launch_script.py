@@ -1,10 +1,15 @@
 """A short training script run under each launcher by tests/test_launch.py.
 
-FL_MODE=plain-ddp | plain-fsdp : the learner starts rank 1 itself (``python launch_script.py``)
-FL_MODE=external               : no strategy arguments (``fabric run`` / ``torchrun``)
-FL_STRATEGY=fsdp               : with FL_MODE=external, only the strategy is given (torchrun + FSDP)
-FL_CLOSE=1                     : call learner.close() instead of relying on the exit hook
-FL_FAIL_RANK=r                 : rank r raises after its second update
+It trains two learners one after the other, DDP and FSDP in the order FL_FIRST gives, and
+prints a RESULT line for each; the program then ends with both alive, so one exit tears down both.
+
+FL_MODE=plain    : the learners start rank 1 themselves (``python launch_script.py``)
+FL_MODE=external : ``fabric run`` / ``torchrun`` started the ranks; the first learner takes
+                   the launcher's strategy (``fabric run --strategy=...``), or FL_STRATEGY
+                   from code under torchrun, which only gives the world
+FL_FIRST=ddp|fsdp: the first learner's strategy; the second uses the other one
+FL_CLOSE=1       : close() both learners instead of relying on the exit hook
+FL_FAIL_RANK=r   : rank r raises after its second update of the first learner
 """
 
 from __future__ import annotations
@@ -17,22 +22,16 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy  # noqa: E402
 from rl_cases import halves, make_batch, make_loss  # noqa: E402
 
 from fabric_learner import FabricLearner  # noqa: E402
 
 
-def main():
-    mode = os.environ.get("FL_MODE", "external")
-    kwargs = {}
-    if mode.startswith("plain-"):
-        kwargs = {"accelerator": "cpu", "devices": 2, "strategy": mode.split("-", 1)[1]}
-    elif "FL_STRATEGY" in os.environ:  # torchrun: the world comes from the launcher, the strategy from code
-        kwargs = {"strategy": os.environ["FL_STRATEGY"]}
+def train(kwargs, fail_rank=-1):
     loss, _ = make_loss("dqn")
     learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-2), clip_grad_norm=1.0, **kwargs)
     rank = learner.global_rank
-    fail_rank = int(os.environ.get("FL_FAIL_RANK", "-1"))
     for step in range(3):
         if step == 2 and rank == fail_rank:
             raise RuntimeError(f"rank {rank} fails on purpose")
@@ -42,8 +41,25 @@ def main():
     print("RESULT " + json.dumps({"rank": rank, "world_size": learner.world_size,
                                   "sharded": learner.capabilities.sharded, "checksum": checksum,
                                   "updates": learner.num_updates}), flush=True)
+    return learner
+
+
+def main():
+    first = os.environ.get("FL_FIRST", "ddp")
+    second = "ddp" if first == "fsdp" else "fsdp"
+    plain = os.environ.get("FL_MODE", "external") == "plain"
+    world = {"accelerator": "cpu", "devices": 2} if plain else {}
+    if plain:
+        given = {**world, "strategy": first}
+    else:
+        given = {"strategy": os.environ["FL_STRATEGY"]} if "FL_STRATEGY" in os.environ else {}
+    # "fsdp" resolves to a strategy object; "ddp" is given as one too, since under `fabric run` a
+    # strategy name that differs from --strategy is refused by Fabric
+    other = DDPStrategy() if second == "ddp" else "fsdp"
+    learners = [train(given, int(os.environ.get("FL_FAIL_RANK", "-1"))), train({**world, "strategy": other})]
     if os.environ.get("FL_CLOSE") == "1":
-        learner.close()  # otherwise the exit hook tears down
+        for learner in learners:
+            learner.close()  # otherwise the exit hook tears down
 
 
 if __name__ == "__main__":
