@@ -133,3 +133,12 @@ def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank(ddp):
     assert_ranks_identical(r0["after_next"], r1["after_next"])
     assert_ranks_identical(r0["after_raise"], r1["after_raise"])
     assert any(not torch.equal(r0["after_next"][k], v) for k, v in r0["before"].items())
+
+
+def test_unequal_per_rank_sample_counts_are_warned_once_on_every_rank(ddp):
+    for r in ddp["ranks"]:
+        seen = r["unequal"]
+        assert seen["equal"] == []
+        assert len(seen["unequal"]) == 1, seen
+        assert "different numbers of samples (from 6 to 10)" in seen["unequal"][0]
+        assert "same number of samples" in seen["unequal"][0]

@@ -82,6 +82,23 @@ def nonfinite_on_one_rank(rank):
     return res
 
 
+def unequal_samples(rank):
+    """Equal halves, then 10 samples on rank 0 and 6 on rank 1, twice: the warnings each rank saw."""
+    import warnings
+
+    learner = ddp(loss_module=make_loss("dqn")[0])
+    batch = make_batch("dqn", n=16, seed=40)
+    seen = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        learner.update(halves(batch, rank))
+        seen["equal"] = [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
+        for _ in range(2):
+            learner.update(batch[:10] if rank == 0 else batch[10:])
+        seen["unequal"] = [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
+    return seen
+
+
 def main(out_dir, local_ckpt):
     results = {"cases": {}, "accum": {}, "integrity": {}}
     rank = None
@@ -96,6 +113,7 @@ def main(out_dir, local_ckpt):
     for case in ("dqn", "ppo"):
         results["accum"][case] = train(case, rank, grad_accum_steps=2)[1]
     results["nonfinite"] = nonfinite_on_one_rank(rank)
+    results["unequal"] = unequal_samples(rank)
     for precision in ("32-true", "bf16-mixed", "bf16-true", "64-true"):
         results["integrity"][precision] = integrity(rank, precision)
     # a checkpoint written by LocalLearner loads under DDP, and training continues in step
