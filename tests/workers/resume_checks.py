@@ -1,16 +1,19 @@
-"""Kill and resume: a run SIGKILLed after a checkpoint, resumed in new processes.
+"""Kill and resume: a run killed in the middle of a save, resumed in new processes.
 
 Usage: python resume_checks.py first|resume WORLD OUT_DIR
 
 ``first`` trains SAC (a loss that draws random numbers) for SAVE_AT updates, saves, trains on to
-STEPS and records the uninterrupted result; then every rank SIGKILLs itself. ``resume`` starts
-from other weights and another seed, loads the checkpoint and trains the remaining updates. WORLD
-1 runs LocalLearner; WORLD 2 runs DDP and FSDP learners on 2 gloo ranks, each fed half a batch.
+STEPS and records the uninterrupted result; then it saves again and dies half-way through that
+save. ``resume`` starts from other weights and another seed, loads the checkpoint (which must be
+the complete first save) and trains the remaining updates. WORLD 1 runs LocalLearner, killed with
+half its file written; WORLD 2 runs a DDP and an FSDP learner on 2 gloo ranks, each fed half a
+batch, the FSDP save killed while rank 1 writes its shards.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import os
 import signal
 import sys
@@ -47,6 +50,29 @@ def train(learner, steps, world):
             "num_updates": learner.num_updates, "rng_after": torch.get_rng_state()}
 
 
+def die_mid_save(world):
+    """Make the next save kill this process half-way (rank 1 only, on 2 ranks)."""
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if world == 1:
+        real_save = torch.save
+
+        def half_then_die(obj, f, *args, **kwargs):
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            f.write(buffer.getvalue()[: buffer.tell() // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            die()
+
+        torch.save = half_then_die
+    elif torch.distributed.get_rank() == 1:
+        import torch.distributed.checkpoint.filesystem as fs
+
+        fs.FileSystemWriter.write_data = die
+
+
 def main(mode, world, out_dir):
     kinds = ["local"] if world == 1 else ["ddp", "fsdp"]
     rank = 0
@@ -68,8 +94,10 @@ def main(mode, world, out_dir):
         torch.save(result, os.path.join(out_dir, f"{kind}_{mode}_rank{rank}.pt"))
         if world > 1:
             learner.fabric.barrier()
-    if mode == "first":  # the crash: no exit hook, no teardown, on every rank
-        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "first":  # the crash: no exit hook, no teardown; rank 0 fails when rank 1 is gone
+        die_mid_save(world)
+        learner.save(path)
+        print(f"rank {rank}: the save was not interrupted", flush=True)
 
 
 if __name__ == "__main__":
