@@ -303,3 +303,24 @@ def test_checkpoint_restores_moments_by_parameter_name_whatever_the_order(kind, 
     by_param = {id(p): s for p, s in learner.optimizer.state.items()}
     for (name, p), (_, q) in zip(loss.named_parameters(), fresh_loss.named_parameters()):
         assert torch.equal(by_param[id(p)]["exp_avg"], fresh.optimizer.state[q]["exp_avg"]), name
+
+
+def test_a_crafted_sharded_checkpoint_metadata_runs_nothing(kind, tmp_path, monkeypatch):
+    """DCP's own reader unpickles ``.metadata`` with plain pickle; ours accepts only its classes."""
+    import json
+
+    from fabric_learner._dcp import SHARDED_FORMAT
+
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("FL_MARKER", str(marker))
+    version = tmp_path / "ckpt" / "v000000001-deadbeef"
+    version.mkdir(parents=True)
+    (tmp_path / "ckpt" / "LATEST").write_text(version.name)
+    (version / "meta.json").write_text(json.dumps({"format": SHARDED_FORMAT}))
+    (version / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    learner = make_learner(kind, make_loss("dqn")[0])
+    before = snapshot(learner)
+    with pytest.raises(pickle.UnpicklingError, match="Refusing to load posix.system"):
+        learner.load(tmp_path / "ckpt")
+    assert not marker.exists()
+    assert_unchanged(learner, before)
