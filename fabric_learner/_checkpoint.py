@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import io
 import os
+import pickletools
 import tempfile
 import zipfile
 from pathlib import Path
@@ -81,16 +83,32 @@ def overwrite_error(path: str | os.PathLike) -> str | None:
 
 
 def _is_checkpoint_file(path: Path) -> bool:
+    """Whether ``path`` is a torch zip whose pickled dict starts with ``"format": FORMAT``.
+
+    Every writer here puts that entry first, so reading the opening opcodes of ``data.pkl`` is
+    enough: nothing is unpickled and no tensor is touched, whatever the checkpoint's size.
+    """
     try:
-        if not zipfile.is_zipfile(path):
-            return False
         with zipfile.ZipFile(path) as archive:
-            if not any(name.endswith("/data.pkl") for name in archive.namelist()):
+            names = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            if len(names) != 1:
                 return False
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - unreadable means "not ours"
+            with archive.open(names[0]) as stream:
+                head = stream.read(4096)
+    except (OSError, zipfile.BadZipFile):
         return False
-    return isinstance(state, dict) and state.get("format") == FORMAT
+    strings = []
+    try:
+        for opcode, arg, _ in pickletools.genops(io.BytesIO(head)):
+            if opcode.name == "STOP" or len(strings) == 2:
+                break
+            if isinstance(arg, str) and "UNICODE" in opcode.name:
+                strings.append(arg)
+            elif opcode.name not in ("PROTO", "EMPTY_DICT", "MARK", "BINPUT", "LONG_BINPUT", "MEMOIZE", "FRAME"):
+                break  # the dict's first item is not a string key and value
+    except (ValueError, EOFError):  # truncated or not a pickle
+        pass
+    return strings == ["format", FORMAT]
 
 
 def weights_only_load(path: str | os.PathLike) -> dict[str, Any]:
