@@ -127,6 +127,22 @@ class HandTorchrl:
         self.opt.zero_grad()
 
 
+class HandCompiled(HandTorchrl):
+    """The torchrl loop with ``torch.compile(loss)``, fused Adam and ``foreach`` clipping (case compile)."""
+
+    def __init__(self, loss: nn.Module, clip: float = CLIP):
+        super().__init__(loss, clip)
+        self.loss = torch.compile(loss)
+        self.opt = torch.optim.Adam(loss.parameters(), fused=True)
+
+    def update(self, td):
+        total = summed_loss(self.loss(td))
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
 class HandFabric:
     """The same loop through Fabric: ``fabric.setup``, ``fabric.backward``, ``fabric.clip_gradients``."""
 

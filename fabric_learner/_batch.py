@@ -29,23 +29,26 @@ class LossForwarder(nn.Module):
     """The module Fabric wraps: calls the loss on the caller's batch, or on a converted copy.
 
     ``convert`` maps each batch tensor to what the loss must see (device move and precision
-    cast) or is ``None`` when the batch goes in untouched. The output is returned as
-    ``(Carrier(output), leaves)``: the leaves let DDP's unused-parameter search see the graph.
+    cast) or is ``None`` when the batch goes in untouched. ``call`` replaces ``loss_module(batch)``
+    when given (a ``CompiledLoss``). The output is returned as ``(Carrier(output), leaves)``: the
+    leaves let DDP's unused-parameter search see the graph.
     """
 
-    def __init__(self, loss_module: nn.Module, device: torch.device, convert: Callable | None) -> None:
+    def __init__(self, loss_module: nn.Module, device: torch.device, convert: Callable | None,
+                 call: Callable | None = None) -> None:
         super().__init__()
         self.loss_module = loss_module
         self._device = device
         self._convert = convert
+        self._call = call
 
     def forward(self, carrier: Carrier):
-        output = run_loss(self.loss_module, carrier.value, self._device, self._convert)
+        output = run_loss(self._call or self.loss_module, carrier.value, self._device, self._convert)
         leaves = tuple(output.values(include_nested=True, leaves_only=True)) if isinstance(output, TensorDictBase) else ()
         return Carrier(output), leaves
 
 
-def run_loss(loss_module: nn.Module, batch: TensorDictBase, device: torch.device, convert: Callable | None):
+def run_loss(loss_module: Callable, batch: TensorDictBase, device: torch.device, convert: Callable | None):
     """``loss_module(batch)``, on a converted copy when the batch needs a device move or cast."""
     if convert is None and _on_device(batch, device):
         return loss_module(batch)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from fabric_learner import _dcp, _lifecycle, _rng
 from fabric_learner._batch import Carrier, LossForwarder
 from fabric_learner._checkpoint import FORMAT, AtomicCheckpointIO, check_format, overwrite_error, weights_only_load
+from fabric_learner._compile import fused_adam
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
 from fabric_learner._optim import OptimizerLike, build_optimizer
 from fabric_learner._sharded import ShardedLoss, check_sharded, flat_name, is_sharded_strategy
@@ -37,6 +38,9 @@ class FabricLearner(Learner):
     ``ModelParallelStrategy``), on CPU and GPU; a user-built ``ModelParallelStrategy`` receives
     a ``ShardedLoss`` holding those parameters. Sharded strategies need an optimizer factory,
     and ``get_weights``, ``checkpoint``, ``save`` and ``load`` are collectives there.
+
+    ``compile=True`` (see ``Learner``) works on a single device and under DDP; sharded strategies
+    refuse it with a ``ValueError``.
 
     ``timeout`` (a ``timedelta``, seconds, or ``None`` for torch's default) bounds every
     collective of the process group Fabric builds from a strategy name (default 5 minutes), so a
@@ -60,9 +64,10 @@ class FabricLearner(Learner):
         fabric: Fabric | None = None,
         on_nonfinite: str = "raise",
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        compile: bool = False,
     ) -> None:
         super().__init__(loss_module, policy=policy, clip_grad_norm=clip_grad_norm, grad_accum_steps=grad_accum_steps,
-                         on_nonfinite=on_nonfinite)
+                         on_nonfinite=on_nonfinite, compile=compile)
         timeout = as_timeout(timeout)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
             raise TypeError(
@@ -77,6 +82,11 @@ class FabricLearner(Learner):
                 timeout=timeout,
             )
         sharded = is_sharded_strategy(fabric.strategy)
+        if sharded and compile:
+            raise ValueError(
+                "compile=True is not supported with sharded strategies (FSDP) yet; nothing was launched. Use "
+                "compile=True on a single device or under DDP, or compile=False under FSDP."
+            )
         if sharded and isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(
                 "A sharded strategy builds the optimizer after sharding, so it needs a factory, not an "
@@ -100,12 +110,13 @@ class FabricLearner(Learner):
             check_sharded(wrapper, fabric.world_size)
             opt = fabric.setup_optimizers(build_optimizer(optimizer, module.parameters()))
         elif isinstance(optimizer, torch.optim.Optimizer):
-            wrapper = LossForwarder(loss_module, fabric.device, convert)
+            wrapper = LossForwarder(loss_module, fabric.device, convert, call=self._compiled_call())
             module, opt = fabric.setup(wrapper, optimizer)
         else:
-            wrapper = LossForwarder(loss_module, fabric.device, convert)
+            wrapper = LossForwarder(loss_module, fabric.device, convert, call=self._compiled_call())
             module = fabric.setup_module(wrapper)
-            opt = fabric.setup_optimizers(build_optimizer(optimizer, module.parameters()))
+            default = fused_adam if compile and optimizer is None else optimizer
+            opt = fabric.setup_optimizers(build_optimizer(default, module.parameters()))
         object.__setattr__(self, "_wrapper", wrapper if sharded else None)
         object.__setattr__(self, "_module", module)
         self.optimizer = opt
@@ -136,6 +147,10 @@ class FabricLearner(Learner):
             self.close()
 
     # ---- the step, through Fabric ---------------------------------------------------------
+
+    def _compiled_call(self):
+        """The ``CompiledLoss`` for the forwarder with ``compile=True``, else ``None`` (call the loss)."""
+        return None if self._loss_call is self.loss_module else self._loss_call
 
     def _forward(self, batch):
         # The strategy's module (DDP, FSDP2, or the forwarder) under the precision's forward

@@ -19,6 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from fabric_learner import _rng
+from fabric_learner._compile import CompiledLoss
 from fabric_learner._loss import loss_keys, total_loss
 from fabric_learner._optim import coverage_error, optimizer_params, uncovered_with_grad
 from fabric_learner._state import check_checkpoint, check_optimizer_state, clone_state, reindex_optimizer_state
@@ -49,6 +50,10 @@ class Learner(nn.Module):
     ``"skip"`` skips the step and counts it in ``skipped_updates``. Either way the gradients
     are zeroed, a new window starts and ``num_updates`` is unchanged; under DDP/FSDP every
     rank takes the same decision.
+
+    ``compile=True`` runs the loss forward (and so its backward) through ``torch.compile``, with
+    results equal to eager's up to float rounding; a loss that does not compile runs eagerly after
+    one warning naming it (see ``_compile``). With ``optimizer=None`` the Adam is then fused.
     """
 
     capabilities = Capabilities(sharded=False, distributed=False)
@@ -61,6 +66,7 @@ class Learner(nn.Module):
         clip_grad_norm: float | None = None,
         grad_accum_steps: int = 1,
         on_nonfinite: str = "raise",
+        compile: bool = False,
     ) -> None:
         if not isinstance(loss_module, nn.Module):
             raise TypeError(f"loss_module must be a torchrl LossModule (an nn.Module), got {type(loss_module).__name__}.")
@@ -77,12 +83,16 @@ class Learner(nn.Module):
             )
         if policy is not None and not isinstance(policy, nn.Module):
             raise TypeError(f"policy must be an nn.Module or None, got {type(policy).__name__}.")
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r}.")
         _materialize_lazy_state(loss_module)
         super().__init__()
         self.loss_module = loss_module
         # Not registered as a submodule: its parameters are the loss's, and a second copy in
         # state_dict() would be wrong. The same holds for every wrapper a backend keeps.
         object.__setattr__(self, "policy", policy)
+        # what backends call for the loss forward: the loss, or it through torch.compile (_compile)
+        object.__setattr__(self, "_loss_call", CompiledLoss(loss_module) if compile else loss_module)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.grad_accum_steps = grad_accum_steps
         self.on_nonfinite = on_nonfinite

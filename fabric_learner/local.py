@@ -9,6 +9,7 @@ from torch import nn
 
 from fabric_learner._dcp import is_sharded_checkpoint, read_full
 from fabric_learner._checkpoint import atomic_torch_save, file_state, overwrite_error, weights_only_load
+from fabric_learner._compile import fused_adam
 from fabric_learner._optim import OptimizerLike, build_optimizer, optimizer_params
 from fabric_learner.learner import Capabilities, Learner
 
@@ -17,7 +18,7 @@ class LocalLearner(Learner):
     """The Learner step in plain PyTorch: no Fabric, no process group, no device moves.
 
     ``optimizer`` is an instance, a factory ``f(params)`` or ``None`` (Adam over
-    ``loss_module.parameters()``).
+    ``loss_module.parameters()``, fused with ``compile=True``).
     """
 
     capabilities = Capabilities(sharded=False, distributed=False)
@@ -31,13 +32,15 @@ class LocalLearner(Learner):
         clip_grad_norm: float | None = None,
         grad_accum_steps: int = 1,
         on_nonfinite: str = "raise",
+        compile: bool = False,
     ) -> None:
         super().__init__(loss_module, policy=policy, clip_grad_norm=clip_grad_norm, grad_accum_steps=grad_accum_steps,
-                         on_nonfinite=on_nonfinite)
-        self.optimizer = build_optimizer(optimizer, loss_module.parameters())
+                         on_nonfinite=on_nonfinite, compile=compile)
+        default = fused_adam if compile and optimizer is None else optimizer
+        self.optimizer = build_optimizer(default, loss_module.parameters())
 
     def _forward(self, batch):
-        return self.loss_module(batch)
+        return self._loss_call(batch)
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
