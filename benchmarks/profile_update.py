@@ -288,10 +288,10 @@ def part_pieces(workloads) -> None:
             l_out = learner.loss_module(batch)
             l_loss = _loss.total_loss(l_out)
             l_res = l_out.detach()
-            learner._window_losses = [l_res.select(*loss_keys(l_res))]
+            learner._window_total = l_loss.detach()
             rows += [
-                ("Learner._any_rank(_nonfinite_flag(loss, gn))", lambda: learner._any_rank(
-                    learner._nonfinite_flag(l_loss, gn))),
+                ("Learner._any_rank(_nonfinite_flag(loss, gn), n)", lambda: learner._any_rank(
+                    learner._nonfinite_flag(l_loss, gn), 256)),
                 ("proposed: bool(~isfinite(loss.detach() + gn))", lambda: bool(~torch.isfinite(l_loss.detach() + gn))),
                 ("result.select(*loss_keys(result))  [window losses]", lambda: l_res.select(*loss_keys(l_res))),
             ]

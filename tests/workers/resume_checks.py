@@ -7,7 +7,8 @@ STEPS and records the uninterrupted result; then it saves again and dies half-wa
 save. ``resume`` starts from other weights and another seed, loads the checkpoint (which must be
 the complete first save) and trains the remaining updates. WORLD 1 runs LocalLearner, killed with
 half its file written; WORLD 2 runs a DDP and an FSDP learner on 2 gloo ranks, each fed half a
-batch, the FSDP save killed while rank 1 writes its shards.
+batch, the FSDP save killed while rank 1 writes its shards; once its results are written,
+``resume`` on 2 ranks saves the DDP learner again and dies with half the file written on rank 0.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rl_cases import CLIP, LR, halves, make_batch, make_loss  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 SAVE_AT, STEPS = 2, 4
+real_torch_save = torch.save
 TIMEOUT = timedelta(seconds=90)
 
 
@@ -50,12 +52,13 @@ def train(learner, steps, world):
             "num_updates": learner.num_updates, "rng_after": torch.get_rng_state()}
 
 
-def die_mid_save(world):
-    """Make the next save kill this process half-way (rank 1 only, on 2 ranks)."""
+def die_mid_save(kind, rank):
+    """Make the next save of a ``kind`` learner kill this process half-way: with half the file
+    written on rank 0 (one file: local, ddp), or while rank 1 writes its shards (fsdp)."""
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if world == 1:
+    if kind != "fsdp" and rank == 0:
         real_save = torch.save
 
         def half_then_die(obj, f, *args, **kwargs):
@@ -67,7 +70,7 @@ def die_mid_save(world):
             die()
 
         torch.save = half_then_die
-    elif torch.distributed.get_rank() == 1:
+    elif kind == "fsdp" and rank == 1:
         import torch.distributed.checkpoint.filesystem as fs
 
         fs.FileSystemWriter.write_data = die
@@ -75,7 +78,7 @@ def die_mid_save(world):
 
 def main(mode, world, out_dir):
     kinds = ["local"] if world == 1 else ["ddp", "fsdp"]
-    rank = 0
+    rank, learners = 0, {}
     for kind in kinds:
         path = os.path.join(out_dir, f"{kind}.ckpt")
         if mode == "first":
@@ -92,11 +95,16 @@ def main(mode, world, out_dir):
             learner.load(path)
             result = train(learner, range(SAVE_AT, STEPS), world)
         torch.save(result, os.path.join(out_dir, f"{kind}_{mode}_rank{rank}.pt"))
+        learners[kind] = learner
         if world > 1:
             learner.fabric.barrier()
-    if mode == "first":  # the crash: no exit hook, no teardown; rank 0 fails when rank 1 is gone
-        die_mid_save(world)
-        learner.save(path)
+    # the crash: no exit hook, no teardown; the rank that survives fails when its peer is gone.
+    # ``first`` kills the last learner's save; on 2 ranks ``resume`` then kills DDP's save too.
+    crash = kinds[-1] if mode == "first" else "ddp" if world > 1 else None
+    if crash is not None:
+        torch.save = real_torch_save
+        die_mid_save(crash, rank)
+        learners[crash].save(os.path.join(out_dir, f"{crash}.ckpt"))
         print(f"rank {rank}: the save was not interrupted", flush=True)
 
 
