@@ -178,8 +178,8 @@ class FabricLearner(Learner):
         if self.fabric.world_size == 1:
             return bool(flag)
         # one tiny all-reduce (fabric.all_reduce would add a barrier): any flag, most and fewest samples
-        counts = torch.tensor([samples, -samples], dtype=flag.dtype, device=flag.device)
-        both = torch.cat([flag.reshape(1), counts])
+        counts = torch.tensor([samples, -samples], dtype=torch.float32, device=flag.device)
+        both = torch.cat([flag.reshape(1).to(torch.float32), counts])
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
         nonfinite, most, fewest = both.tolist()
         if most != -fewest:

@@ -160,15 +160,17 @@ class Learner(nn.Module):
                 return result
             self._window_results = []
             self._optimizer_step()
+            # as a hand-written loop does: gradients freed before the next forward allocates
+            self.optimizer.zero_grad(set_to_none=True)
             self.num_updates += 1
         return result
 
     def _nonfinite_flag(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """A one-element tensor, non-zero when this rank saw a non-finite loss or grad norm (no sync)."""
-        total = self._window_total.to(torch.float32)
+        """A one-element bool tensor, true when this rank saw a non-finite loss or grad norm (no sync)."""
+        total = self._window_total
         if not self._scaler_handles_overflow():  # a grad scaler skips inf-gradient steps itself
-            total = total + grad_norm.detach().to(device=total.device, dtype=torch.float32).reshape(())
-        return (~torch.isfinite(total)).to(torch.float32)
+            total = total + grad_norm.detach().to(total.device)  # the wider dtype; inf + x stays non-finite
+        return ~torch.isfinite(total)
 
     def _nonfinite_error(self, grad_norm: torch.Tensor) -> FloatingPointError:
         bad = sorted({str(k) for td in self._window_results for k in loss_keys(td)
