@@ -67,7 +67,7 @@ class Config:
     gw_reps: int
     gw_inner: int
     workloads: tuple[str, ...] = common.WORKLOADS
-    explicit_c: bool = False  # quick mode runs case c only when asked for with --only
+    explicit: tuple = ()  # cases named with --only; quick mode runs c and compile only then
 
 
 QUICK = Config(quick=True, reps=9, inner=4, warmup=2, ddp_reps=5, ddp_inner=4, ddp_timeout_s=200,
@@ -378,7 +378,7 @@ def case_c_fsdp_memory(cfg: Config) -> list[Row] | None:
     peak RSS. Full mode only (two 2-rank launches, ~1 minute); ``--only c`` runs it alone.
     Goal-less: the ideal state ratio on 2 ranks is 0.5.
     """
-    if cfg.quick and not cfg.explicit_c:
+    if cfg.quick and "c" not in cfg.explicit:
         return None
     got = {}
     for strategy in ("ddp", "fsdp"):
@@ -416,6 +416,8 @@ def case_compile(cfg: Config) -> list[Row] | None:
     first, which is a second graph variant); its time goes into each row's note, apart from the
     steady-state medians.
     """
+    if cfg.quick and "compile" not in cfg.explicit:  # compiling alone takes 1-2 minutes here
+        return None
     rows = []
     for name in cfg.workloads:
         batches = common.make_batches(name)
@@ -611,8 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         return replot(args.replot)
     cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
-    if args.only != p.get_default("only") and "c" in args.only.split(","):
-        cfg = replace(cfg, explicit_c=True)
+    if args.only != p.get_default("only"):
+        cfg = replace(cfg, explicit=tuple(args.only.split(",")))
     only = set(args.only.split(","))
     warnings.filterwarnings("ignore")
     common.set_one_thread()
