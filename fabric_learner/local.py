@@ -46,9 +46,9 @@ class LocalLearner(Learner):
         loss.backward()
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(
-            optimizer_params(self.optimizer), max_norm, error_if_nonfinite=False, foreach=True
-        )
+        # torch's default kernel choice, as a hand-written loop and Fabric's clip_gradients use:
+        # forcing foreach measured a few percent slower per PPO update on CPU
+        return torch.nn.utils.clip_grad_norm_(optimizer_params(self.optimizer), max_norm, error_if_nonfinite=False)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``checkpoint()`` to ``path`` atomically (the same file format as FabricLearner).
