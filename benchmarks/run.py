@@ -148,6 +148,7 @@ def case_a(cfg: Config) -> list[Row]:
         batches = common.make_batches(name)
         k = len(batches)
         hand = common.HandTorchrl(common.make_loss(name)[0])
+        twin = common.HandTorchrl(common.make_loss(name)[0])  # A/A control: the same loop again
         hand_fabric = common.HandFabric(common.make_loss(name)[0])
         local = LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP)
         fabric = FabricLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP, accelerator="cpu", devices=1)
@@ -155,6 +156,7 @@ def case_a(cfg: Config) -> list[Row]:
         samples = common.interleaved(
             {
                 "hand torchrl loop": lambda i: hand.update(batches[i % k]),
+                "hand torchrl loop (twin)": lambda i: twin.update(batches[i % k]),
                 "hand Fabric loop": lambda i: hand_fabric.update(batches[i % k]),
                 "LocalLearner.update": lambda i: local.update(batches[i % k]),
                 "FabricLearner(cpu,1).update": lambda i: fabric.update(batches[i % k]),
@@ -172,6 +174,9 @@ def case_a(cfg: Config) -> list[Row]:
                     note=note, cpu_s=cpu),
             compare("a", name, samples, "hand Fabric loop", "hand torchrl loop", None, unit="ms/update",
                     note="reference: what Fabric itself costs", cpu_s=cpu),
+            compare("a", name, samples, "hand torchrl loop (twin)", "hand torchrl loop", None, unit="ms/update",
+                    note="A/A control: two identical loops; its distance from 1 is this run's noise floor",
+                    cpu_s=cpu),
         ]
     return rows
 
