@@ -367,7 +367,6 @@ class FabricLearner(Learner):
         """
         if self._wrapper is not None:
             return self._save_sharded(Path(path))
-        state = self._live_state()
         if Path(path).is_dir():
             raise IsADirectoryError(f"{path} is a folder; a single-file checkpoint would replace it. Pass a file path.")
         error = overwrite_error(path) if self.global_rank == 0 else None
@@ -375,9 +374,10 @@ class FabricLearner(Learner):
             error = self.fabric.broadcast(error, src=0)
         if error is not None:
             raise FileExistsError(error)
+        # Fabric turns the module and optimizer into state dicts itself; the rest is _live_state's
         self.fabric.save(path, {"format": FORMAT, "model": self.loss_module, "optimizer": self.optimizer,
-                                "param_names": state["param_names"], "accum_step": state["accum_step"],
-                                "num_updates": state["num_updates"], "rng": state["rng"]})
+                                "param_names": self._optimizer_param_names(), "accum_step": self._accum_step,
+                                "num_updates": self.num_updates, "rng": self._rng_states()})
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner, any strategy or world size.
@@ -488,7 +488,7 @@ class FabricLearner(Learner):
 def _lost_peer(err: RuntimeError) -> str | None:
     """What a collective's error says about the other ranks, when it is about them."""
     text = str(err)
-    if "Timed out" in text or "timed out" in text:
+    if "timed out" in text.lower():
         return "it timed out waiting for them"
     if any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")):
         return "a peer closed its connection"
