@@ -5,7 +5,8 @@
 Both contenders live in the same launch and take turns, each repetition in a rotated order,
 with a barrier around every timed block:
 - case b: ``FabricLearner(strategy="ddp")`` vs a hand-written ``DistributedDataParallel`` loop
-  over the same loss (wrapped in ``SumLoss``), same seeds, same per-rank batches;
+  over the same loss (wrapped in ``SumLoss``), same seeds, same per-rank batches, and a second,
+  identical hand loop as an A/A control;
 - case e: ``get_weights()`` of a 20M+ parameter policy vs the raw clone, on every rank;
 - case f: the per-update times give the updates/second per rank at this world size.
 Rank 0 writes the results as JSON to ``--out``.
@@ -55,10 +56,12 @@ def main() -> None:
         rank, world = learner.global_rank, learner.world_size
         loss_h, _ = common.make_loss(name, seed=0)
         hand = common.HandDDP(loss_h)
+        twin = common.HandDDP(common.make_loss(name, seed=0)[0])  # A/A control: the same loop again
         k = len(batches)
         contenders = {
             "FabricLearner(ddp)": lambda i: learner.update(batches[i % k]),
             "hand DDP": lambda i: hand.update(batches[i % k]),
+            "hand DDP (twin)": lambda i: twin.update(batches[i % k]),
         }
         cpu: dict[str, list[float]] = {}
         samples = common.interleaved(contenders, reps=args.reps, inner=args.inner, warmup=args.warmup,

@@ -111,8 +111,8 @@ def part_overhead(workloads, reps: int, inner: int) -> dict:
     return results
 
 
-STAGES = ("batch checks", "forward", "sum losses", "zero_grad", "backward", "detach output", "keep window losses",
-          "clip", "set grad_norm", "non-finite check", "optimizer step")
+STAGES = ("batch checks", "forward", "sum losses", "window start", "window bookkeeping", "backward", "detach output",
+          "clip", "set grad_norm", "non-finite check", "optimizer step", "zero_grad")
 
 
 def _stage_steps(name: str):
@@ -121,7 +121,8 @@ def _stage_steps(name: str):
     The learners' stages call the same methods ``Learner.update`` calls (private hooks of
     fabric_learner; see learner.py), so their sum is the update minus its bookkeeping.
     """
-    from fabric_learner._loss import loss_keys, total_loss
+    from fabric_learner._loss import total_loss
+    from fabric_learner.learner import _backward_seed
 
     def hand_torchrl():
         h = common.HandTorchrl(common.make_loss(name)[0])
@@ -166,40 +167,37 @@ def _stage_steps(name: str):
         for td in common.make_batches(name, count=2):
             lr.update(td)  # past the one-time coverage check
         st = {}
-        # Newer versions of Learner.update also check the batch, keep the window's loss entries and
-        # refuse non-finite steps; replicate whichever of these this checkout has.
-        has_checks = hasattr(lr, "_nonfinite_flag")
 
         def run(td):
-            if has_checks:
-                _ = td.batch_size.numel() == 0 or td.is_empty()
-                yield "batch checks"
+            _ = td.batch_size.numel() == 0 or td.is_empty()
+            yield "batch checks"
             st["out"] = lr._forward(td)
             yield "forward"
             st["loss"] = total_loss(st["out"])
             yield "sum losses"
             lr.optimizer.zero_grad(set_to_none=True)
-            if has_checks:
-                lr._window_losses = []
-            yield "zero_grad"
-            lr._backward(st["loss"])
+            lr._window_results, lr._window_samples = [], 0
+            yield "window start"
+            lr._window_samples += td.batch_size.numel()
+            st["seed"] = _backward_seed(st["loss"], lr.grad_accum_steps)
+            yield "window bookkeeping"
+            lr._backward(st["loss"], st["seed"])
             yield "backward"
             st["res"] = st["out"].detach()
+            lr._window_results.append(st["res"])
             yield "detach output"
-            if has_checks:
-                lr._window_losses.append(st["res"].select(*loss_keys(st["res"])))
-                yield "keep window losses"
             gn = lr._clip_gradients(lr.clip_grad_norm)
             yield "clip"
             st["res"].set("grad_norm", gn.detach().reshape(()).to(st["res"].device or gn.device))
             yield "set grad_norm"
-            if has_checks:
-                if lr._any_rank(lr._nonfinite_flag(st["loss"], gn)):
-                    raise FloatingPointError("non-finite step in the profile")
-                lr._window_losses = []
-                yield "non-finite check"
+            if lr._refuse_step(gn):
+                raise FloatingPointError("non-finite step in the profile")
+            lr._window_results = []
+            yield "non-finite check"
             lr._optimizer_step()
             yield "optimizer step"
+            lr.optimizer.zero_grad(set_to_none=True)
+            yield "zero_grad"
         return run
 
     return {
@@ -251,6 +249,7 @@ def part_pieces(workloads) -> None:
     from lightning.fabric import Fabric
 
     from fabric_learner import _loss
+    from fabric_learner.learner import _backward_seed
 
     print("== pieces: what the learner adds, us per call (min of 7 x 2000 calls)")
     for name in workloads:
@@ -282,19 +281,11 @@ def part_pieces(workloads) -> None:
         ]
         learner = LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP)
         learner.update(batch)
-        if hasattr(learner, "_nonfinite_flag"):  # the per-step non-finite check of Learner.update
-            from fabric_learner._loss import loss_keys
-
-            l_out = learner.loss_module(batch)
-            l_loss = _loss.total_loss(l_out)
-            l_res = l_out.detach()
-            learner._window_total = l_loss.detach()
-            rows += [
-                ("Learner._any_rank(_nonfinite_flag(loss, gn), n)", lambda: learner._any_rank(
-                    learner._nonfinite_flag(l_loss, gn), 256)),
-                ("proposed: bool(~isfinite(loss.detach() + gn))", lambda: bool(~torch.isfinite(l_loss.detach() + gn))),
-                ("result.select(*loss_keys(result))  [window losses]", lambda: l_res.select(*loss_keys(l_res))),
-            ]
+        l_loss = _loss.total_loss(out)
+        rows += [
+            ("Learner._refuse_step(gn)  [non-finite check]", lambda: learner._refuse_step(gn)),
+            ("_backward_seed(loss, 1)", lambda: _backward_seed(l_loss, 1)),
+        ]
         print(f"-- {name}: output keys {sorted(out.keys())}, {len(params)} parameter tensors")
         for label, fn in rows:
             n = 200 if "clip" in label else 2000

@@ -238,6 +238,10 @@ def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
         note = "2 gloo ranks, 1 thread each" + ("" if res["same_weights"] is not False else "; WEIGHTS DIFFER")
         rows.append(compare("b", name, res["samples_s"], "FabricLearner(ddp)", "hand DDP", 1.05,
                             unit="ms/update", note=note, cpu_s=res.get("cpu_s")))
+        if "hand DDP (twin)" in res["samples_s"]:
+            rows.append(compare("b", name, res["samples_s"], "hand DDP (twin)", "hand DDP", None, unit="ms/update",
+                                note="A/A control: two identical loops; its distance from 1 is this run's noise floor",
+                                cpu_s=res.get("cpu_s")))
     gw = two.get("get_weights")
     if gw:
         rows.append(compare("e", f"ppo actor {gw['policy_params'] / 1e6:.1f}M params", gw["samples_s"],

@@ -22,7 +22,9 @@ from fabric_learner._batch import Carrier, LossForwarder
 from fabric_learner._checkpoint import FORMAT, AtomicCheckpointIO, check_format, overwrite_error, weights_only_load
 from fabric_learner._compile import fused_adam
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
+from fabric_learner._loss import loss_keys
 from fabric_learner._optim import OptimizerLike, build_optimizer
+from fabric_learner._samples import SampleTrace
 from fabric_learner._sharded import ShardedLoss, check_sharded, flat_name, is_sharded_strategy
 from fabric_learner.learner import Capabilities, Learner
 
@@ -121,6 +123,7 @@ class FabricLearner(Learner):
         object.__setattr__(self, "_module", module)
         self.optimizer = opt
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
+        self._samples = SampleTrace()
         if fabric.world_size > 1:
             _lifecycle.register(self, group_existed)
 
@@ -160,8 +163,9 @@ class FabricLearner(Learner):
             carried, _ = self._module._forward_module(Carrier(batch))
         return carried.value
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.fabric.backward(self._precision.convert_output(loss), model=self._module)
+    def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
+        loss = self._precision.convert_output(loss)
+        self.fabric.backward(loss, seed.to(loss.dtype), model=self._module)
 
     def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
         # Only ever enter the no-sync context with enabled=True: Fabric's FSDP2 variant leaves
@@ -174,17 +178,25 @@ class FabricLearner(Learner):
         norm = self.fabric.clip_gradients(self._module, self.optimizer, max_norm=max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-    def _any_rank(self, flag: torch.Tensor, samples: int) -> bool:
-        if self.fabric.world_size == 1:
-            return bool(flag)
-        # one tiny all-reduce (fabric.all_reduce would add a barrier): any flag, most and fewest samples
-        counts = torch.tensor([samples, -samples], dtype=torch.float32, device=flag.device)
-        both = torch.cat([flag.reshape(1).to(torch.float32), counts])
-        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
-        nonfinite, most, fewest = both.tolist()
-        if most != -fewest:
-            self._warn_unequal_samples(int(-fewest), int(most))
-        return bool(nonfinite)
+    def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
+        scaler = self._scaler_handles_overflow()
+        if self.world_size > 1:
+            self._samples.add(self._window_samples)
+        due = self.world_size > 1 and self._samples.due(self.num_updates)
+        if not scaler and not due:
+            return super()._refuse_step(grad_norm)  # no collective: see Learner._refuse_step
+        # A grad scaler owns inf gradients (it skips such steps itself), so only a non-finite loss
+        # refuses the step, and whether any rank saw one takes a collective.
+        flag = self._window_loss_nonfinite() if scaler else super()._refuse_step(grad_norm)
+        if self.world_size == 1:
+            return flag
+        packet = self._samples.packet(flag, grad_norm.device)
+        torch.distributed.all_reduce(packet, op=torch.distributed.ReduceOp.MAX)
+        return self._samples.read(packet, self.num_updates)
+
+    def _window_loss_nonfinite(self) -> bool:
+        checks = [torch.isfinite(td.get(k)).all() for td in self._window_results for k in loss_keys(td)]
+        return bool(checks) and not bool(torch.stack(checks).all())
 
     def _scaler_handles_overflow(self) -> bool:
         return getattr(self._precision, "scaler", None) is not None

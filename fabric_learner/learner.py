@@ -100,9 +100,7 @@ class Learner(nn.Module):
         self.skipped_updates = 0
         self._accum_step = 0
         self._window_results: list[TensorDictBase] = []  # this window's outputs, for error messages
-        self._window_total: torch.Tensor | None = None  # running sum of its summed losses
         self._window_samples = 0  # samples this rank fed in this window
-        self._warned_unequal = False
         self._coverage_checked = False
         self.optimizer: torch.optim.Optimizer
 
@@ -130,14 +128,10 @@ class Learner(nn.Module):
             loss = total_loss(output)
             if self._accum_step == 0:
                 self.optimizer.zero_grad(set_to_none=True)
-                self._window_results, self._window_total, self._window_samples = [], None, 0
-            # non-finite exactly when an entry is (or the sum overflows); checked once per step
-            detached = loss.detach()
-            self._window_total = detached if self._window_total is None else self._window_total + detached
+                self._window_results, self._window_samples = [], 0
             self._window_samples += batch.batch_size.numel()
-            if self.grad_accum_steps > 1:
-                loss = loss / self.grad_accum_steps
-            self._backward(loss)  # even when non-finite: ranks must run the same collectives
+            # even when non-finite: ranks must run the same collectives
+            self._backward(loss, _backward_seed(loss, self.grad_accum_steps))
         self._accum_step += 1
         result = output.detach()
         self._window_results.append(result)
@@ -151,7 +145,7 @@ class Learner(nn.Module):
                 self._coverage_checked = True
             grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
             result.set("grad_norm", grad_norm.detach().reshape(()).to(result.device or grad_norm.device))
-            if self._any_rank(self._nonfinite_flag(loss, grad_norm), self._window_samples):  # the one host sync
+            if self._refuse_step(grad_norm):  # the one host sync
                 self._abandon_window()
                 if self.on_nonfinite == "raise":
                     raise self._nonfinite_error(grad_norm)
@@ -165,12 +159,15 @@ class Learner(nn.Module):
             self.num_updates += 1
         return result
 
-    def _nonfinite_flag(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """A one-element bool tensor, true when this rank saw a non-finite loss or grad norm (no sync)."""
-        total = self._window_total
-        if not self._scaler_handles_overflow():  # a grad scaler skips inf-gradient steps itself
-            total = total + grad_norm.detach().to(total.device)  # the wider dtype; inf + x stays non-finite
-        return ~torch.isfinite(total)
+    def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
+        """Whether the window's step must not be taken: true when the grad norm is non-finite.
+
+        This covers a non-finite loss on any rank with no collective of the learner's own: that
+        loss's backward seed is NaN (``_backward_seed``), so every gradient it reaches is NaN, the
+        gradient sync carries the NaN to every rank, and the norm (taken after the sync) is the same
+        on all of them. The step's one host sync.
+        """
+        return not bool(torch.isfinite(grad_norm))
 
     def _nonfinite_error(self, grad_norm: torch.Tensor) -> FloatingPointError:
         bad = sorted({str(k) for td in self._window_results for k in loss_keys(td)
@@ -179,6 +176,8 @@ class Learner(nn.Module):
             what = f"the loss entries {bad} are non-finite"
         elif not torch.isfinite(grad_norm).all() and not self._scaler_handles_overflow():
             what = f"grad_norm is non-finite ({grad_norm.item()})"
+            if self.world_size > 1:
+                what += " on every rank (the gradients are synchronised; a non-finite loss on any rank makes them NaN)"
         else:
             what = "another rank saw a non-finite loss or grad norm"
         rank = f" (rank {self.global_rank})" if self.world_size > 1 else ""
@@ -200,7 +199,8 @@ class Learner(nn.Module):
     def _forward(self, batch: TensorDictBase) -> TensorDictBase:
         raise NotImplementedError
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
+        """``loss.backward(seed)``, through the backend (``seed``: see ``_backward_seed``)."""
         raise NotImplementedError
 
     def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
@@ -212,26 +212,6 @@ class Learner(nn.Module):
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
-
-    def _any_rank(self, flag: torch.Tensor, samples: int) -> bool:
-        """Whether ``flag`` is non-zero on any rank; the same answer on every rank.
-
-        Ranks also compare ``samples`` (this window's batch sizes), to warn when they differ.
-        """
-        return bool(flag)
-
-    def _warn_unequal_samples(self, fewest: int, most: int) -> None:
-        if self._warned_unequal:
-            return
-        self._warned_unequal = True
-        warnings.warn(
-            f"Ranks fed optimizer step {self.num_updates + 1} different numbers of samples (from {fewest} to "
-            f"{most}). Gradients are averaged over ranks, each rank's loss being a mean over its own samples, "
-            "so a sample on a rank with fewer weighs more and the step differs from one on the full batch. "
-            "Give every rank the same number of samples (split evenly; drop or pad the remainder) for "
-            "full-batch equivalence. Warned once per learner.",
-            stacklevel=3,
-        )
 
     def _scaler_handles_overflow(self) -> bool:
         """True when a grad scaler steps the optimizer (it skips inf-gradient steps itself)."""
@@ -375,6 +355,15 @@ class Learner(nn.Module):
 
 
 NONFINITE_MODES = ("raise", "skip")
+
+
+def _backward_seed(loss: torch.Tensor, steps: int) -> torch.Tensor:
+    """The gradient to start ``loss``'s backward from: ``1/steps``, or NaN when ``loss`` is non-finite.
+
+    ``1/steps`` averages the accumulation window's micro-batches; the NaN makes a non-finite loss
+    poison every gradient it reaches, which ``_refuse_step`` relies on. No host sync.
+    """
+    return (loss.detach() * 0).add_(1.0 / steps)  # 0 * x is NaN exactly when x is non-finite
 
 
 def _input_error(err: Exception, batch: TensorDictBase, loss_module: nn.Module) -> Exception:

@@ -42,8 +42,8 @@ class LocalLearner(Learner):
     def _forward(self, batch):
         return self._loss_call(batch)
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
+        loss.backward(seed)
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         # torch's default kernel choice, as a hand-written loop and Fabric's clip_gradients use:

@@ -83,19 +83,34 @@ def nonfinite_on_one_rank(rank):
 
 
 def unequal_samples(rank):
-    """Equal halves, then 10 samples on rank 0 and 6 on rank 1, twice: the warnings each rank saw."""
+    """Ranks compare counts on step 1 and every 100th after (``_samples.CHECK_EVERY``).
+
+    Step 1: 8 samples each; steps 2-3: 10 on rank 0, 6 on rank 1; steps 4-101: 8 each. The
+    warnings each rank saw after step 1, after step 100 (before the period's comparison) and
+    after step 101 (the comparison covering steps 2-101).
+    """
     import warnings
+
+    from fabric_learner._samples import CHECK_EVERY
 
     learner = ddp(loss_module=make_loss("dqn")[0])
     batch = make_batch("dqn", n=16, seed=40)
     seen = {}
+
+    def unequal():
+        return [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         learner.update(halves(batch, rank))
-        seen["equal"] = [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
+        seen["step 1"] = unequal()
         for _ in range(2):
             learner.update(batch[:10] if rank == 0 else batch[10:])
-        seen["unequal"] = [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
+        while learner.num_updates < CHECK_EVERY:
+            learner.update(halves(batch, rank))
+        seen["step 100"] = unequal()
+        learner.update(halves(batch, rank))
+        seen["step 101"] = unequal()
     return seen
 
 
