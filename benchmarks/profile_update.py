@@ -122,7 +122,8 @@ def _stage_steps(name: str):
     fabric_learner; see learner.py), so their sum is the update minus its bookkeeping.
     """
     from fabric_learner._loss import total_loss
-    from fabric_learner.learner import _backward_seed
+    from fabric_learner._optim import optimizer_params
+    from fabric_learner.learner import _backward_seed, _reported_norm
 
     def hand_torchrl():
         h = common.HandTorchrl(common.make_loss(name)[0])
@@ -175,7 +176,8 @@ def _stage_steps(name: str):
             yield "forward"
             st["loss"] = total_loss(st["out"])
             yield "sum losses"
-            lr.optimizer.zero_grad(set_to_none=True)
+            if any(p.grad is not None for p in optimizer_params(lr.optimizer)):
+                lr.optimizer.zero_grad(set_to_none=True)
             lr._window_results, lr._window_samples = [], 0
             yield "window start"
             lr._window_samples += td.batch_size.numel()
@@ -188,7 +190,7 @@ def _stage_steps(name: str):
             yield "detach output"
             gn = lr._clip_gradients(lr.clip_grad_norm)
             yield "clip"
-            st["res"].set("grad_norm", gn.detach().reshape(()).to(st["res"].device or gn.device))
+            st["res"].set("grad_norm", _reported_norm(gn, st["res"].device))
             yield "set grad_norm"
             if lr._refuse_step(gn):
                 raise FloatingPointError("non-finite step in the profile")

@@ -127,7 +127,8 @@ class Learner(nn.Module):
                 raise named from err
             loss = total_loss(output)
             if self._accum_step == 0:
-                self.optimizer.zero_grad(set_to_none=True)
+                if any(p.grad is not None for p in optimizer_params(self.optimizer)):  # not left by a step
+                    self.optimizer.zero_grad(set_to_none=True)
                 self._window_results, self._window_samples = [], 0
             self._window_samples += batch.batch_size.numel()
             # even when non-finite: ranks must run the same collectives
@@ -144,7 +145,7 @@ class Learner(nn.Module):
                     raise coverage_error(missing)
                 self._coverage_checked = True
             grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
-            result.set("grad_norm", grad_norm.detach().reshape(()).to(result.device or grad_norm.device))
+            result.set("grad_norm", _reported_norm(grad_norm, result.device))
             if self._refuse_step(grad_norm):  # the one host sync
                 self._abandon_window()
                 if self.on_nonfinite == "raise":
@@ -167,7 +168,7 @@ class Learner(nn.Module):
         gradient sync carries the NaN to every rank, and the norm (taken after the sync) is the same
         on all of them. The step's one host sync.
         """
-        return not bool(torch.isfinite(grad_norm))
+        return not math.isfinite(grad_norm.item())  # .item(): one dispatch, where torch.isfinite is several
 
     def _nonfinite_error(self, grad_norm: torch.Tensor) -> FloatingPointError:
         bad = sorted({str(k) for td in self._window_results for k in loss_keys(td)
@@ -364,6 +365,13 @@ def _backward_seed(loss: torch.Tensor, steps: int) -> torch.Tensor:
     poison every gradient it reaches, which ``_refuse_step`` relies on. No host sync.
     """
     return (loss.detach() * 0).add_(1.0 / steps)  # 0 * x is NaN exactly when x is non-finite
+
+
+def _reported_norm(grad_norm: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """The norm as ``update`` reports it: a detached scalar on the output's device (usually as it is)."""
+    if grad_norm.requires_grad or grad_norm.dim() != 0:
+        grad_norm = grad_norm.detach().reshape(())
+    return grad_norm if device is None or grad_norm.device == device else grad_norm.to(device)
 
 
 def _input_error(err: Exception, batch: TensorDictBase, loss_module: nn.Module) -> Exception:
