@@ -42,4 +42,4 @@ def total_loss(output: TensorDictBase) -> torch.Tensor:
             "but a scalar is needed to backpropagate. Build the loss with reduction='mean' or "
             "reduction='sum' instead of reduction='none'."
         )
-    return total.reshape(())
+    return total if total.dim() == 0 else total.reshape(())
