@@ -677,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
           + "".join(f"\n  NOT MET: {r.case} {r.workload}: {r.contender} / {r.baseline} = {r.ratio:.3f} "
                     f"(paired {r.paired:.3f}) > {r.goal}" for r in goals if not r.met))
     if skipped:
-        print(f"hooks skipped (not implemented yet, or case c in quick mode): {', '.join(skipped)}")
+        print(f"cases skipped (quick mode runs c and compile only when named with --only): {', '.join(skipped)}")
     print(f"mode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> "
           f"{meta['loadavg_after'][0]:.1f}, {meta['machine']['cpus']} CPUs")
 
