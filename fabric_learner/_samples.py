@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-CHECK_EVERY = 100  # optimizer steps between comparisons; the first step is always compared
+CHECK_EVERY = 100  # ranks compare when num_updates is a multiple: a fresh learner's first step, then every 100th
 _MODULUS = 2**61 - 1  # a prime: the hash below is a polynomial over its field
 _BASE = 1_000_003
 
@@ -56,7 +56,7 @@ class SampleTrace:
                 "being a mean over its own samples, so a sample on a rank with fewer weighs more and the step "
                 "differs from one on the full batch. Give every rank the same number of samples (split "
                 "evenly; drop or pad the remainder) for full-batch equivalence. Ranks compare their counts "
-                f"every {CHECK_EVERY} steps; warned once per learner.",
+                f"at least every {CHECK_EVERY} steps; warned once per learner.",
                 stacklevel=5,  # the caller of update()
             )
         self.reset()

@@ -22,7 +22,6 @@ from fabric_learner._batch import Carrier, LossForwarder
 from fabric_learner._checkpoint import FORMAT, AtomicCheckpointIO, check_format, overwrite_error, weights_only_load
 from fabric_learner._compile import fused_adam
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
-from fabric_learner._loss import loss_keys
 from fabric_learner._optim import OptimizerLike, build_optimizer
 from fabric_learner._samples import SampleTrace
 from fabric_learner._sharded import ShardedLoss, check_sharded, flat_name, is_sharded_strategy
@@ -190,13 +189,9 @@ class FabricLearner(Learner):
         flag = self._window_loss_nonfinite() if scaler else super()._refuse_step(grad_norm)
         if self.world_size == 1:
             return flag
-        packet = self._samples.packet(flag, grad_norm.device)
+        packet = self._samples.packet(flag, self.fabric.device)
         torch.distributed.all_reduce(packet, op=torch.distributed.ReduceOp.MAX)
         return self._samples.read(packet, self.num_updates)
-
-    def _window_loss_nonfinite(self) -> bool:
-        checks = [torch.isfinite(td.get(k)).all() for td in self._window_results for k in loss_keys(td)]
-        return bool(checks) and not bool(torch.stack(checks).all())
 
     def _scaler_handles_overflow(self) -> bool:
         return getattr(self._precision, "scaler", None) is not None

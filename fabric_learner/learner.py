@@ -99,7 +99,8 @@ class Learner(nn.Module):
         self.num_updates = 0
         self.skipped_updates = 0
         self._accum_step = 0
-        self._window_results: list[TensorDictBase] = []  # this window's outputs, for error messages
+        self._window_results: list[TensorDictBase] = []  # this window's outputs (error messages, scaler check)
+        self._window_seed: torch.Tensor | None = None  # product of its backward seeds: NaN iff a loss was
         self._window_samples = 0  # samples this rank fed in this window
         self._coverage_checked = False
         self.optimizer: torch.optim.Optimizer
@@ -131,8 +132,11 @@ class Learner(nn.Module):
                     self.optimizer.zero_grad(set_to_none=True)
                 self._window_results, self._window_samples = [], 0
             self._window_samples += batch.batch_size.numel()
-            # even when non-finite: ranks must run the same collectives
-            self._backward(loss, _backward_seed(loss, self.grad_accum_steps))
+            seed = _backward_seed(loss)
+            self._window_seed = seed if self._accum_step == 0 else self._window_seed * seed
+            if self.grad_accum_steps > 1:
+                loss = loss / self.grad_accum_steps
+            self._backward(loss, seed)  # even when non-finite: ranks must run the same collectives
         self._accum_step += 1
         result = output.detach()
         self._window_results.append(result)
@@ -146,7 +150,7 @@ class Learner(nn.Module):
                 self._coverage_checked = True
             grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
             result.set("grad_norm", _reported_norm(grad_norm, result.device))
-            if self._refuse_step(grad_norm):  # the one host sync
+            if self._refuse_step(grad_norm):  # the step's host sync
                 self._abandon_window()
                 if self.on_nonfinite == "raise":
                     raise self._nonfinite_error(grad_norm)
@@ -161,14 +165,20 @@ class Learner(nn.Module):
         return result
 
     def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
-        """Whether the window's step must not be taken: true when the grad norm is non-finite.
+        """Whether the window's step must not be taken: a non-finite grad norm, or here (one rank) loss.
 
-        This covers a non-finite loss on any rank with no collective of the learner's own: that
-        loss's backward seed is NaN (``_backward_seed``), so every gradient it reaches is NaN, the
-        gradient sync carries the NaN to every rank, and the norm (taken after the sync) is the same
-        on all of them. The step's one host sync.
+        Across ranks no collective of the learner's own is needed: a non-finite loss's backward
+        seed is NaN (``_backward_seed``), which makes the gradients it reaches NaN; the gradient
+        sync carries them to every rank, and the norm, taken after the sync, is the same on all of
+        them. (A loss whose gradient reaches the parameters only through masked elements, such as
+        dead ReLUs, leaves them finite: then every rank takes the step alike.)
         """
-        return not math.isfinite(grad_norm.item())  # .item(): one dispatch, where torch.isfinite is several
+        refuse = not math.isfinite(grad_norm.item())  # .item(): one dispatch, where torch.isfinite is several
+        return refuse or (self.world_size == 1 and self._window_loss_nonfinite())
+
+    def _window_loss_nonfinite(self) -> bool:
+        """This rank's own verdict on its window's losses (a host sync)."""
+        return not math.isfinite(self._window_seed.item())
 
     def _nonfinite_error(self, grad_norm: torch.Tensor) -> FloatingPointError:
         bad = sorted({str(k) for td in self._window_results for k in loss_keys(td)
@@ -358,13 +368,13 @@ class Learner(nn.Module):
 NONFINITE_MODES = ("raise", "skip")
 
 
-def _backward_seed(loss: torch.Tensor, steps: int) -> torch.Tensor:
-    """The gradient to start ``loss``'s backward from: ``1/steps``, or NaN when ``loss`` is non-finite.
+def _backward_seed(loss: torch.Tensor) -> torch.Tensor:
+    """The gradient to start ``loss``'s backward from: 1, or NaN when ``loss`` is non-finite.
 
-    ``1/steps`` averages the accumulation window's micro-batches; the NaN makes a non-finite loss
-    poison every gradient it reaches, which ``_refuse_step`` relies on. No host sync.
+    The NaN makes a non-finite loss poison the gradients it reaches, which ``_refuse_step`` relies
+    on; 1 and NaN are exact in every dtype. No host sync.
     """
-    return (loss.detach() * 0).add_(1.0 / steps)  # 0 * x is NaN exactly when x is non-finite
+    return (loss.detach() * 0).add_(1.0)  # 0 * x is NaN exactly when x is non-finite
 
 
 def _reported_norm(grad_norm: torch.Tensor, device: torch.device | None) -> torch.Tensor:

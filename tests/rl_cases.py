@@ -122,3 +122,18 @@ def run_steps(learner, case: str, rank: int = 0, world_size: int = 1, grad_accum
 
 def flat_params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().cpu() for k, v in module.named_parameters()}
+
+
+class WithConstantEntry(nn.Module):
+    """A loss plus a ``loss_constant`` entry that carries no gradient: set ``value`` to inf to make
+    the summed loss non-finite while every gradient stays finite."""
+
+    def __init__(self, loss: nn.Module) -> None:
+        super().__init__()
+        self.loss = loss
+        self.value = 0.0
+
+    def forward(self, td):
+        out = self.loss(td)
+        out.set("loss_constant", torch.tensor(self.value))
+        return out

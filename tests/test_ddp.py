@@ -135,6 +135,18 @@ def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank(ddp):
     assert any(not torch.equal(r0["after_next"][k], v) for k, v in r0["before"].items())
 
 
+def test_nonfinite_loss_without_gradient_on_one_rank_is_skipped_on_every_rank(ddp):
+    r0, r1 = (r["nonfinite_nograd"] for r in ddp["ranks"])
+    for r in (r0, r1):
+        assert r["skipped_updates"] == 1 and r["num_updates"] == 1, r
+        assert not torch.isfinite(r["skip_grad_norm"])
+        for k, v in r["before"].items():
+            assert torch.equal(r["after_skip"][k], v), k
+        assert r["final_num_updates"] == 2
+    assert_ranks_identical(r0["after_skip"], r1["after_skip"])
+    assert_ranks_identical(r0["after_next"], r1["after_next"])
+
+
 def test_unequal_per_rank_sample_counts_are_warned_once_on_every_rank(ddp):
     for r in ddp["ranks"]:
         seen = r["unequal"]

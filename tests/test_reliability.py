@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 from conftest import make_learner
-from rl_cases import flat_params, make_batch, make_loss
+from rl_cases import WithConstantEntry, flat_params, make_batch, make_loss
 from tensordict import TensorDict
 
 from fabric_learner import LocalLearner
@@ -53,6 +53,19 @@ def test_nonfinite_loss_raises_before_any_change_and_learner_stays_usable(kind, 
     assert all(p.grad is None for p in loss.parameters())
     out = learner.update(make_batch(case, seed=3))
     assert torch.isfinite(out["grad_norm"]) and learner.num_updates == 2
+
+
+def test_nonfinite_loss_entry_without_gradient_is_refused(kind):
+    """The gradients stay finite, so only the loss itself tells: one process checks it."""
+    loss = WithConstantEntry(make_loss("dqn")[0])
+    learner = make_learner(kind, loss, clip_grad_norm=1.0)
+    learner.update(make_batch("dqn", seed=1))
+    before = snapshot(learner)
+    loss.value = float("inf")
+    with pytest.raises(FloatingPointError, match=r"'loss_constant'.*non-finite"):
+        learner.update(make_batch("dqn", seed=2))
+    assert_unchanged(learner, before)
+    assert learner.num_updates == 1
 
 
 def test_nonfinite_loss_is_skipped(kind):

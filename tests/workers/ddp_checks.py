@@ -15,7 +15,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy  # noqa: E402
-from rl_cases import CASES, CLIP, LR, STEPS, flat_params, halves, make_batch, make_loss, run_steps  # noqa: E402
+from rl_cases import (  # noqa: E402
+    CASES, CLIP, LR, STEPS, WithConstantEntry, flat_params, halves, make_batch, make_loss, run_steps,
+)
 from tensordict import LazyStackedTensorDict  # noqa: E402
 
 from fabric_learner import FabricLearner  # noqa: E402
@@ -82,6 +84,24 @@ def nonfinite_on_one_rank(rank):
     return res
 
 
+def nonfinite_without_gradient(rank):
+    """Rank 1's loss gets an inf entry that carries no gradient: its backward seed alone must make
+    every rank skip (the gradients would otherwise be finite everywhere)."""
+    loss = WithConstantEntry(make_loss("dqn")[0])
+    learner = ddp(loss_module=loss, on_nonfinite="skip")
+    batch = make_batch("dqn", n=16, seed=50)
+    learner.update(halves(batch, rank))
+    before = flat_params(loss)
+    loss.value = float("inf") if rank == 1 else 0.0
+    out = learner.update(halves(batch, rank))
+    res = {"before": before, "after_skip": flat_params(loss), "skipped_updates": learner.skipped_updates,
+           "num_updates": learner.num_updates, "skip_grad_norm": out["grad_norm"]}
+    loss.value = 0.0
+    learner.update(halves(batch, rank))
+    res.update(after_next=flat_params(loss), final_num_updates=learner.num_updates)
+    return res
+
+
 def unequal_samples(rank):
     """Ranks compare counts on step 1 and every 100th after (``_samples.CHECK_EVERY``).
 
@@ -128,6 +148,7 @@ def main(out_dir, local_ckpt):
     for case in ("dqn", "ppo"):
         results["accum"][case] = train(case, rank, grad_accum_steps=2)[1]
     results["nonfinite"] = nonfinite_on_one_rank(rank)
+    results["nonfinite_nograd"] = nonfinite_without_gradient(rank)
     results["unequal"] = unequal_samples(rank)
     for precision in ("32-true", "bf16-mixed", "bf16-true", "64-true"):
         results["integrity"][precision] = integrity(rank, precision)
