@@ -181,7 +181,7 @@ def _stage_steps(name: str):
             lr._window_results, lr._window_samples = [], 0
             yield "window start"
             lr._window_samples += td.batch_size.numel()
-            st["seed"] = _backward_seed(st["loss"], lr.grad_accum_steps)
+            st["seed"] = lr._window_seed = _backward_seed(st["loss"])
             yield "window bookkeeping"
             lr._backward(st["loss"], st["seed"])
             yield "backward"
@@ -286,7 +286,7 @@ def part_pieces(workloads) -> None:
         l_loss = _loss.total_loss(out)
         rows += [
             ("Learner._refuse_step(gn)  [non-finite check]", lambda: learner._refuse_step(gn)),
-            ("_backward_seed(loss, 1)", lambda: _backward_seed(l_loss, 1)),
+            ("_backward_seed(loss)", lambda: _backward_seed(l_loss)),
         ]
         print(f"-- {name}: output keys {sorted(out.keys())}, {len(params)} parameter tensors")
         for label, fn in rows:
