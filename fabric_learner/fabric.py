@@ -178,17 +178,15 @@ class FabricLearner(Learner):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
+        # A grad scaler owns inf gradients (it skips such steps itself), so then only a non-finite
+        # loss refuses the step, and whether any rank saw one takes a collective.
         scaler = self._scaler_handles_overflow()
-        if self.world_size > 1:
-            self._samples.add(self._window_samples)
-        due = self.world_size > 1 and self._samples.due(self.num_updates)
-        if not scaler and not due:
-            return super()._refuse_step(grad_norm)  # no collective: see Learner._refuse_step
-        # A grad scaler owns inf gradients (it skips such steps itself), so only a non-finite loss
-        # refuses the step, and whether any rank saw one takes a collective.
         flag = self._window_loss_nonfinite() if scaler else super()._refuse_step(grad_norm)
         if self.world_size == 1:
             return flag
+        self._samples.add(self._window_samples)
+        if not scaler and not self._samples.due(self.num_updates):
+            return flag  # no collective: see Learner._refuse_step
         packet = self._samples.packet(flag, self.fabric.device)
         torch.distributed.all_reduce(packet, op=torch.distributed.ReduceOp.MAX)
         return self._samples.read(packet, self.num_updates)

@@ -99,8 +99,8 @@ class Learner(nn.Module):
         self.num_updates = 0
         self.skipped_updates = 0
         self._accum_step = 0
-        self._window_results: list[TensorDictBase] = []  # this window's outputs (error messages, scaler check)
-        self._window_seed: torch.Tensor | None = None  # product of its backward seeds: NaN iff a loss was
+        self._window_results: list[TensorDictBase] = []  # this window's outputs, for error messages
+        self._window_seed: torch.Tensor | None = None  # product of its backward seeds: NaN iff a loss was not finite
         self._window_samples = 0  # samples this rank fed in this window
         self._coverage_checked = False
         self.optimizer: torch.optim.Optimizer
