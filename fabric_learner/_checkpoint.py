@@ -6,6 +6,7 @@ import contextlib
 import glob
 import io
 import os
+import pickle
 import pickletools
 import tempfile
 import zipfile
@@ -111,19 +112,48 @@ def _is_checkpoint_file(path: Path) -> bool:
     return strings == ["format", FORMAT]
 
 
-def weights_only_load(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint file without unpickling code (``weights_only=True``)."""
+def weights_only_load(path: str | os.PathLike) -> Any:
+    """``torch.load(weights_only=True)`` of a file: no code from it runs, and errors name it."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"No checkpoint at {path}.")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not path.is_file():
+        raise FileNotFoundError(f"No checkpoint file at {path}.")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()
+        raise pickle.UnpicklingError(
+            f"{path}: refusing to load it: it holds an object other than tensors and plain containers, whose "
+            f"unpickling could run code; nothing was loaded (torch: {reason[-1] if reason else err!r}). Load only "
+            "checkpoints written by fabric_learner."
+        ) from None
+    except Exception as err:  # a truncated or foreign file: zip, pickle and storage errors of many kinds
+        raise ValueError(f"{path} is not a readable torch file ({type(err).__name__}: {err}); nothing was loaded. "
+                         "It may be truncated or not be a checkpoint.") from None
+
+
+def read_learner_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A single-file learner checkpoint, read without running code and checked for its format."""
+    state = weights_only_load(path)
     check_format(state, path)
     return state
 
 
 def check_format(state: Any, path: str | os.PathLike) -> None:
-    if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:
-        raise ValueError(f"{path} is not a fabric_learner checkpoint (no 'model' and 'optimizer' entries).")
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path} is not a fabric_learner checkpoint (format {found!r}, expected {FORMAT!r}); "
+                         "nothing was loaded.")
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike):
+    """Validation errors raised inside name the checkpoint file they are about."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        if str(path) in str(err):
+            raise
+        raise type(err)(f"{path}: {err}") from err
 
 
 def fsync_dir(directory: Path) -> None:

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
+import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from fabric_learner._checkpoint import fsync_dir
 
@@ -74,20 +85,55 @@ def publish(path: Path, version: str) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
+_VERSION_NAME = re.compile(r"v\d{9}-[0-9a-f]{8}")
+_SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
+_MAX_SMALL_FILE = 16 << 20  # LATEST, meta.json and .metadata are small; a larger one is not ours
+
+
 def latest_version(path: str | os.PathLike) -> Path:
+    """The complete version folder that ``path/LATEST`` names, refusing names that lead elsewhere."""
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"No sharded checkpoint at {path} (no {LATEST} file).")
-    folder = path / (path / LATEST).read_text().strip()
+    name = read_small_file(path / LATEST).decode("ascii", errors="replace").strip()
+    if not _VERSION_NAME.fullmatch(name):
+        raise ValueError(
+            f"{path / LATEST} names {name[:80]!r}, expected a version folder name such as 'v000000042-1a2b3c4d' "
+            "inside the checkpoint; nothing was loaded. The file was not written by fabric_learner."
+        )
+    folder = path / name
+    if folder.is_symlink() or not folder.is_dir() or folder.resolve().parent != path.resolve():
+        raise ValueError(
+            f"{path / LATEST} names {name}, which is not a folder inside {path} (a symlink or something else); "
+            "nothing was loaded. The checkpoint was not written by fabric_learner."
+        )
     if not (folder / META).is_file():
         raise FileNotFoundError(f"{path}/{LATEST} names {folder.name}, which is incomplete or missing.")
     return folder
 
 
+def read_small_file(path: Path) -> bytes:
+    """The bytes of a regular file of a checkpoint (never a symlink, never huge)."""
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path} is not a regular file (a symlink or something else); nothing was loaded. "
+                         "Checkpoint folders written by fabric_learner hold only regular files.")
+    if info.st_size > _MAX_SMALL_FILE:
+        raise ValueError(f"{path} is {info.st_size} bytes, expected at most {_MAX_SMALL_FILE}; nothing was loaded.")
+    return path.read_bytes()
+
+
 def read_meta(folder: Path) -> dict[str, Any]:
-    meta = json.loads((folder / META).read_text())
-    if meta.get("format") != SHARDED_FORMAT:
-        raise ValueError(f"{folder} is not a {SHARDED_FORMAT} checkpoint (format {meta.get('format')!r}).")
+    """``meta.json``, checked against the tensors ``.metadata`` says the folder stores."""
+    file = folder / META
+    try:
+        meta = json.loads(read_small_file(file))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON ({err}); nothing was loaded. It may be truncated.") from None
+    if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{folder} is not a {SHARDED_FORMAT} checkpoint (format {found!r}); nothing was loaded.")
+    check_meta(meta, read_metadata(folder), file)
     return meta
 
 
@@ -96,7 +142,11 @@ def read_metadata(folder: Path) -> Metadata:
 
 
 def load_into(tensors: dict[str, Any], folder: Path, distributed: bool) -> None:
-    """Fill ``tensors`` (plain tensors or DTensors, any sharding) in place from ``folder``."""
+    """Fill ``tensors`` (plain tensors or DTensors, any sharding) in place from ``folder``.
+
+    Pass fresh tensors, never live state: a file that fails to read mid-way leaves them partly
+    written.
+    """
     dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=not distributed)
 
 
@@ -110,35 +160,202 @@ def full_targets(metadata: Metadata, prefix: str = "") -> dict[str, torch.Tensor
 
 
 class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata read accepts only checkpoint-metadata classes."""
+    """``FileSystemReader`` that reads tensors only, from files of the folder itself.
+
+    torch's reader unpickles ``.metadata`` with plain pickle, and its planner reads any entry
+    that the metadata declares as bytes with ``torch.load(weights_only=False)``: either runs
+    code from the file. Here the metadata goes through an allow-list unpickler and is checked
+    (every entry a tensor, every shard a slice of a ``__<rank>_<n>.distcp`` file of this folder,
+    chunks tiling each tensor) before anything is read, and a bytes read is refused again at
+    read time. Tensor data is read with ``weights_only``, as torch does.
+    """
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} does not hold checkpoint metadata.")
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        data = read_small_file(path)
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except pickle.UnpicklingError as err:
+            raise pickle.UnpicklingError(f"{path}: {err} Nothing was loaded.") from None
+        except Exception as err:  # truncated or garbled: pickle raises many kinds of error
+            raise ValueError(f"{path} is not readable checkpoint metadata ({type(err).__name__}: {err}); "
+                             "nothing was loaded. It may be truncated.") from None
+        check_metadata(metadata, path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise pickle.UnpicklingError(
+                    f"{self.path}: entry {item.dest_index.fqn!r} is stored as pickled bytes, expected a tensor; "
+                    "refusing to unpickle it (loading never runs code from a checkpoint)."
+                )
+        return super().read_data(plan, planner)
 
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path")}
+
+def check_metadata(metadata: Any, path: Path) -> None:
+    """Raise unless ``metadata`` describes only tensors stored in shard files beside it."""
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{path}: {what}; nothing was loaded. The checkpoint was not written by fabric_learner.")
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data, dict):
+        raise pickle.UnpicklingError(f"{path} does not hold checkpoint metadata.")
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            raise pickle.UnpicklingError(
+                f"{path}: entry {key!r} is stored as pickled bytes (BytesStorageMetadata), expected a tensor; "
+                "refusing to load it (loading never runs code from a checkpoint)."
+            )
+        if not isinstance(key, str) or not isinstance(md, TensorStorageMetadata) \
+                or not isinstance(md.properties.dtype, torch.dtype) or not _is_size(md.size):
+            raise refuse(f"entry {key!r} is {type(md).__name__}, expected a tensor's storage metadata")
+        _check_chunks(key, md, refuse)
+    folder = path.parent
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or index.fqn not in metadata.state_dict_metadata:
+            raise refuse(f"storage entry {index!r} belongs to no stored tensor")
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _SHARD_FILE.fullmatch(name):
+            raise refuse(f"entry {index.fqn!r} is stored in {name!r}, expected a shard file '__<rank>_<n>.distcp' "
+                         "of the same folder")
+        if getattr(info, "transform_descriptors", None):
+            raise refuse(f"entry {index.fqn!r} asks for stream transforms {info.transform_descriptors!r}, "
+                         "expected none")
+        if name not in sizes:
+            try:
+                file_info = os.lstat(folder / name)
+            except FileNotFoundError:
+                raise refuse(f"entry {index.fqn!r} is stored in {name}, which is missing") from None
+            if not stat.S_ISREG(file_info.st_mode):
+                raise refuse(f"{name} is not a regular file (a symlink or something else)")
+            sizes[name] = file_info.st_size
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (_is_int(offset) and _is_int(length) and offset >= 0 and length > 0
+                and offset + length <= sizes[name]):
+            raise refuse(f"entry {index.fqn!r} lies at bytes [{offset}, +{length}) of {name}, which has "
+                         f"{sizes[name]} bytes (the file is truncated or the metadata is not its own)")
+
+
+def _check_chunks(key: str, md: TensorStorageMetadata, refuse) -> None:
+    """The chunks of one tensor lie inside it, do not overlap, and cover it whole."""
+    size, boxes = tuple(md.size), []
+    for chunk in md.chunks:
+        if not isinstance(chunk, ChunkStorageMetadata) or not (_is_size(chunk.offsets) and _is_size(chunk.sizes)) \
+                or len(chunk.offsets) != len(size) or len(chunk.sizes) != len(size) \
+                or any(o < 0 or o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, size)):
+            raise refuse(f"entry {key!r} has a chunk outside its shape {list(size)}")
+        boxes.append((tuple(chunk.offsets), tuple(chunk.sizes)))
+    covered = sum(math.prod(n) for _, n in boxes)
+    overlap = any(all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1]))
+                  and math.prod(a[1]) and math.prod(b[1]) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    if overlap or covered != math.prod(size):
+        raise refuse(f"entry {key!r}: its chunks cover {covered} of {math.prod(size)} elements "
+                     f"{'with overlaps' if overlap else ''}, expected the whole tensor once")
+
+
+def check_meta(meta: dict[str, Any], metadata: Metadata, file: Path) -> None:
+    """Raise unless ``meta.json`` agrees with itself and with the tensors stored beside it."""
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{file}: {what}; nothing was loaded. The checkpoint was not written by fabric_learner, "
+                          "or was changed after.")
+
+    for key in ("num_updates", "accum_step", "world_size"):
+        if not _is_int(meta.get(key)) or meta[key] < (1 if key == "world_size" else 0):
+            raise refuse(f"{key!r} is {meta.get(key)!r}, expected a non-negative integer")
+    names = {}
+    for key in ("model_keys", "param_names"):
+        value = meta.get(key)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or len(set(value)) != len(value):
+            raise refuse(f"{key!r} is not a list of distinct names")
+        names[key] = value
+    shapes = meta.get("shapes")
+    if not isinstance(shapes, dict) or not all(
+            isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v) for v in shapes.values()):
+        raise refuse("'shapes' is not a mapping of names to lists of sizes")
+    stored = metadata.state_dict_metadata
+    for key in names["model_keys"]:
+        md = stored.get(f"model/{key}")
+        if md is None:
+            raise refuse(f"model entry {key!r} has no tensor 'model/{key}' in .metadata")
+        if key not in shapes or math.prod(shapes[key]) != math.prod(md.size):
+            raise refuse(f"model entry {key!r} has shape {shapes.get(key)}, but the stored tensor has "
+                         f"{list(md.size)}")
+    params = set(names["param_names"])
+    if not params <= set(names["model_keys"]):
+        raise refuse(f"optimizer parameters {sorted(params - set(names['model_keys']))[:8]} are not model entries")
+    for key, md in stored.items():
+        kind, _, rest = key.partition("/")
+        if kind == "model" and rest not in shapes:
+            raise refuse(f"stored tensor {key!r} is not among 'model_keys'")
+        elif kind == "optim":
+            name, _, field = rest.rpartition("/")
+            if name not in params or not field:
+                raise refuse(f"stored tensor {key!r} belongs to no optimizer parameter in 'param_names'")
+            if math.prod(md.size) not in (1, math.prod(shapes[name])):
+                raise refuse(f"optimizer state {key!r} has shape {list(md.size)}, expected {shapes[name]} or a scalar")
+        elif kind == "rng":
+            rank, _, generator = rest.partition("/")
+            if not rank.isdigit() or int(rank) >= meta["world_size"] or generator not in ("torch", "cuda") \
+                    or md.properties.dtype != torch.uint8 or len(md.size) != 1:
+                raise refuse(f"stored tensor {key!r} is not a random state (uint8, 1-d) of a rank below "
+                             f"world_size {meta['world_size']}")
+        elif kind not in ("model", "optim", "rng"):
+            raise refuse(f"stored tensor {key!r} is none of model/, optim/ or rng/")
+    groups = meta.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise refuse("'param_groups' is not a list of groups with 'params'")
+    grouped = [n for g in groups for n in g["params"]]
+    if sorted(map(str, grouped)) != sorted(params) or len(grouped) != len(params):
+        raise refuse("'param_groups' do not hold each name of 'param_names' exactly once")
+    for g in groups:
+        for k, v in g.items():
+            if k != "params" and not _is_hyper_parameter(v):
+                raise refuse(f"hyper-parameter {k!r} is {v!r}, expected a number, a flag, a string or a list of numbers")
+    scalars = meta.get("optim_scalars", {})
+    if not isinstance(scalars, dict) or not all(
+            n in params and isinstance(f, dict) and all(isinstance(v, (int, float)) for v in f.values())
+            for n, f in scalars.items()):
+        raise refuse("'optim_scalars' is not a mapping of optimizer parameters to numbers")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, (tuple, torch.Size)) and all(_is_int(d) and d >= 0 for d in value)
+
+
+def _is_hyper_parameter(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(isinstance(v, (int, float)) for v in value)
+    return value is None or isinstance(value, (int, float, str))
+
+
+_ALLOWED = {
+    **{("torch.distributed.checkpoint.metadata", name): True for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): True,
+    ("torch", "Size"): True, ("torch.serialization", "_get_layout"): True, ("collections", "OrderedDict"): True,
+    ("pathlib", "PosixPath"): True, ("pathlib", "PurePosixPath"): True, ("pathlib", "Path"): True,
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only the classes DCP metadata is made of (plain dataclasses, sizes, dtypes)."""
+
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if module in _ALLOWED_MODULES and not name.startswith("__"):
-            found = super().find_class(module, name)
-            if isinstance(found, type):
-                return found
         raise pickle.UnpicklingError(
             f"Refusing to load {module}.{name} from checkpoint metadata: only checkpoint metadata "
             "classes are allowed (loading never runs code from a checkpoint)."

@@ -48,10 +48,17 @@ def check(states: Any) -> None:
     """Raise before anything is loaded if a checkpoint's ``rng`` entry is malformed."""
     if states is None:
         return
+    size = torch.get_rng_state().numel()
     if not isinstance(states, (list, tuple)) or not all(
-        isinstance(s, dict) and isinstance(s.get("torch"), torch.Tensor) for s in states
+        isinstance(s, dict) and _is_state(s.get("torch"), size) and set(s) <= {"torch", "cuda"}
+        and ("cuda" not in s or _is_state(s["cuda"])) for s in states
     ):
         raise ValueError(
-            "checkpoint['rng'] must be a list with one {'torch': uint8 tensor} per rank; nothing was loaded. "
-            "Remove the entry to load the checkpoint without restoring the random state."
+            f"checkpoint['rng'] must be a list with one {{'torch': uint8 tensor of {size} bytes}} per rank; nothing "
+            "was loaded. Remove the entry to load the checkpoint without restoring the random state."
         )
+
+
+def _is_state(value: Any, size: int | None = None) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1 \
+        and (size is None or value.numel() == size)

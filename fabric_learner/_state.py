@@ -44,10 +44,36 @@ def check_model_state(state: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
         )
 
 
+def check_optimizer_structure(state: Any, num_params: int) -> None:
+    """Raise unless ``state`` is shaped like a torch optimizer state dict over ``num_params`` parameters."""
+    if not isinstance(state, Mapping) or not isinstance(state.get("state"), Mapping) \
+            or not isinstance(state.get("param_groups"), (list, tuple)):
+        raise ValueError("checkpoint['optimizer'] is not an optimizer state dict (needs 'state' and 'param_groups'); "
+                         "nothing was loaded.")
+    indices = []
+    for group in state["param_groups"]:
+        params = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(params, (list, tuple)) or not all(_is_index(i, num_params) for i in params):
+            raise ValueError(f"checkpoint['optimizer']['param_groups'] has a group whose 'params' are not indices "
+                             f"below {num_params}; nothing was loaded.")
+        indices.extend(params)
+    if len(set(indices)) != len(indices):
+        raise ValueError("checkpoint['optimizer']['param_groups'] lists a parameter twice; nothing was loaded.")
+    for index, fields in state["state"].items():
+        if not _is_index(index, num_params) or index not in indices:
+            raise ValueError(f"checkpoint['optimizer']['state'] holds state for parameter {index!r}, which none of "
+                             f"its param groups lists (indices below {num_params}); nothing was loaded.")
+        if not isinstance(fields, Mapping) or not all(
+                isinstance(f, str) and (v is None or isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool))
+                for f, v in fields.items()):
+            raise ValueError(f"checkpoint['optimizer']['state'][{index!r}] is not a mapping of state names to "
+                             "tensors or numbers; nothing was loaded.")
+
+
 def check_optimizer_state(state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> None:
     """Raise before loading if ``state`` cannot be an optimizer state for ``optimizer``."""
-    if not isinstance(state, Mapping) or "param_groups" not in state or "state" not in state:
-        raise ValueError("checkpoint['optimizer'] is not an optimizer state dict (needs 'state' and 'param_groups').")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    check_optimizer_structure(state, len(params))
     groups = state["param_groups"]
     ours = optimizer.param_groups
     sizes = [len(g["params"]) for g in groups]
@@ -57,6 +83,21 @@ def check_optimizer_state(state: Mapping[str, Any], optimizer: torch.optim.Optim
             f"The checkpoint's optimizer has param groups of sizes {sizes}, this learner's optimizer "
             f"{our_sizes}; nothing was loaded. Build the optimizer over the same parameters as when saving."
         )
+    wrong = [f"state[{i}][{f!r}]: {tuple(v.shape)} vs {tuple(params[int(i)].shape)}"
+             for i, fields in state["state"].items() for f, v in fields.items()
+             if f in _PER_ELEMENT and isinstance(v, torch.Tensor) and v.numel() != params[int(i)].numel()]
+    if wrong:
+        raise ValueError(f"checkpoint['optimizer'] holds state of other shapes than the parameters ({wrong[:4]}); "
+                         "nothing was loaded. Load it into a learner built the same way as the one that saved it.")
+
+
+# torch optimizers' state fields that hold one value per parameter element
+_PER_ELEMENT = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg", "acc_delta",
+                "sum", "exp_inf", "prev", "step_size", "ax"}
+
+
+def _is_index(value: Any, bound: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < bound
 
 
 def reindex_optimizer_state(state: Any, saved_names: list[str], names: list[str],
@@ -101,4 +142,14 @@ def check_checkpoint(checkpoint: Mapping[str, Any], model_shapes: Mapping[str, t
             f"Not a learner checkpoint: missing {missing} (has {sorted(map(str, checkpoint))}). "
             "Pass what Learner.checkpoint() returned or what Learner.save() wrote."
         )
+    for key in ("num_updates", "accum_step"):
+        value = checkpoint.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"checkpoint[{key!r}] is {value!r}, expected a non-negative integer; nothing was loaded.")
+    names = checkpoint.get("param_names")
+    if names is not None and (not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names)
+                              or len(set(names)) != len(names)):
+        raise ValueError("checkpoint['param_names'] is not a list of distinct parameter names; nothing was loaded.")
+    if names is not None:
+        check_optimizer_structure(checkpoint["optimizer"], len(names))
     check_model_state(checkpoint["model"], model_shapes)

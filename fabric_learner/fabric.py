@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fabric_learner import _dcp, _lifecycle, _rng
 from fabric_learner._batch import Carrier, LossForwarder
-from fabric_learner._checkpoint import FORMAT, AtomicCheckpointIO, check_format, overwrite_error, weights_only_load
+from fabric_learner._checkpoint import FORMAT, AtomicCheckpointIO, naming, overwrite_error, read_learner_file
 from fabric_learner._compile import fused_adam
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
 from fabric_learner._optim import OptimizerLike, build_optimizer
@@ -387,20 +388,18 @@ class FabricLearner(Learner):
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner, any strategy or world size.
 
-        Never unpickles code: files load ``weights_only``, sharded metadata through an
-        allow-list. Everything is validated before anything changes.
+        Never runs code from the file: files load ``weights_only``, sharded folders through
+        ``_dcp.SafeReader``. Everything is validated before anything changes.
         """
-        if _dcp.is_sharded_checkpoint(path):
-            if self._wrapper is not None:
-                return self._load_sharded(Path(path))
-            return self.load_checkpoint(_dcp.read_full(path))
-        if Path(path).is_dir():
-            raise FileNotFoundError(f"{path} is a folder but holds no fabric_learner checkpoint (no LATEST file).")
-        if self._wrapper is not None:  # Fabric's sharded load wants live objects; this is a full file
-            return self.load_checkpoint(weights_only_load(path))
-        state = self.fabric.load(path, weights_only=True)
-        check_format(state, path)
-        self.load_checkpoint(state)
+        with naming(path):
+            if _dcp.is_sharded_checkpoint(path):
+                if self._wrapper is not None:
+                    return self._load_sharded(Path(path))
+                return self.load_checkpoint(_dcp.read_full(path))
+            if Path(path).is_dir():
+                raise FileNotFoundError(f"{path} is a folder but holds no fabric_learner checkpoint (no LATEST file).")
+            # every rank reads the file itself, as fabric.load does, but through the checked reader
+            self.load_checkpoint(read_learner_file(path))
 
     def _save_sharded(self, path: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -450,16 +449,14 @@ class FabricLearner(Learner):
         )
 
         folder = _dcp.latest_version(path)
-        meta = _dcp.read_meta(folder)
+        meta = _dcp.read_meta(folder)  # checked against the stored tensors
         wrapper = self._wrapper
-        if sorted(meta["model_keys"]) != sorted(self.loss_module.state_dict(keep_vars=True)) or \
-                sorted(meta["param_names"]) != sorted(self._optimizer_param_names()):
-            raise ValueError(
-                f"The checkpoint at {path} was saved from a different loss module or optimizer; nothing was "
-                "loaded. Load it into a learner built the same way as the one that saved it."
-            )
+        self._check_sharded_meta(meta, path)
+        rng = _dcp.read_rng(folder)
+        _rng.check(rng)
+        # Fresh targets of the same sharding: a read that fails mid-way leaves live state untouched.
         model = get_model_state_dict(wrapper)
-        tensors = {f"model/{n}": model[flat_name(n)] for n in wrapper.names}
+        tensors = {f"model/{n}": torch.empty_like(model[flat_name(n)]) for n in wrapper.names}
         buffers = {k: torch.empty_like(v) for k, v in self._loss_buffers().items()}
         tensors.update({f"model/{k}": v for k, v in buffers.items()})
         optim = get_optimizer_state_dict(wrapper, self._raw_optimizer())
@@ -467,7 +464,7 @@ class FabricLearner(Learner):
         for fqn, fields in optim["state"].items():
             for field, value in fields.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optim/{by_flat[fqn]}/{field}"] = value
+                    tensors[f"optim/{by_flat[fqn]}/{field}"] = torch.empty_like(value)
         _dcp.load_into(tensors, folder, distributed=True)
         set_model_state_dict(wrapper, {flat_name(n): tensors[f"model/{n}"] for n in wrapper.names},
                              options=StateDictOptions(strict=False))
@@ -487,7 +484,26 @@ class FabricLearner(Learner):
             group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v
                           for k, v in saved.items() if k != "params"})
         set_optimizer_state_dict(wrapper, self._raw_optimizer(), optim)
-        self._resume_counters(int(meta["num_updates"]), int(meta["accum_step"]), _dcp.read_rng(folder))
+        self._resume_counters(int(meta["num_updates"]), int(meta["accum_step"]), rng)
+
+    def _check_sharded_meta(self, meta: dict[str, Any], path: Path) -> None:
+        """Raise before anything is read if the checkpoint is not of this loss module and optimizer."""
+        shapes = self._model_shapes()
+        if sorted(meta["model_keys"]) != sorted(shapes) or \
+                sorted(meta["param_names"]) != sorted(self._optimizer_param_names()):
+            raise ValueError(
+                f"The checkpoint at {path} was saved from a different loss module or optimizer; nothing was "
+                "loaded. Load it into a learner built the same way as the one that saved it."
+            )
+        wrong = [f"{k}: {meta['shapes'][k]} vs {list(s)}" for k, s in shapes.items()
+                 if math.prod(meta["shapes"][k]) != math.prod(s)]
+        if wrong:
+            raise ValueError(f"The checkpoint at {path} has other shapes than this loss module ({wrong[:8]}); "
+                             "nothing was loaded. Load it into a learner built the same way as the one that saved it.")
+        ours, theirs = len(self.optimizer.param_groups), len(meta["param_groups"])
+        if ours != theirs:
+            raise ValueError(f"The checkpoint at {path} has {theirs} optimizer param group(s), this learner "
+                             f"{ours}; nothing was loaded. Build the optimizer with the same param groups.")
 
 
 def _lost_peer(err: RuntimeError) -> str | None:

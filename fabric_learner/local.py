@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fabric_learner._dcp import is_sharded_checkpoint, read_full
-from fabric_learner._checkpoint import atomic_torch_save, file_state, overwrite_error, weights_only_load
+from fabric_learner._checkpoint import atomic_torch_save, file_state, naming, overwrite_error, read_learner_file
 from fabric_learner._compile import fused_adam
 from fabric_learner._optim import OptimizerLike, build_optimizer, optimizer_params
 from fabric_learner.learner import Capabilities, Learner
@@ -63,6 +63,5 @@ class LocalLearner(Learner):
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner; never unpickles code."""
-        if is_sharded_checkpoint(path):
-            return self.load_checkpoint(read_full(path))
-        self.load_checkpoint(weights_only_load(path))
+        with naming(path):
+            self.load_checkpoint(read_full(path) if is_sharded_checkpoint(path) else read_learner_file(path))

@@ -62,6 +62,8 @@ from torchrl.envs import EnvBase
 from torchrl.trainers import LogScalar, OptimizationStepper, TrainerHookBase
 from torchrl.trainers import Trainer as _TorchRLTrainer
 
+from fabric_learner._checkpoint import weights_only_load
+from fabric_learner._dcp import read_small_file
 from fabric_learner.onpolicy import all_reduce, distributed_world_size
 from fabric_learner.weights import PublishWeights, check_collector_policy
 
@@ -550,20 +552,49 @@ class Trainer(_TorchRLTrainer):
             "rng": rng,
         }
 
-    def _check_rank_state(self, state: dict[str, Any]) -> None:
+    def _check_rank_state(self, state: Any, source: str = "the trainer state") -> None:
         """Raise, before anything is loaded, if this rank's state cannot be restored here."""
+        def refuse(what: str) -> ValueError:
+            return ValueError(f"{source}: {what}; nothing was loaded. Pass a checkpoint folder written by "
+                              "fabric_learner's Trainer.save_checkpoint.")
+
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"Not a fabric_learner trainer checkpoint (format {state.get('format')!r}).")
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise refuse(f"format is {found!r}, expected {CHECKPOINT_FORMAT!r}")
+        if not _is_count(state.get("world_size")) or state["world_size"] < 1:
+            raise refuse(f"'world_size' is {state.get('world_size')!r}, expected a positive integer")
         if state["world_size"] != self._world_size:
             raise ValueError(
                 f"This checkpoint's per-rank state (replay buffers, collectors, RNG) was saved by {state['world_size']} "
                 f"rank(s) and cannot be split over {self._world_size}. Load the learner alone with "
                 "learner.load(<checkpoint>/learner.ckpt)."
             )
-        missing = [name for name in self._modules if name not in state["modules"]]
+        counters = state.get("state")
+        if not isinstance(counters, dict) or not all(_is_count(counters.get(k)) for k in _COUNTERS) \
+                or not isinstance(counters.get("_last_log"), dict) \
+                or not all(isinstance(v, (int, float)) for v in counters["_last_log"].values()):
+            raise refuse(f"'state' is not the trainer's counters ({', '.join(_COUNTERS)}, _last_log)")
+        modules = state.get("modules")
+        if not isinstance(modules, dict):
+            raise refuse("'modules' is not a mapping of hook names to their states")
+        missing = [name for name in self._modules if name not in modules]
         if missing:
             raise ValueError(f"The checkpoint has no state for the registered hooks {missing}; register the same "
                              "hooks as the run that saved it.")
+        for name, module in self._modules.items():
+            saved = modules[name]
+            expected = set(module.state_dict())
+            if not isinstance(saved, dict) or set(saved) != expected:
+                found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+                raise refuse(f"the state of hook {name!r} has entries {found}, expected {sorted(expected)}")
+        if state.get("collector") is not None and not isinstance(state["collector"], dict):
+            raise refuse("'collector' is not a collector state dict")
+        carrier = state.get("carrier")
+        if carrier is not None and not (isinstance(carrier, dict) and isinstance(carrier.get("data"), dict)
+                                        and isinstance(carrier.get("batch_size"), list)
+                                        and all(_is_count(d) for d in carrier["batch_size"])):
+            raise refuse("'carrier' is not a collector's in-flight tensordict")
+        _check_rng_state(state.get("rng"), refuse)
 
     def _load_rank_state(self, state: dict[str, Any], *, restore_rng: bool = True) -> None:
         self._check_rank_state(state)
@@ -636,12 +667,23 @@ class Trainer(_TorchRLTrainer):
             path = path.with_name(path.name + ".old")  # a crash hit the swap: the previous checkpoint
         if not (path / _META_FILE).exists():
             raise FileNotFoundError(f"No fabric_learner trainer checkpoint at {file} (no {_META_FILE}).")
-        meta = json.loads((path / _META_FILE).read_text())
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{file} has format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}.")
-        state = torch.load(path / f"rank{self.global_rank}.pt", map_location="cpu", weights_only=True)
-        self._check_rank_state(state)
-        self.learner.load(path / _LEARNER_FILE)  # validated before it changes anything
+        meta_file = path / _META_FILE
+        try:
+            meta = json.loads(read_small_file(meta_file))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{meta_file} is not valid JSON ({err}); nothing was loaded.") from None
+        if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise ValueError(f"{meta_file} has format {found!r}, expected {CHECKPOINT_FORMAT!r}; nothing was loaded.")
+        rank_file = path / f"rank{self.global_rank}.pt"
+        learner_file = path / _LEARNER_FILE
+        for inner in (rank_file, learner_file):  # files of the folder itself, never links out of it
+            if inner.is_symlink():
+                raise ValueError(f"{inner} is a symlink; a trainer checkpoint holds only its own files. Nothing "
+                                 "was loaded.")
+        state = weights_only_load(rank_file)
+        self._check_rank_state(state, str(rank_file))
+        self.learner.load(learner_file)  # validated before it changes anything
         self._load_rank_state(state, restore_rng=False)
         self._publish_after_load()
         _set_rng_state(state["rng"], self.collector)
@@ -649,6 +691,35 @@ class Trainer(_TorchRLTrainer):
 
 
 # ---- per-rank state helpers ---------------------------------------------------------------------
+
+
+_COUNTERS = ("collected_frames", "_last_save", "_optim_count")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_rng_state(rng: Any, refuse) -> None:
+    """The random states ``_rng_state`` writes: torch, numpy's MT19937, python's, env generators."""
+    torch_size = torch.get_rng_state().numel()
+
+    def generator_state(t: Any, size: int | None = None) -> bool:
+        return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 and size in (None, t.numel())
+
+    n = rng.get("numpy") if isinstance(rng, dict) else None
+    python = rng.get("python") if isinstance(rng, dict) else None
+    ok = (isinstance(rng, dict) and generator_state(rng.get("torch"), torch_size)
+          and isinstance(n, dict) and n.get("kind") == "MT19937" and isinstance(n.get("keys"), torch.Tensor)
+          and n["keys"].dtype == torch.int64 and n["keys"].shape == (624,) and _is_count(n.get("pos"))
+          and _is_count(n.get("has_gauss")) and isinstance(n.get("cached_gaussian"), float)
+          and isinstance(python, (tuple, list)) and len(python) == 3 and python[0] == 3
+          and isinstance(python[1], (tuple, list)) and len(python[1]) == 625 and all(_is_count(x) for x in python[1])
+          and (python[2] is None or isinstance(python[2], float))
+          and isinstance(rng.get("env", []), list) and all(generator_state(g) for g in rng.get("env", []))
+          and all(generator_state(g) for g in rng.get("cuda", [])))
+    if not ok:
+        raise refuse("'rng' is not the random states of torch, numpy, python and the environments")
 
 
 def _env_generators(env, depth: int = 0) -> list[torch.Generator]:

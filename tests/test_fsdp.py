@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import pytest
+import tamper
 import torch
 from multiproc import WORKERS, python, run
 from rl_cases import CASES, CLIP, LR, STEPS, make_batch, make_loss, run_steps
@@ -15,12 +17,22 @@ from fabric_learner import LocalLearner
 
 
 
+TAMPERED = {**{f"sharded: {c}": ("sharded", c, tamper.SHARDED[c]) for c in tamper.SHARDED},
+            **{f"ddp.pt: {c}": ("ddp.pt", c, tamper.FILE[c]) for c in tamper.FILE}}
+
+
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    proc = run(python(os.path.join(WORKERS, "fsdp_checks.py"), str(out)), timeout=480)
+    marker = out / "payload-ran"
+    os.environ["FL_MARKER"] = str(marker)  # the tampering payloads name it when pickled
+    cases = {name: str(tamper.prepare({c: change}, fixture, out / "tampered" / str(i))[c])
+             for i, (name, (fixture, c, change)) in enumerate(TAMPERED.items())}
+    (out / "tampered" / "cases.json").write_text(json.dumps(cases))
+    proc = run(python(os.path.join(WORKERS, "fsdp_checks.py"), str(out)), timeout=480, FL_MARKER=str(marker))
     assert proc.returncode == 0, proc.stdout[-6000:]
-    return {"ranks": [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], "dir": out}
+    return {"ranks": [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], "dir": out,
+            "marker": marker}
 
 
 def opt():
@@ -136,3 +148,17 @@ def test_sharded_checkpoint_loads_into_one_process(fsdp):
     assert state["optimizer"]["state"], "optimizer moments were restored"
     torch.manual_seed(0)
     assert torch.isfinite(learner.update(make_batch("sac"))["grad_norm"])
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_a_tampered_checkpoint_is_refused_on_two_ranks_and_changes_nothing(fsdp, strategy, case):
+    """The one-process refusals of test_tampered_checkpoints.py hold on 2 ranks under FSDP and DDP."""
+    assert not fsdp["marker"].exists(), "code from a checkpoint ran"
+    for rank in fsdp["ranks"]:
+        got = rank["tampered"][(strategy, case)]
+        assert got["error"] is not None, f"rank loaded {case} without an error"
+        kind, message = got["error"]
+        assert kind in ("UnpicklingError", "ValueError", "FileNotFoundError"), (kind, message)
+        assert got["path"] in message, message
+        assert got["unchanged"], f"{case}: the learner changed although the load was refused"

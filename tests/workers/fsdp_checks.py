@@ -93,6 +93,44 @@ def resume(out_dir, rank):
     return {"a": a.checkpoint(), "b": b.checkpoint(), "loaded_updates": loaded_updates}
 
 
+def tampered(out_dir, rank):
+    """Damaged copies of real checkpoints (prepared by the test, see tests/tamper.py), loaded on 2 ranks.
+
+    For each case and strategy: the error every rank raised, and whether its learner's state
+    (weights, targets, optimizer state, counters, random state) is exactly what it was.
+    """
+    import json
+
+    cases = json.loads(open(os.path.join(out_dir, "tampered", "cases.json")).read())
+    learners = {"fsdp": fsdp(loss_module=make_loss("dqn", seed=3)[0], optimizer=opt(), clip_grad_norm=CLIP),
+                "ddp": FabricLearner(make_loss("dqn", seed=3)[0], opt(), clip_grad_norm=CLIP, accelerator="cpu",
+                                     devices=2, strategy=DDPStrategy(timeout=TIMEOUT))}
+    for learner in learners.values():
+        learner.update(halves(make_batch("dqn", n=16, seed=7), rank))
+    out = {}
+    for name, learner in learners.items():
+        for case, path in cases.items():
+            before = (learner.checkpoint(), torch.get_rng_state())
+            try:
+                learner.load(path)
+                error = None
+            except Exception as err:  # noqa: BLE001 - the test inspects what was raised
+                error = (type(err).__name__, str(err))
+            after = (learner.checkpoint(), torch.get_rng_state())
+            out[(name, case)] = {"error": error, "path": path, "unchanged": _same(before, after)}
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def main(out_dir):
     results = {"cases": {}, "accum": {}}
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -113,6 +151,7 @@ def main(out_dir):
     results["actor_numel_after"] = sum(p.numel() for p in learner.policy.parameters())
     results["round_trip"] = round_trip(out_dir, rank)
     results["resume"] = resume(out_dir, rank)
+    results["tampered"] = tampered(out_dir, rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     learner.fabric.barrier()
     torch.distributed.destroy_process_group()
