@@ -3,6 +3,7 @@
     python examples/dqn_replay_ddp.py                     # launches 2 CPU ranks itself (DDP)
     fabric run --accelerator=cpu --strategy=ddp --devices=2 examples/dqn_replay_ddp.py
     torchrun --nproc-per-node=2 examples/dqn_replay_ddp.py
+    python examples/dqn_replay_ddp.py --strategy fsdp      # the same program under FSDP2
 
 Off-policy, every rank running this same program: each rank steps its own cart-poles with an
 epsilon-greedy Q-network, writes the transitions into its *own* prioritized replay buffer,
@@ -11,7 +12,8 @@ so every rank holds the same Q-network. torchrl's hooks do the rest, unchanged:
 ``ReplayBufferTrainer`` (extend, sample, and the priority update from DQN's ``td_error``,
 which ``fabric_learner.Trainer`` runs after each update), a ``SoftUpdate`` target network,
 epsilon annealing, reward logging. The collector acts with the Q-network the loss trains
-(shared memory under DDP), so it always uses the newest weights.
+(shared memory under DDP; under FSDP the learner keeps its ``policy=`` full and refreshed after
+every step), so it always uses the newest weights.
 
 The environment is the classic cart-pole (Barto et al.; gym's CartPole-v1 dynamics) written
 as one torch ``EnvBase`` holding ``--envs`` poles, so nothing is downloaded. Episodes end when
@@ -133,11 +135,13 @@ class AnnealEpsilon(TrainerHookBase):
 
 
 def launcher_kwargs(args) -> dict:
-    if "LT_CLI_USED" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+    if "LT_CLI_USED" in os.environ:
         return {}
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return {"strategy": "fsdp"} if args.strategy == "fsdp" else {}
     if args.devices == 1:
         return {"accelerator": "cpu", "devices": 1}
-    return {"accelerator": "cpu", "strategy": "ddp", "devices": args.devices}
+    return {"accelerator": "cpu", "strategy": args.strategy, "devices": args.devices}
 
 
 def parse_args(argv=None):
@@ -149,6 +153,7 @@ def parse_args(argv=None):
     p.add_argument("--updates", type=int, default=8, help="optimizer steps per collected batch")
     p.add_argument("--batch", type=int, default=128, help="replay minibatch per rank")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--strategy", default="ddp", help="ddp or fsdp: nothing else in the script changes")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logdir", default="runs", help="TensorBoard root ('' for none)")
@@ -201,7 +206,8 @@ def main(argv=None):
         curve = lengths.curve
         first = sum(v for _, v in curve[:5]) / max(len(curve[:5]), 1)
         last = sum(v for _, v in curve[-5:]) / max(len(curve[-5:]), 1)
-        print(f"done: {learner.world_size} rank(s) {type(learner.fabric.strategy).__name__}, {learner.num_updates} updates, {trainer.collected_frames} frames, "
+        how = "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__
+        print(f"done: {learner.world_size} rank(s) {how}, {learner.num_updates} updates, {trainer.collected_frames} frames, "
               f"episode length {first:.0f} -> {last:.0f} in {time.perf_counter() - start:.0f}s", flush=True)
     learner.close()
 

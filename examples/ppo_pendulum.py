@@ -20,7 +20,6 @@ single batched call, where a ``SerialEnv`` of ``PendulumEnv``s would step them o
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import math
 import os
@@ -143,10 +142,6 @@ def scale_reward(batch, scale: float):
     return batch
 
 
-def sharded(args) -> bool:
-    return args.strategy == "fsdp" or os.environ.get("LT_STRATEGY") == "fsdp"
-
-
 def launcher_kwargs(args) -> dict:
     """No device arguments under `fabric run` / `torchrun`: the launcher decides."""
     if "LT_CLI_USED" in os.environ:
@@ -185,10 +180,6 @@ def build(args, learner_kwargs: dict):
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     env = make_env(args.envs)
     actor, critic = make_agent()
-    # DDP: the collector runs the very actor the loss trains (shared memory, always current).
-    # FSDP: the loss's parameters are shards, so the collector acts with its own full copy,
-    # refreshed from learner.get_weights() after every batch by the trainer's PublishWeights.
-    acting = copy.deepcopy(actor) if sharded(args) else actor
     loss = ClipPPOLoss(actor, critic, clip_epsilon=0.2, entropy_coeff=0.0, critic_coeff=0.5, loss_critic_type="l2",
                        normalize_advantage=False)  # advantages are normalised over all ranks by the hook below
     gae = GAE(gamma=args.gamma, lmbda=0.95, value_network=critic, average_gae=False)
@@ -196,7 +187,9 @@ def build(args, learner_kwargs: dict):
     learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=args.lr), policy=actor, clip_grad_norm=args.clip,
                             **learner_kwargs)
     frames_per_batch = args.envs * MAX_STEPS
-    collector = Collector(env, acting, frames_per_batch=frames_per_batch, total_frames=-1,
+    # The collector runs the very actor the loss trains, under every strategy: DDP shares its
+    # memory; FSDP keeps it (policy=) full and refreshed after every optimizer step.
+    collector = Collector(env, actor, frames_per_batch=frames_per_batch, total_frames=-1,
                           auto_register_policy_transforms=False)
     logger = None
     if args.logdir:

@@ -2,7 +2,7 @@
 
 from fabric_learner.fabric import FabricLearner
 from fabric_learner.learner import Capabilities, Learner
-from fabric_learner._sharded import ShardedLoss, shard_loss, whole_world
+from fabric_learner.backends.sharded import ShardedLoss, shard_loss, whole_world
 from fabric_learner.local import LocalLearner
 from fabric_learner.replay import TorchPrioritizedSampler
 from fabric_learner.trainer import Trainer

@@ -387,7 +387,7 @@ def read_full(path: str | os.PathLike) -> dict[str, Any]:
         fields = {f: t for k, t in tensors.items() if k.startswith(f"optim/{name}/") for f in [k[len(f"optim/{name}/"):]]}
         fields.update(meta.get("optim_scalars", {}).get(name, {}))
         if fields:
-            state[i] = {f: _as_param_shape(v, shapes[name]) for f, v in fields.items()}
+            state[i] = {f: as_param_shape(v, shapes[name]) for f, v in fields.items()}
     index = {name: i for i, name in enumerate(names)}
     groups = [dict(g, params=[index[n] for n in g["params"]]) for g in meta["param_groups"]]
     return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "param_names": names,
@@ -414,7 +414,7 @@ def read_rng(folder: Path, tensors: dict[str, torch.Tensor] | None = None) -> li
     return [states[r] for r in sorted(states)] or None
 
 
-def _as_param_shape(value: Any, shape: list[int]) -> Any:
+def as_param_shape(value: Any, shape: list[int]) -> Any:
     """Scalar parameters are stored sharded with shape (1,); give their moments shape () back."""
     if isinstance(value, torch.Tensor) and list(shape) == [] and tuple(value.shape) == (1,):
         return value.reshape(())

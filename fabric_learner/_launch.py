@@ -9,7 +9,8 @@ from typing import Any
 
 from lightning.fabric import Fabric
 
-from fabric_learner._sharded import default_sharded_strategy
+from fabric_learner._compat import set_group_timeout, set_strategy_timeout, strategy_mesh
+from fabric_learner.backends.sharded import default_sharded_strategy
 
 SHARDED_NAMES = ("fsdp", "fsdp2")
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -117,7 +118,7 @@ def set_timeout(strategy: Any, timeout: timedelta) -> None:
     from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
     if isinstance(strategy, (DDPStrategy, ModelParallelStrategy)):
-        strategy._timeout = timeout
+        set_strategy_timeout(strategy, timeout)
 
 
 def apply_collective_timeout(fabric: Fabric, timeout: timedelta) -> None:
@@ -128,16 +129,15 @@ def apply_collective_timeout(fabric: Fabric, timeout: timedelta) -> None:
     reach it.
     """
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _set_pg_timeout
 
     if not (dist.is_available() and dist.is_initialized()) or fabric.world_size == 1:
         return
     groups = [None]
-    mesh = getattr(fabric.strategy, "_device_mesh", None)
+    mesh = strategy_mesh(fabric.strategy)
     if mesh is not None:
         groups += [g for g in mesh.get_all_groups() if g is not dist.group.WORLD]
     for group in groups:
-        _set_pg_timeout(timeout, group)
+        set_group_timeout(timeout, group)
 
 
 def launch(fabric: Fabric) -> None:

@@ -29,6 +29,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from fabric_learner._compat import release_ddp_group, wrapped_forward
+
 _open: weakref.WeakSet = weakref.WeakSet()
 _state = {"installed": False, "owns_group": False, "crashed": False, "fabrics": [], "done": False}
 _lock = threading.Lock()
@@ -110,7 +112,7 @@ def _at_exit() -> None:
 def _launched_children() -> list:
     procs = []
     for fabric in _state["fabrics"]:
-        launcher = getattr(fabric.strategy, "launcher", None) or getattr(fabric, "_launcher", None)
+        launcher = getattr(fabric.strategy, "launcher", None)  # under plain python, its procs are the other ranks
         procs.extend(getattr(launcher, "procs", None) or [])
     return procs
 
@@ -147,14 +149,10 @@ def _release_ddp(module) -> None:
     """Drop DDP's references to the group, so its ``Reducer`` never ends the group later."""
     from torch.nn.parallel import DistributedDataParallel
 
-    for candidate in (module, getattr(module, "_forward_module", None), getattr(module, "module", None)):
+    inner = wrapped_forward(module) if hasattr(module, "_forward_module") else None
+    for candidate in (module, inner, getattr(module, "module", None)):
         if isinstance(candidate, DistributedDataParallel):
-            for attr in ("reducer", "logger", "process_group"):
-                if hasattr(candidate, attr):
-                    try:
-                        setattr(candidate, attr, None)
-                    except (AttributeError, TypeError):
-                        pass
+            release_ddp_group(candidate)
 
 
 def _gloo_workers() -> dict[int, tuple[str, int]]:

@@ -162,6 +162,7 @@ class Learner(nn.Module):
             # as a hand-written loop does: gradients freed before the next forward allocates
             self.optimizer.zero_grad(set_to_none=True)
             self.num_updates += 1
+            self._weights_changed()
         return result
 
     def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
@@ -224,6 +225,9 @@ class Learner(nn.Module):
     def _optimizer_step(self) -> None:
         self.optimizer.step()
 
+    def _weights_changed(self) -> None:
+        """After an optimizer step or a load: bring copies used outside ``update`` up to date."""
+
     def _scaler_handles_overflow(self) -> bool:
         """True when a grad scaler steps the optimizer (it skips inf-gradient steps itself)."""
         return False
@@ -259,6 +263,16 @@ class Learner(nn.Module):
         """
         return contextlib.nullcontext(self.loss_module)
 
+    def serve(self, module: nn.Module) -> bool:
+        """Keep ``module`` (a network the loss trains, run outside ``update``) full and current.
+
+        Here it already runs on the trained parameters, so nothing changes; a sharded learner
+        keeps its parameters gathered (see ``FabricLearner.serve``). Returns whether ``module``
+        holds parameters the loss trains.
+        """
+        ours = {id(p) for p in self.loss_module.parameters()}
+        return any(id(p) in ours for p in module.parameters())
+
     # ---- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -279,12 +293,7 @@ class Learner(nn.Module):
         Laid out as ``TensorDict.from_module(policy)`` when a policy was given, else as the loss
         module's trainable parameters. Needs no communication on unsharded backends.
         """
-        if self.policy is not None:
-            source = TensorDict.from_module(self.policy)
-        else:
-            source = TensorDict(dict(self.loss_module.named_parameters()), batch_size=[]).unflatten_keys(".")
-        device = torch.device("cpu") if cpu_offload else None
-        return source.apply(lambda t: _plain_copy(t, device), batch_size=[])
+        return plain_weights(self.loss_module, self.policy, cpu_offload)
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -342,6 +351,7 @@ class Learner(nn.Module):
         self._load_optimizer_state(optimizer_state)
         self._resume_counters(int(checkpoint.get("num_updates", 0)), int(checkpoint.get("accum_step", 0)),
                               checkpoint.get("rng"))
+        self._weights_changed()
 
     def _resume_counters(self, num_updates: int, accum_step: int, rng: Any = None) -> None:
         """After a load: the saved update count and random state, and a fresh window (gradients are not saved)."""
@@ -436,6 +446,16 @@ def _missing_keys_error(err: Exception, batch: TensorDictBase, loss_module: nn.M
         f"loss_module.in_keys: {missing}; add them to the batch (nested keys as tuples, e.g. "
         "('next', 'reward')). Some in_keys are only read in some configurations, so not all of them may be needed."
     )
+
+
+def plain_weights(loss_module: nn.Module, policy: nn.Module | None, cpu_offload: bool) -> TensorDictBase:
+    """Detached copies of ``policy``'s tensors (or the loss's parameters), on the CPU if asked."""
+    if policy is not None:
+        source = TensorDict.from_module(policy)
+    else:
+        source = TensorDict(dict(loss_module.named_parameters()), batch_size=[]).unflatten_keys(".")
+    device = torch.device("cpu") if cpu_offload else None
+    return source.apply(lambda t: _plain_copy(t, device), batch_size=[])
 
 
 def _plain_copy(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:

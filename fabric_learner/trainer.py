@@ -65,7 +65,7 @@ from torchrl.trainers import Trainer as _TorchRLTrainer
 from fabric_learner._checkpoint import weights_only_load
 from fabric_learner._dcp import read_small_file
 from fabric_learner.onpolicy import all_reduce, distributed_world_size
-from fabric_learner.weights import PublishWeights, check_collector_policy
+from fabric_learner.weights import PublishWeights, serve_collector_policy
 
 __all__ = ["FabricLoggerAdapter", "GlobalLogScalar", "LearnerStepper", "LogThroughput", "Trainer"]
 
@@ -342,7 +342,7 @@ class Trainer(_TorchRLTrainer):
         if target_net_updater is not None:
             _TargetNetUpdate(target_net_updater, learner).register(self)
         if publish_weights and collector is not None:
-            check_collector_policy(learner, collector)
+            serve_collector_policy(learner, collector)
             PublishWeights(learner, collector).register(self)
         if log_throughput:
             LogThroughput(self).register(self)

@@ -24,8 +24,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.trainers import TrainerHookBase
 
-__all__ = ["PublishFromRank0", "PublishWeights", "check_collector_policy", "collector_policy", "publish_from_rank0",
-           "publish_to_collector", "shares_policy_memory"]
+__all__ = ["PublishFromRank0", "PublishWeights", "collector_policy", "publish_from_rank0", "publish_to_collector",
+           "serve_collector_policy", "shares_policy_memory"]
 
 
 def collector_policy(collector) -> nn.Module | None:
@@ -37,45 +37,36 @@ def collector_policy(collector) -> nn.Module | None:
     return None
 
 
-def _storages(module: nn.Module) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
-
-
 def shares_policy_memory(learner, collector) -> bool:
-    """True when every parameter of the collector's policy is a live parameter of the learner.
+    """True when the collector's policy acts with the learner's newest weights with no copy.
 
-    Then the collector acts with the learner's newest weights without any copy (DDP, local).
-    Never true for a sharded learner: its parameters are shards, not the full tensors.
+    Unsharded: every parameter of the policy is a live parameter of the learner. Sharded: every
+    parameter is one the learner serves (kept full and refreshed after each step, see
+    ``FabricLearner.serve``).
     """
-    if learner.capabilities.sharded:
-        return False
     policy = collector_policy(collector)
     if policy is None:
         return False
     theirs = [p for p in policy.parameters() if p.numel()]
     if not theirs:
         return False
+    if learner.capabilities.sharded:
+        served = learner._backend.served_parameters()
+        return all(id(p) in served for p in theirs)
     ours = {p.untyped_storage().data_ptr() for p in learner.loss_module.parameters() if p.numel()}
     ours |= {b.untyped_storage().data_ptr() for b in learner.loss_module.buffers() if b.numel()}
     return all(p.untyped_storage().data_ptr() in ours for p in theirs)
 
 
-def check_collector_policy(learner, collector) -> None:
-    """Raise if a sharded learner's collector runs the loss's own (emptied) policy module."""
-    if not learner.capabilities.sharded or collector is None:
-        return
-    policy = collector_policy(collector)
-    if policy is None:
-        return
-    ours = {id(p) for p in learner.loss_module.parameters()}
-    if any(id(p) in ours for p in policy.parameters()):
-        raise ValueError(
-            "Under a sharded learner the loss's own modules hold no weights outside update() (the shards live "
-            "in the learner), so the collector cannot act with them. Give the collector its own copy of the "
-            "policy, made before building the learner (e.g. copy.deepcopy(actor)), and build the learner with "
-            "policy=<the loss's actor>; the trainer then refreshes the copy from learner.get_weights() after "
-            "every batch."
-        )
+def serve_collector_policy(learner, collector) -> None:
+    """Keep the policy the collector runs full and current when the loss trains it (every rank calls it).
+
+    Under FSDP this is what lets a collector run the very module the loss trains, as under DDP
+    (a collective: the policy's weights are gathered at once).
+    """
+    policy = collector_policy(collector) if collector is not None else None
+    if policy is not None:
+        learner.serve(policy)
 
 
 def publish_to_collector(learner, collector) -> bool:
@@ -214,14 +205,3 @@ class PublishFromRank0(TrainerHookBase):
     def register(self, trainer, name: str = "publish_from_rank0") -> None:
         trainer.register_op("post_steps", self)
         trainer.register_module(name, self)
-
-
-def weights_equal(weights: TensorDictBase, module: nn.Module) -> bool:
-    """Whether ``module``'s parameters equal ``weights`` (laid out as ``TensorDict.from_module``)."""
-    current = TensorDict.from_module(module)
-    for key, value in weights.items(include_nested=True, leaves_only=True):
-        other = current.get(key, None)
-        if other is None or not torch.equal(other.detach().cpu(), value.detach().cpu()):
-            return False
-    return True
-

@@ -113,7 +113,9 @@ def test_full_parameters_lets_the_loss_modules_run(fsdp):
         with torch.no_grad():
             expected = actor(make_batch("sac", n=4, seed=9))["loc"]
         torch.testing.assert_close(rank["actor_loc"], expected, atol=1e-6, rtol=0)
-        assert rank["actor_numel_after"] == 0  # the full copies are dropped again
+        # the policy= actor is served: it keeps its full weights after the block (the critics do not)
+        assert rank["actor_numel_after"] == sum(p.numel() for p in actor.parameters())
+        assert rank["qvalue_numel_after"] == 0  # the full copies are dropped again
 
 
 def test_round_trip_fsdp_ddp_local_fsdp_continues_training(fsdp):
@@ -162,3 +164,39 @@ def test_a_tampered_checkpoint_is_refused_on_two_ranks_and_changes_nothing(fsdp,
         assert kind in ("UnpicklingError", "ValueError", "FileNotFoundError"), (kind, message)
         assert got["path"] in message, message
         assert got["unchanged"], f"{case}: the learner changed although the load was refused"
+
+
+def test_the_policy_runs_outside_update_with_the_last_steps_weights_on_every_rank(fsdp):
+    """policy= under FSDP: the same program as under DDP (the actor is used in place, no copy)."""
+    loss, actor = make_loss("ppo")
+    reference = LocalLearner(loss, opt(), clip_grad_norm=CLIP)
+    probe = make_batch("ppo", n=4, seed=9)
+    expected = []
+    for step in range(3):
+        reference.update(make_batch("ppo", seed=500 + step))
+        expected.append(actor(probe.clone())["loc"].detach())
+    for rank in fsdp["ranks"]:
+        got = rank["served"]
+        for step in range(3):
+            torch.testing.assert_close(got[f"loc_{step}"], expected[step], atol=1e-5, rtol=1e-5)
+        for key, value in got["weights"].items(True, True):  # the served module is what the shards say
+            assert torch.equal(got["actor"][key], value), key
+
+
+def test_a_loss_network_the_learner_does_not_serve_names_itself_and_the_fix(fsdp):
+    for rank in fsdp["ranks"]:
+        got = rank["served"]
+        assert "'critic_network'" in got["critic_error"] and "full_parameters" in got["critic_error"]
+        assert "policy=" in got["critic_error"]
+        assert got["critic_served"] is True
+        torch.testing.assert_close(got["critic_value"], got["critic_inside"], atol=0, rtol=0)
+        assert not torch.equal(got["critic_after_step"], got["critic_value"])  # refreshed by the step
+    loss, _ = make_loss("ppo")
+    reference = LocalLearner(loss, opt(), clip_grad_norm=CLIP)
+    for step in range(3):
+        reference.update(make_batch("ppo", seed=500 + step))
+    probe = make_batch("ppo", n=4, seed=9)
+    with torch.no_grad():
+        value = loss.critic_network(probe)["state_value"]
+    for rank in fsdp["ranks"]:
+        torch.testing.assert_close(rank["served"]["critic_after_step"], value, atol=1e-5, rtol=1e-5)

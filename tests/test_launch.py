@@ -52,8 +52,11 @@ def problems(proc, first) -> str | None:
         return f"the first learner did not use {first}: {ranks}"
     for sharded in (False, True):
         pair = [r for r in ranks if r["sharded"] == sharded]
-        if len(pair) != 2 or pair[0]["checksum"] != pair[1]["checksum"]:
+        if len(pair) != 2 or pair[0]["checksum"] != pair[1]["checksum"] or pair[0]["acted"] != pair[1]["acted"]:
             return f"ranks disagree or a strategy is missing: {ranks}"
+    ddp, fsdp = ([r["acted"] for r in ranks if r["sharded"] == s][0] for s in (False, True))
+    if any(abs(a - b) > 1e-4 for a, b in zip(ddp, fsdp)) or len(set(ddp)) != 3:
+        return f"the policy did not act with each step's weights under both strategies alike: {ddp} vs {fsdp}"
     return None
 
 

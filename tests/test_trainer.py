@@ -134,24 +134,6 @@ def test_in_memory_state_dict_round_trip():
     assert b[1].num_updates == 4 * tc.OPTIM_STEPS
 
 
-def test_sharded_learner_needs_the_collector_to_hold_its_own_policy_copy():
-    import copy
-    import types
-
-    from fabric_learner.learner import Capabilities
-    from fabric_learner.weights import check_collector_policy
-
-    loss, q = tc.make_loss("dqn")
-    sharded = types.SimpleNamespace(capabilities=Capabilities(sharded=True, distributed=True), loss_module=loss)
-    shared = tc.Collector(tc.make_env(), q, frames_per_batch=tc.FRAMES_PER_BATCH, total_frames=-1,
-                          auto_register_policy_transforms=False)
-    with pytest.raises(ValueError, match="own copy of the policy"):
-        check_collector_policy(sharded, shared)
-    own = tc.Collector(tc.make_env(), copy.deepcopy(q), frames_per_batch=tc.FRAMES_PER_BATCH, total_frames=-1,
-                       auto_register_policy_transforms=False)
-    check_collector_policy(sharded, own)
-
-
 def test_hook_stages_the_learner_cannot_honour_are_refused():
     trainer = tc.build_dqn(local, total_frames=tc.FRAMES_PER_BATCH)[0]
     for dest in ("process_loss", "optimizer"):
@@ -375,12 +357,10 @@ def test_collector_policy_carries_trained_weights(ranks, strategy):
         # the collector runs TensorDictSequential(qnet, EGreedyModule): the Q-network is its module 0
         acting = r["A"]["collector_weights"]
         qnet = acting["module", "0"]
-        # DDP: it runs the loss's own Q-network in place (shared memory); the learner's policy is the
-        # Q-network. FSDP: it holds its own copy of the whole sequential (the learner's policy),
-        # refreshed from the gathered weights after each batch.
-        published = qnet if strategy == "ddp" else acting
+        # it runs the loss's own Q-network in place (the learner's policy): shared memory under DDP,
+        # kept full and refreshed after every step under FSDP (the same program, only the strategy differs)
         for key, value in r["A"]["learner_weights"].items(True, True):
-            assert torch.equal(published[key], value), key
+            assert torch.equal(qnet[key], value), key
         assert any(not torch.equal(qnet[k], v) for k, v in start.items(True, True))
 
 

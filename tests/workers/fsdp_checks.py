@@ -93,6 +93,38 @@ def resume(out_dir, rank):
     return {"a": a.checkpoint(), "b": b.checkpoint(), "loaded_updates": loaded_updates}
 
 
+def served(rank):
+    """PPO with policy=actor: the actor runs outside update on every rank with the last step's weights;
+    the critic, which the learner cannot know about, refuses until served or inside full_parameters()."""
+    from tensordict import TensorDict
+
+    loss, actor = make_loss("ppo")
+    learner = fsdp(loss_module=loss, optimizer=opt(), clip_grad_norm=CLIP, policy=actor)
+    probe = make_batch("ppo", n=4, seed=9)
+    out = {}
+    for step in range(2):
+        learner.update(halves(make_batch("ppo", seed=500 + step), rank))
+        out[f"loc_{step}"] = actor(probe.clone())["loc"].detach()
+    out["actor"] = TensorDict.from_module(actor).apply(lambda t: t.detach().clone())
+    out["weights"] = learner.get_weights(cpu_offload=False)
+    critic = loss.critic_network
+    try:
+        critic(probe.clone())
+    except RuntimeError as err:
+        out["critic_error"] = str(err)
+    with learner.full_parameters(), torch.no_grad():
+        out["critic_inside"] = critic(probe.clone())["state_value"]
+    out["critic_served"] = learner.serve(critic)
+    with torch.no_grad():
+        out["critic_value"] = critic(probe.clone())["state_value"]
+    learner.update(halves(make_batch("ppo", seed=502), rank))
+    with torch.no_grad():
+        out["critic_after_step"] = critic(probe.clone())["state_value"]
+        out["loc_2"] = actor(probe.clone())["loc"]
+    out["model"] = learner.checkpoint()["model"]
+    return out
+
+
 def tampered(out_dir, rank):
     """Damaged copies of real checkpoints (prepared by the test, see tests/tamper.py), loaded on 2 ranks.
 
@@ -149,9 +181,12 @@ def main(out_dir):
     with learner.full_parameters(), torch.no_grad():  # rollouts and value estimates run in here
         results["actor_loc"] = learner.policy(make_batch("sac", n=4, seed=9))["loc"]
     results["actor_numel_after"] = sum(p.numel() for p in learner.policy.parameters())
+    results["qvalue_numel_after"] = sum(p.numel() for n, p in learner.loss_module.named_parameters()
+                                        if n.startswith("qvalue_network_params"))
     results["round_trip"] = round_trip(out_dir, rank)
     results["resume"] = resume(out_dir, rank)
     results["tampered"] = tampered(out_dir, rank)
+    results["served"] = served(rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     learner.fabric.barrier()
     torch.distributed.destroy_process_group()

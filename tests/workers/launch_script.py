@@ -29,18 +29,22 @@ from fabric_learner import FabricLearner  # noqa: E402
 
 
 def train(kwargs, fail_rank=-1):
-    loss, _ = make_loss("dqn")
-    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-2), clip_grad_norm=1.0, **kwargs)
+    loss, qnet = make_loss("dqn")
+    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-2), policy=qnet, clip_grad_norm=1.0,
+                            **kwargs)
     rank = learner.global_rank
+    acted = []
     for step in range(3):
         if step == 2 and rank == fail_rank:
             raise RuntimeError(f"rank {rank} fails on purpose")
         learner.update(halves(make_batch("dqn", n=16, seed=step), rank))
+        with torch.no_grad():  # a rollout between updates: the policy the loss trains, in place, on every strategy
+            acted.append(float(qnet(make_batch("dqn", n=4, seed=9).select("observation"))["action_value"].sum()))
     weights = learner.get_weights(cpu_offload=False)
     checksum = sum(float(t.double().sum()) for t in weights.values(True, True))
     print("RESULT " + json.dumps({"rank": rank, "world_size": learner.world_size,
                                   "sharded": learner.capabilities.sharded, "checksum": checksum,
-                                  "updates": learner.num_updates}), flush=True)
+                                  "updates": learner.num_updates, "acted": acted}), flush=True)
     return learner
 
 

@@ -127,7 +127,7 @@ class Recorder:
 def main(out_dir):
     t0 = time.time()
     res, learner = dqn_runs(out_dir, ddp, "ddp")
-    res["fsdp"], sharded = dqn_runs(out_dir, fsdp, "fsdp", own_policy_copy=True)
+    res["fsdp"], sharded = dqn_runs(out_dir, fsdp, "fsdp")  # the same program: only the strategy differs
     rank = learner.global_rank
     res["rank"], res["world_size"] = rank, learner.world_size
     res["equivalence"] = equivalence(rank)

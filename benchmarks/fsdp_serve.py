@@ -1,0 +1,87 @@
+"""What keeping the policy full under FSDP costs: time per update and memory per rank, 2 CPU ranks.
+
+    python benchmarks/fsdp_serve.py --out benchmarks/results/fsdp_serve.json   # starts rank 1 itself
+
+With ``policy=actor`` a sharded learner keeps the actor's parameters full on every rank and
+refreshes them after each optimizer step (one all-gather of the actor's parameters), so the
+collector can run the module the loss trains, as under DDP. Two FSDP learners on identical PPO
+losses, one given ``policy=`` (served) and one not, take interleaved blocks of updates on the
+same batches; the ratio of their median block times is the serving cost, side by side in one
+launch. Memory is the bytes of the served full copies per rank (the rest is the same in both).
+Run for the standard PPO workload and for the 20M-parameter actor, where the cost is largest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
+
+import common  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+
+
+def learner(workload: str, served: bool):
+    loss, actor = common.make_loss(workload)
+    strategy = ModelParallelStrategy(parallelize_fn=shard_loss, timeout=timedelta(minutes=5))
+    return FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-4), policy=actor if served else None,
+                         accelerator="cpu", devices=2, strategy=strategy), actor
+
+
+def measure(workload: str, reps: int, block: int, batch: int) -> dict:
+    (served, actor), (plain, _) = learner(workload, True), learner(workload, False)
+    rank = served.global_rank
+    batches = [common.make_batch(workload, n=batch, seed=10 * rank + i) for i in range(block)]
+    times = {"served": [], "plain": []}
+    for rep in range(reps + 1):  # the first block warms up
+        order = (("served", served), ("plain", plain)) if rep % 2 else (("plain", plain), ("served", served))
+        for name, each in order:
+            served.fabric.barrier()
+            start = time.perf_counter()
+            for b in batches:
+                each.update(b.clone())
+            if rep:
+                times[name].append((time.perf_counter() - start) / block)
+    served_bytes = sum(p.numel() * p.element_size() for p in actor.parameters())
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {"workload": workload, "rank": rank, "ms_per_update": {k: v * 1e3 for k, v in median.items()},
+            "ratio": median["served"] / median["plain"], "served_mib": served_bytes / 2**20,
+            "actor_params": sum(p.numel() for p in actor.parameters()), "reps": reps, "block": block}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reps", type=int, default=9)
+    args = parser.parse_args()
+    rows = [measure("ppo", args.reps, 8, common.BATCH), measure("ppo_big_actor", args.reps, 2, 64)]
+    if rows[0]["rank"] == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "git": common_git()}, f, indent=1)
+        for r in rows:
+            print(f"{r['workload']:>14}: served {r['ms_per_update']['served']:.2f} ms, not served "
+                  f"{r['ms_per_update']['plain']:.2f} ms per update, ratio {r['ratio']:.3f}; served copy "
+                  f"{r['served_mib']:.2f} MiB per rank ({r['actor_params']:,} actor parameters)", flush=True)
+
+
+def common_git() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
+
+if __name__ == "__main__":
+    main()

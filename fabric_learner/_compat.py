@@ -1,0 +1,100 @@
+"""Every use of a private Lightning, torch or torchrl API, in one place.
+
+Checked against torch 2.13.0, lightning 2.6.6 and torchrl 0.14.1. Each function says why the
+public API does not serve; ``tests/test_compat.py`` fails loudly, naming the attribute, when an
+upgrade removes one of them, so a version bump breaks here and not deep inside a run.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from torch import nn
+
+
+def wrapped_forward(module: Any):
+    """The strategy's module inside Fabric's ``_FabricModule`` (DDP, FSDP2 or the plain module).
+
+    Calling it skips ``_FabricModule.forward``'s input and output conversion, which the carrier
+    does itself, and its ~0.1-0.3 ms of checks per call.
+    """
+    return module._forward_module
+
+
+def strategy_timeout(strategy: Any) -> timedelta | None:
+    """The process-group timeout a Fabric DDP/FSDP2 strategy was given (no public getter)."""
+    return getattr(strategy, "_timeout", None)
+
+
+def set_strategy_timeout(strategy: Any, timeout: timedelta) -> None:
+    """Set the timeout a strategy Fabric resolved from a name starts its group with (no public setter)."""
+    strategy._timeout = timeout
+
+
+def set_group_timeout(timeout: timedelta, group: Any) -> None:
+    """Change an existing process group's collective timeout (torch has no public call for it)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
+
+
+def strategy_mesh(strategy: Any):
+    """The device mesh Fabric's ``ModelParallelStrategy`` built (``device_mesh`` raises before setup)."""
+    return getattr(strategy, "_device_mesh", None)
+
+
+def flatten_mesh(mesh: Any, name: str):
+    """A 1-D mesh over all dimensions of ``mesh`` (torch's ``DeviceMesh._flatten``; no public equivalent)."""
+    return mesh[tuple(mesh.mesh_dim_names)]._flatten(name)
+
+
+def scaler_unscaled_this_step(scaler: Any) -> bool:
+    """Whether a ``GradScaler`` holds per-optimizer state for a step not taken yet (it must be updated)."""
+    return bool(getattr(scaler, "_per_optimizer_states", None))
+
+
+def release_ddp_group(ddp: Any) -> None:
+    """Drop a ``DistributedDataParallel``'s internal references to its process group.
+
+    Its ``reducer``, ``logger`` and ``process_group`` attributes keep the group alive; the last
+    reference dropping at the wrong moment ends the group in a way that can hang (see
+    ``_lifecycle``). DDP has no public call for releasing them.
+    """
+    for attr in ("reducer", "logger", "process_group"):
+        if hasattr(ddp, attr):
+            try:
+                setattr(ddp, attr, None)
+            except (AttributeError, TypeError):
+                pass
+
+
+def erase_loss_cache(loss: nn.Module) -> None:
+    """Drop a torchrl loss's cached views of its parameters (``LossModule._erase_cache``).
+
+    torchrl caches target/parameter views; they must not outlive a swap of the parameters.
+    """
+    erase = getattr(loss, "_erase_cache", None)
+    if erase is not None:
+        erase()
+
+
+#: (object, attribute) pairs the functions above rely on, for tests/test_compat.py
+def required() -> list[tuple[str, Any, str]]:
+    import torch.distributed.distributed_c10d as c10d
+    from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+    from lightning.fabric.wrappers import _FabricModule
+    from torch.amp import GradScaler
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchrl.objectives import LossModule
+
+    return [
+        ("lightning _FabricModule", _FabricModule(nn.Linear(1, 1), strategy=DDPStrategy()), "_forward_module"),
+        ("lightning DDPStrategy", DDPStrategy(), "_timeout"),
+        ("lightning ModelParallelStrategy", ModelParallelStrategy(parallelize_fn=lambda m, mesh: m), "_timeout"),
+        ("lightning ModelParallelStrategy", ModelParallelStrategy(parallelize_fn=lambda m, mesh: m), "_device_mesh"),
+        ("torch.distributed.distributed_c10d", c10d, "_set_pg_timeout"),
+        ("torch DeviceMesh", DeviceMesh, "_flatten"),
+        ("torch GradScaler", GradScaler("cpu"), "_per_optimizer_states"),
+        ("torchrl LossModule", LossModule, "_erase_cache"),
+    ]

@@ -1,0 +1,567 @@
+"""FSDP2 for torchrl losses: shard the parameters a loss trains, not its modules.
+
+``fully_shard`` cannot wrap a ``LossModule`` (its ``named_parameters`` rejects
+``remove_duplicate``), and sharding the networks inside a functional loss leaves the loss's
+``TensorDictParams`` pointing at the pre-shard tensors. So ``ShardedLoss`` takes the loss's
+trainable parameters (``loss.named_parameters()``: functional params, SAC's stacked critic
+ensemble, ``log_alpha``) as its own, ``fully_shard`` shards them, and each forward swaps the
+all-gathered tensors into the loss with ``TensorDict.to_module`` for the duration of the call.
+Entry points such as ``actor.get_dist`` need no hook: the whole loss call is inside the
+unsharded window. Target networks are loss buffers and are never swapped, so target forwards
+use target weights.
+
+Outside ``update`` the loss's own parameter objects are of two kinds:
+
+- *served*: those of modules that also run outside the learner (the ``policy=`` module, the
+  policy a Trainer's collector runs). They keep full-size tensors, refreshed from the shards
+  after every optimizer step and every load, so a rollout on any rank sees the last step's
+  weights with no collective of its own. Costs one copy of the policy per rank and one
+  all-gather of the policy's parameters per optimizer step.
+- every other one is emptied to free its memory. Calling a module that holds one outside
+  ``update`` raises an error naming it and the fix, instead of a shape error deep in a layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fabric_learner import _compat, _dcp
+from fabric_learner._batch import Carrier, run_loss
+from fabric_learner._optim import build_optimizer
+
+__all__ = ["ShardedLoss", "shard_loss", "whole_world"]
+
+
+def flat_name(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class ShardedLoss(nn.Module):
+    """Owns ``loss``'s trainable parameters under flat names, so FSDP2 can shard them.
+
+    Scalars are stored with shape ``(1,)`` (FSDP2 shards along dim 0); ``shapes`` keeps the
+    loss's own shapes. The loss is not a submodule: its parameters are replaced here.
+    ``serve`` lists modules whose parameters stay full outside ``update`` (see the module doc).
+    """
+
+    def __init__(self, loss_module: nn.Module, device: torch.device, convert=None, serve=()) -> None:
+        super().__init__()
+        self.__dict__["loss_module"] = loss_module
+        self.__dict__["_device"] = device
+        self.__dict__["_convert"] = convert
+        names, shapes, originals = [], {}, {}
+        for name, param in loss_module.named_parameters():
+            data = param.detach()  # shares storage until fully_shard gives the shard its own
+            self.register_parameter(
+                flat_name(name), nn.Parameter(data.reshape(1) if data.ndim == 0 else data, param.requires_grad)
+            )
+            names.append(name)
+            shapes[name] = param.shape
+            originals[name] = param
+        self.__dict__["names"] = names
+        self.__dict__["shapes"] = shapes
+        self.__dict__["_originals"] = originals
+        self.__dict__["_served"] = set()
+        self.__dict__["_inside"] = 0  # > 0 while the loss's parameters hold full tensors
+        self.__dict__["_guards"] = []
+        # SAC's ensemble params live under a batch-sized TensorDictParams; the swap needs that shape.
+        self.__dict__["_skeleton"] = TensorDict.from_module(loss_module, as_module=False).select(
+            *[tuple(n.split(".")) for n in names]
+        )
+        self._served.update(self._names_of(serve))
+        with torch.no_grad():
+            for name, param in originals.items():
+                if name in self._served:
+                    param.data = param.data.clone()  # its own storage: the shard will not alias it
+                else:
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._guard_emptied_modules()
+
+    def _names_of(self, modules) -> set[str]:
+        ids = {id(p) for m in modules for p in m.parameters()}
+        return {name for name in self.names if id(self._originals[name]) in ids}
+
+    def named_loss_parameters(self):
+        """``(loss name, sharded parameter)`` pairs, in the loss's parameter order."""
+        for name in self.names:
+            yield name, getattr(self, flat_name(name))
+
+    def _params(self) -> TensorDict:
+        td = self._skeleton.clone(False)
+        for name in self.names:
+            t = getattr(self, flat_name(name))
+            td.set(tuple(name.split(".")), t.view(self.shapes[name]))
+        return td
+
+    def forward(self, carrier: Carrier):
+        # FSDP2's pre-forward hook has all-gathered the parameters: they are plain tensors here.
+        loss = self.loss_module
+        _compat.erase_loss_cache(loss)
+        self.__dict__["_inside"] += 1
+        try:
+            with self._params().to_module(loss):
+                output = run_loss(loss, carrier.value, self._device, self._convert)
+        finally:
+            self.__dict__["_inside"] -= 1
+            _compat.erase_loss_cache(loss)
+        # FSDP2 hooks the backward through the tensors it finds in the output; a TensorDict
+        # hides them, so the leaves travel beside the carried output.
+        return Carrier(output), tuple(output.values(include_nested=True, leaves_only=True))
+
+    # ---- full weights outside update ----------------------------------------------------------
+
+    def serve(self, module: nn.Module) -> bool:
+        """Collective: keep ``module``'s parameters full and current from now on.
+
+        Returns whether ``module`` holds any of the loss's trained parameters.
+        """
+        names = self._names_of([module]) - self._served
+        if not names:
+            return bool(self._names_of([module]))
+        with torch.no_grad():
+            for name in names:
+                original = self._originals[name]
+                original.data = torch.empty(self.shapes[name], dtype=original.dtype, device=original.device)
+        self._served.update(names)
+        self.refresh_served(names)
+        self._guard_emptied_modules()
+        return True
+
+    def refresh_served(self, names=None) -> None:
+        """Collective: copy the current full weights into the served parameters (one all-gather)."""
+        names = [n for n in self.names if n in self._served and (names is None or n in names)]
+        if not names:
+            return
+        with torch.no_grad():
+            gather_full([getattr(self, flat_name(n)) for n in names],
+                        into=[self._originals[n].data.view(-1) for n in names])
+
+    def served_parameters(self) -> set[int]:
+        return {id(self._originals[n]) for n in self._served}
+
+    @contextlib.contextmanager
+    def full_parameters_in_loss(self):
+        """Collective: the loss's own parameter objects hold the full weights inside the block.
+
+        For code that reads the loss's modules outside ``update``: target-network updaters
+        (which keep references to those objects), value estimators, rollouts.
+        """
+        with torch.no_grad():
+            for name in self.names:
+                if name in self._served:
+                    continue  # already full and current
+                t = getattr(self, flat_name(name))
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                self._originals[name].data = full.detach().clone().view(self.shapes[name])
+        _compat.erase_loss_cache(self.loss_module)
+        self.__dict__["_inside"] += 1
+        try:
+            yield self.loss_module
+        finally:
+            self.__dict__["_inside"] -= 1
+            # The sharded parameters stay the truth; the full copies are dropped.
+            with torch.no_grad():
+                for name, original in self._originals.items():
+                    if name not in self._served:
+                        original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+            _compat.erase_loss_cache(self.loss_module)
+
+    def _guard_emptied_modules(self) -> None:
+        """A forward pre-hook on each loss submodule holding an emptied parameter (see the module doc)."""
+        for handle in self._guards:
+            handle.remove()
+        self._guards.clear()
+        emptied = {id(self._originals[n]) for n in self.names if n not in self._served}
+        seen = set()
+        for path, module in _loss_networks(self.loss_module):
+            if id(module) not in seen and any(id(p) in emptied for p in module.parameters()):
+                seen.add(id(module))
+                self._guards.append(module.register_forward_pre_hook(_EmptiedGuard(self, path, module)))
+
+
+def _loss_networks(loss: nn.Module):
+    """``(path, module)`` for the loss and every network it holds, registered or not.
+
+    torchrl's functional losses keep the networks they were given (``actor_network``,
+    ``qvalue_network``, ...) as plain attributes beside the ``TensorDictParams`` that own their
+    parameters, so ``named_modules`` alone does not reach them.
+    """
+    yield "<the loss>", loss
+    for attr, value in vars(loss).items():
+        if isinstance(value, nn.Module) and not attr.startswith("_"):
+            for path, module in value.named_modules(prefix=attr):
+                yield path, module
+
+
+def gather_full(params: list[torch.Tensor], into: list[torch.Tensor]) -> None:
+    """Copy the full tensors of ``params`` into ``into`` (flat, same numel), one all-gather per dtype.
+
+    ``full_tensor()`` per parameter costs one collective each, which dominates for the small
+    networks RL policies often are; dim-0-sharded DTensors on a 1-D mesh (FSDP2's layout) travel
+    together. Other layouts (and plain tensors) fall back to ``full_tensor()``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    batches: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) and p.ndim:
+            batches.setdefault((p.device_mesh, p.dtype, p.to_local().device), []).append(i)
+        else:
+            into[i].copy_((p.full_tensor() if isinstance(p, DTensor) else p.detach()).reshape(-1))
+    for (mesh, dtype, device), members in batches.items():
+        world = mesh.size()
+        rows = [math.ceil(params[i].shape[0] / world) for i in members]  # torch.chunk's split, as DTensor's
+        widths = [r * math.prod(params[i].shape[1:]) for r, i in zip(rows, members)]
+        send = torch.zeros(sum(widths), dtype=dtype, device=device)
+        offset = 0
+        for i, width in zip(members, widths):
+            local = params[i].to_local().detach().reshape(-1)
+            send[offset:offset + local.numel()] = local
+            offset += width
+        received = torch.empty(world * send.numel(), dtype=dtype, device=device)
+        dist.all_gather_into_tensor(received, send, group=mesh.get_group())
+        received = received.view(world, send.numel())
+        offset = 0
+        for i, r, width in zip(members, rows, widths):
+            shape = params[i].shape
+            block = received[:, offset:offset + width].reshape(world * r, *shape[1:])
+            into[i].copy_(block[: shape[0]].reshape(-1))
+            offset += width
+
+
+class _EmptiedGuard:
+    def __init__(self, owner: ShardedLoss, path: str, module: nn.Module) -> None:
+        self.owner, self.path, self.kind = owner, path, type(module).__name__
+
+    def __call__(self, module, args):
+        if self.owner._inside:
+            return None
+        raise RuntimeError(
+            f"The loss's module {self.path!r} ({self.kind}) was called outside update(), but under FSDP its "
+            "parameters live as shards in the learner and it holds no weights here. Either pass the module "
+            "the collector or your code runs as policy=<module> when building the learner (it then stays full "
+            "and current on every rank), or run this code inside `with learner.full_parameters():` (a "
+            "collective: every rank must enter it)."
+        )
+
+
+def shard_loss(module: nn.Module, mesh) -> nn.Module:
+    """The default ``parallelize_fn``: one FSDP2 group over all the loss's trainable parameters.
+
+    The loss needs all of them at once (actor and critics enter one objective), so finer
+    groups would not lower the peak; gradients and optimizer state are sharded either way.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=whole_world(mesh))
+    return module
+
+
+def whole_world(mesh):
+    """A 1-D mesh over every rank of ``mesh``.
+
+    Every rank feeds its own batch, so gradients must be averaged over all ranks; Fabric's
+    2-D (data, tensor) mesh is flattened since the learner does no tensor parallelism.
+    """
+    if mesh is None or mesh.ndim == 1:
+        return mesh
+    return _compat.flatten_mesh(mesh, "fabric_learner_shard")
+
+
+def check_sharded(module: ShardedLoss, world_size: int) -> None:
+    """Raise at construction when the parallelize_fn's sharding would train wrongly."""
+    plain = [name for name, p in module.named_loss_parameters() if not isinstance(p, DTensor)]
+    narrow = [name for name, p in module.named_loss_parameters()
+              if isinstance(p, DTensor) and p.device_mesh.size() != world_size]
+    if narrow:
+        raise RuntimeError(
+            f"The strategy's parallelize_fn sharded {narrow[:4]} over a mesh of "
+            f"{getattr(module, flat_name(narrow[0])).device_mesh.size()} ranks, but {world_size} ranks run: every "
+            "rank feeds its own batch, so gradients must be averaged over all of them. Shard over the "
+            "whole world (fabric_learner.whole_world(mesh)), or use strategy='fsdp'."
+        )
+    if plain:
+        raise RuntimeError(
+            f"The strategy's parallelize_fn left these parameters unsharded: {plain[:8]}. It receives a "
+            "fabric_learner ShardedLoss holding the loss's trainable parameters; call "
+            "torch.distributed.fsdp.fully_shard on it (or use strategy='fsdp' for the default)."
+        )
+
+
+def is_sharded_strategy(strategy: Any) -> bool:
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def default_sharded_strategy(timeout=None):
+    """What ``strategy="fsdp"`` means here: Fabric's FSDP2 strategy with ``shard_loss``."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    return ModelParallelStrategy(parallelize_fn=shard_loss, **kwargs)
+
+
+class ShardedBackend:
+    """FSDP2 placement: a ``ShardedLoss`` set up by Fabric, its optimizer built after sharding.
+
+    Weights and state go through torch's distributed state-dict API; every method that reads or
+    writes them is a collective.
+    """
+
+    sharded = True
+
+    @staticmethod
+    def check_optimizer(optimizer) -> None:
+        """Raise, before anything is launched, for an optimizer that cannot follow the sharding."""
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                "A sharded strategy builds the optimizer after sharding, so it needs a factory, not an "
+                "instance: pass e.g. optimizer=functools.partial(torch.optim.Adam, lr=3e-4), or None for Adam."
+            )
+
+    def __init__(self, fabric, loss_module: nn.Module, optimizer, convert, policy: nn.Module | None) -> None:
+        self.check_optimizer(optimizer)
+        loss_module.to(fabric.device)  # buffers (targets) stay in the loss, replicated
+        self.fabric, self.loss_module = fabric, loss_module
+        self.wrapper = ShardedLoss(loss_module, fabric.device, convert, serve=[policy] if policy is not None else [])
+        self.module = fabric.setup_module(self.wrapper)
+        check_sharded(self.wrapper, fabric.world_size)
+        self.optimizer = fabric.setup_optimizers(build_optimizer(optimizer, self.module.parameters()))
+
+    @property
+    def sharded_module(self) -> ShardedLoss:
+        return self.wrapper
+
+    def raw_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def named_parameters(self):
+        return self.wrapper.named_loss_parameters()
+
+    def full_parameters(self) -> contextlib.AbstractContextManager:
+        return self.wrapper.full_parameters_in_loss()
+
+    def weights_changed(self) -> None:
+        self.wrapper.refresh_served()
+
+    def serve(self, module: nn.Module) -> bool:
+        return self.wrapper.serve(module)
+
+    def served_parameters(self) -> set[int]:
+        return self.wrapper.served_parameters()
+
+    # ---- weights and state (collectives) -----------------------------------------------------
+
+    def full_weights(self, cpu_offload: bool) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        wrapper = self.wrapper
+        state = get_model_state_dict(wrapper, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+        if not state:
+            return {}
+        return {n: state[flat_name(n)].detach().reshape(wrapper.shapes[n]).clone() for n in wrapper.names}
+
+    def get_weights(self, policy: nn.Module | None, cpu_offload: bool) -> TensorDictBase:
+        full = self.full_weights(cpu_offload)
+        if not full:
+            return TensorDict()
+        wrapper = self.wrapper
+        by_id = {id(wrapper._originals[name]): name for name in wrapper.names}
+        if policy is None:
+            return TensorDict({n: full[n] for n in wrapper.names}, batch_size=[]).unflatten_keys(".")
+        layout = TensorDict.from_module(policy)
+        device = torch.device("cpu") if cpu_offload else None
+
+        def fill(t):
+            name = by_id.get(id(t))
+            if name is not None:
+                return full[name]
+            t = t.detach()
+            return t.to(device) if device is not None and t.device != device else t.clone()
+
+        return layout.apply(fill, batch_size=[])
+
+    def loss_buffers(self) -> dict[str, torch.Tensor]:
+        names = set(self.wrapper.names)
+        return {k: v for k, v in self.loss_module.state_dict(keep_vars=True).items() if k not in names}
+
+    def model_state(self) -> dict[str, Any]:
+        full = self.full_weights(cpu_offload=False)
+        state = self.loss_module.state_dict()
+        return {k: full[k] if k in full else v for k, v in state.items()}
+
+    def model_shapes(self) -> dict[str, tuple]:
+        shapes = {k: tuple(v.shape) for k, v in self.loss_buffers().items()}
+        shapes.update({n: tuple(s) for n, s in self.wrapper.shapes.items()})
+        return {k: shapes[k] for k in self.loss_module.state_dict(keep_vars=True)}
+
+    def load_model_state(self, state) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        wrapper = self.wrapper
+        params = {flat_name(n): state[n].reshape(getattr(wrapper, flat_name(n)).shape) for n in wrapper.names}
+        set_model_state_dict(wrapper, params, options=StateDictOptions(full_state_dict=True, strict=False))
+        with torch.no_grad():
+            for k, buffer in self.loss_buffers().items():
+                buffer.copy_(state[k])
+
+    def optimizer_state(self, param_names: list[str]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        wrapper = self.wrapper
+        by_flat = {flat_name(n): n for n in wrapper.names}
+        full = get_optimizer_state_dict(wrapper, self.raw_optimizer(), options=StateDictOptions(full_state_dict=True))
+        index = {n: i for i, n in enumerate(param_names)}
+        state = {}
+        for fqn, fields in full["state"].items():
+            name = by_flat[fqn]
+            state[index[name]] = {f: _dcp.as_param_shape(v, wrapper.shapes[name]) for f, v in fields.items()}
+        groups = [dict(g, params=[index[by_flat[p]] for p in g["params"]]) for g in full["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state(self, state, param_names: list[str]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        wrapper = self.wrapper
+        moments = {}
+        for i, fields in state["state"].items():
+            param = getattr(wrapper, flat_name(param_names[int(i)]))
+            moments[flat_name(param_names[int(i)])] = {
+                f: v.reshape(param.shape) if isinstance(v, torch.Tensor) and v.shape != param.shape
+                and v.numel() == param.numel() else v
+                for f, v in fields.items()
+            }
+        groups = [dict(g, params=[flat_name(param_names[i]) for i in g["params"]]) for g in state["param_groups"]]
+        set_optimizer_state_dict(wrapper, self.raw_optimizer(), {"state": moments, "param_groups": groups},
+                                 options=StateDictOptions(full_state_dict=True))
+
+    # ---- checkpoints on disk: a DCP folder (see _dcp) ------------------------------------------
+
+    def save(self, learner, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        wrapper, rank, fabric = self.wrapper, learner.global_rank, self.fabric
+        if rank == 0:
+            _dcp.check_target(path)
+        fabric.barrier()
+        version = fabric.broadcast(_dcp.new_version_name(learner.num_updates) if rank == 0 else None, src=0)
+        model = get_model_state_dict(wrapper)
+        tensors = {f"model/{n}": model[flat_name(n)] for n in wrapper.names}
+        tensors.update({f"model/{k}": v.detach() for k, v in self.loss_buffers().items()})
+        optim = get_optimizer_state_dict(wrapper, self.raw_optimizer())
+        by_flat = {flat_name(n): n for n in wrapper.names}
+        scalars: dict[str, dict[str, Any]] = {}
+        for fqn, fields in optim["state"].items():
+            for field, value in fields.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{by_flat[fqn]}/{field}"] = value
+                else:
+                    scalars.setdefault(by_flat[fqn], {})[field] = value
+        groups = [{**_jsonable(g), "params": [by_flat[p] for p in g["params"]]} for g in optim["param_groups"]]
+        tensors.update(_dcp.rng_tensors(learner._rng_states()))
+        meta = {
+            "num_updates": learner.num_updates, "accum_step": learner._accum_step,
+            "model_keys": list(self.loss_module.state_dict(keep_vars=True)),
+            "param_names": learner._optimizer_param_names(), "param_groups": groups, "optim_scalars": scalars,
+            "shapes": {**{k: list(v.shape) for k, v in self.loss_buffers().items()},
+                       **{n: list(s) for n, s in wrapper.shapes.items()}},
+            "world_size": learner.world_size,
+        }
+        path.mkdir(parents=True, exist_ok=True) if rank == 0 else None
+        fabric.barrier()
+        _dcp.save_version(path, version, tensors, meta, rank)
+        fabric.barrier()
+        if rank == 0:
+            _dcp.publish(path, version)
+        fabric.barrier()
+
+    def load_folder(self, learner, path: Path) -> None:
+        """Each rank reads its own shards of a sharded checkpoint (a collective), resharding as needed."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+        from fabric_learner import _rng
+
+        folder = _dcp.latest_version(path)
+        meta = _dcp.read_meta(folder)  # checked against the stored tensors
+        wrapper = self.wrapper
+        self._check_meta(learner, meta, path)
+        rng = _dcp.read_rng(folder)
+        _rng.check(rng)
+        # Fresh targets of the same sharding: a read that fails mid-way leaves live state untouched.
+        model = get_model_state_dict(wrapper)
+        tensors = {f"model/{n}": torch.empty_like(model[flat_name(n)]) for n in wrapper.names}
+        buffers = {k: torch.empty_like(v) for k, v in self.loss_buffers().items()}
+        tensors.update({f"model/{k}": v for k, v in buffers.items()})
+        optim = get_optimizer_state_dict(wrapper, self.raw_optimizer())
+        by_flat = {flat_name(n): n for n in wrapper.names}
+        for fqn, fields in optim["state"].items():
+            for field, value in fields.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{by_flat[fqn]}/{field}"] = torch.empty_like(value)
+        _dcp.load_into(tensors, folder, distributed=True)
+        set_model_state_dict(wrapper, {flat_name(n): tensors[f"model/{n}"] for n in wrapper.names},
+                             options=StateDictOptions(strict=False))
+        with torch.no_grad():
+            for k, buffer in self.loss_buffers().items():
+                buffer.copy_(buffers[k])
+        for fqn, fields in optim["state"].items():
+            for field in list(fields):
+                key = f"optim/{by_flat[fqn]}/{field}"
+                if key in tensors:
+                    fields[field] = tensors[key]
+                else:
+                    fields[field] = meta["optim_scalars"].get(by_flat[fqn], {}).get(field, fields[field])
+        for group, saved in zip(optim["param_groups"], meta["param_groups"]):
+            # JSON has no tuples: give hyper-parameters such as Adam's betas their type back
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v
+                          for k, v in saved.items() if k != "params"})
+        set_optimizer_state_dict(wrapper, self.raw_optimizer(), optim)
+        learner._resume_counters(int(meta["num_updates"]), int(meta["accum_step"]), rng)
+        self.weights_changed()
+
+    def _check_meta(self, learner, meta: dict[str, Any], path: Path) -> None:
+        """Raise before anything is read if the checkpoint is not of this loss module and optimizer."""
+        shapes = self.model_shapes()
+        if sorted(meta["model_keys"]) != sorted(shapes) or \
+                sorted(meta["param_names"]) != sorted(learner._optimizer_param_names()):
+            raise ValueError(
+                f"The checkpoint at {path} was saved from a different loss module or optimizer; nothing was "
+                "loaded. Load it into a learner built the same way as the one that saved it."
+            )
+        wrong = [f"{k}: {meta['shapes'][k]} vs {list(s)}" for k, s in shapes.items()
+                 if math.prod(meta["shapes"][k]) != math.prod(s)]
+        if wrong:
+            raise ValueError(f"The checkpoint at {path} has other shapes than this loss module ({wrong[:8]}); "
+                             "nothing was loaded. Load it into a learner built the same way as the one that saved it.")
+        ours, theirs = len(self.optimizer.param_groups), len(meta["param_groups"])
+        if ours != theirs:
+            raise ValueError(f"The checkpoint at {path} has {theirs} optimizer param group(s), this learner "
+                             f"{ours}; nothing was loaded. Build the optimizer with the same param groups.")
+
+
+def _jsonable(group: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor):
+            v = v.item() if v.numel() == 1 else v.tolist()
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[k] = v
+    return out

@@ -1,0 +1,25 @@
+"""Each example runs unchanged under DDP and FSDP on 2 real CPU ranks: only --strategy differs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from multiproc import ROOT, python, run
+
+SHORT = {
+    "ppo_pendulum.py": ["--frames", "3200", "--envs", "4", "--epochs", "1", "--minibatch", "400"],
+    "dqn_replay_ddp.py": ["--frames", "2048", "--envs", "8", "--steps", "8", "--updates", "2", "--batch", "32"],
+}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("example", list(SHORT))
+def test_the_example_trains_under_the_strategy_with_nothing_else_changed(example, strategy):
+    script = os.path.join(ROOT, "examples", example)
+    proc = run(python(script, *SHORT[example], "--strategy", strategy, "--logdir", "", "--no-progress"), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.leftovers == 0
+    done = [line for line in proc.stdout.splitlines() if line.startswith("done: 2 rank(s)")]
+    assert len(done) == 1, proc.stdout[-4000:]
+    assert ("sharded (FSDP)" in done[0]) == (strategy == "fsdp"), done[0]
