@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch 2.13.0; a bare `torch` would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-stress bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: venv
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+# the repeated-launch stress: ten runs per launcher instead of four (about 4 minutes)
+test-stress: venv
+	OMP_NUM_THREADS=1 FL_STRESS=1 $(PY) -m pytest -q tests/test_launch.py -k repeated_runs
 
 bench: venv
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py --quick

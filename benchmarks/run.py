@@ -168,7 +168,7 @@ def case_a(cfg: Config) -> list[Row]:
         rows += [
             compare("a", name, samples, "LocalLearner.update", "hand torchrl loop", 1.03, unit="ms/update",
                     note=note, cpu_s=cpu),
-            compare("a", name, samples, "FabricLearner(cpu,1).update", "hand torchrl loop", 1.03, unit="ms/update",
+            compare("a", name, samples, "FabricLearner(cpu,1).update", "hand torchrl loop", 1.02, unit="ms/update",
                     note=note, cpu_s=cpu),
             compare("a", name, samples, "FabricLearner(cpu,1).update", "hand Fabric loop", 1.03, unit="ms/update",
                     note=note, cpu_s=cpu),

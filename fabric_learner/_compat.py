@@ -54,6 +54,11 @@ def scaler_unscaled_this_step(scaler: Any) -> bool:
     return bool(getattr(scaler, "_per_optimizer_states", None))
 
 
+def fabric_callbacks(fabric: Any) -> list:
+    """The callbacks Fabric calls around optimizer steps (``Fabric(callbacks=...)``; no public getter)."""
+    return list(getattr(fabric, "_callbacks", []))
+
+
 def release_ddp_group(ddp: Any) -> None:
     """Drop a ``DistributedDataParallel``'s internal references to its process group.
 
@@ -82,6 +87,7 @@ def erase_loss_cache(loss: nn.Module) -> None:
 #: (object, attribute) pairs the functions above rely on, for tests/test_compat.py
 def required() -> list[tuple[str, Any, str]]:
     import torch.distributed.distributed_c10d as c10d
+    from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
     from lightning.fabric.wrappers import _FabricModule
     from torch.amp import GradScaler
@@ -93,6 +99,7 @@ def required() -> list[tuple[str, Any, str]]:
         ("lightning DDPStrategy", DDPStrategy(), "_timeout"),
         ("lightning ModelParallelStrategy", ModelParallelStrategy(parallelize_fn=lambda m, mesh: m), "_timeout"),
         ("lightning ModelParallelStrategy", ModelParallelStrategy(parallelize_fn=lambda m, mesh: m), "_device_mesh"),
+        ("lightning Fabric", Fabric(accelerator="cpu", devices=1), "_callbacks"),
         ("torch.distributed.distributed_c10d", c10d, "_set_pg_timeout"),
         ("torch DeviceMesh", DeviceMesh, "_flatten"),
         ("torch GradScaler", GradScaler("cpu"), "_per_optimizer_states"),

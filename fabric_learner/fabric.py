@@ -17,11 +17,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fabric_learner import _dcp, _lifecycle, _rng
-from fabric_learner._batch import Carrier
+from fabric_learner._batch import Carrier, run_loss
 from fabric_learner._checkpoint import naming, read_learner_file
-from fabric_learner._compat import scaler_unscaled_this_step, strategy_timeout, wrapped_forward
+from fabric_learner._compat import fabric_callbacks, scaler_unscaled_this_step, strategy_timeout, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
-from fabric_learner._optim import OptimizerLike
+from fabric_learner._optim import OptimizerLike, optimizer_params
 from fabric_learner._samples import SampleTrace
 from fabric_learner.backends import ReplicatedBackend, ShardedBackend, is_sharded_strategy
 from fabric_learner.backends.sharded import ShardedLoss
@@ -106,6 +106,10 @@ class FabricLearner(Learner):
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_module", backend.module)
         self.optimizer = backend.optimizer
+        # One device at 32-true: Fabric's backward, clip and optimizer wrappers only call torch's
+        # own (measured 1-3% of a small update), so the step calls torch directly, as LocalLearner.
+        object.__setattr__(self, "_direct", _wrappers_do_nothing(fabric, plugin))
+        object.__setattr__(self, "_raw_optimizer", getattr(self.optimizer, "optimizer", self.optimizer))
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
         self._samples = SampleTrace()
         if fabric.world_size > 1:
@@ -140,6 +144,8 @@ class FabricLearner(Learner):
         return None if self._loss_call is self.loss_module else self._loss_call
 
     def _forward(self, batch):
+        if self._direct:
+            return run_loss(self._loss_call, batch, self.fabric.device, None)
         # The strategy's module (DDP, FSDP2, or the forwarder) under the precision's forward
         # context: what `_FabricModule.forward` adds beyond that (input/output conversion,
         # backward-hook checks) is done by the carrier or not needed, and costs ~0.1-0.3 ms.
@@ -148,6 +154,9 @@ class FabricLearner(Learner):
         return carried.value
 
     def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
+        if self._direct:
+            loss.backward(seed)
+            return
         loss = self._precision.convert_output(loss)
         self.fabric.backward(loss, seed.to(loss.dtype), model=self._module)
 
@@ -159,8 +168,14 @@ class FabricLearner(Learner):
         return self.fabric.no_backward_sync(self._module, enabled=True)
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        if self._direct:
+            params = optimizer_params(self._raw_optimizer)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
         norm = self.fabric.clip_gradients(self._module, self.optimizer, max_norm=max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def _optimizer_step(self) -> None:
+        (self._raw_optimizer if self._direct else self.optimizer).step()
 
     def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
         # A grad scaler owns inf gradients (it skips such steps itself), so then only a non-finite
@@ -299,6 +314,12 @@ class FabricLearner(Learner):
                 raise FileNotFoundError(f"{path} is a folder but holds no fabric_learner checkpoint (no LATEST file).")
             # every rank reads the file itself, as fabric.load does, but through the checked reader
             self.load_checkpoint(read_learner_file(path))
+
+
+def _wrappers_do_nothing(fabric: Fabric, precision: Precision) -> bool:
+    """Whether Fabric's backward, clip and optimizer step only call torch's own here."""
+    hooked = any(hasattr(c, "on_after_optimizer_step") for c in fabric_callbacks(fabric))
+    return type(fabric.strategy) is SingleDeviceStrategy and type(precision) is Precision and not hooked
 
 
 def _lost_peer(err: RuntimeError) -> str | None:

@@ -324,3 +324,42 @@ def test_a_crafted_sharded_checkpoint_metadata_runs_nothing(kind, tmp_path, monk
         learner.load(tmp_path / "ckpt")
     assert not marker.exists()
     assert_unchanged(learner, before)
+
+
+class _StepCallback:
+    """A Fabric callback on optimizer steps: Fabric's optimizer wrapper must then stay in the path."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def on_after_optimizer_step(self, strategy, optimizer):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("case", ["ppo", "dqn", "sac"])
+def test_one_device_calls_torch_directly_with_results_identical_to_fabrics_wrappers(case):
+    """At 32-true on one device the step skips Fabric's wrappers (they only call torch's own)."""
+    from lightning.fabric import Fabric
+
+    from fabric_learner import FabricLearner
+
+    callback = _StepCallback()
+    learners = [
+        FabricLearner(make_loss(case)[0], functools.partial(torch.optim.Adam, lr=1e-2), clip_grad_norm=0.5,
+                      grad_accum_steps=2, accelerator="cpu", devices=1),
+        FabricLearner(make_loss(case)[0], functools.partial(torch.optim.Adam, lr=1e-2), clip_grad_norm=0.5,
+                      grad_accum_steps=2, fabric=Fabric(accelerator="cpu", devices=1, callbacks=[callback])),
+    ]
+    assert learners[0]._direct and not learners[1]._direct
+    norms = [[], []]
+    for step in range(6):
+        batch = make_batch(case, seed=40 + step)
+        for i, learner in enumerate(learners):
+            torch.manual_seed(step)
+            out = learner.update(batch.clone())
+            if "grad_norm" in out.keys():
+                norms[i].append(out["grad_norm"])
+    assert callback.calls == 3  # the wrapped path did go through Fabric's optimizer wrapper
+    assert torch.equal(torch.stack(norms[0]), torch.stack(norms[1]))
+    for k, v in flat_params(learners[0].loss_module).items():
+        assert torch.equal(v, flat_params(learners[1].loss_module)[k]), k

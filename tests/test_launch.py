@@ -1,4 +1,4 @@
-"""One short training script under every launcher, ten times each: it runs, ranks agree, and
+"""One short training script under every launcher, repeatedly: it runs, ranks agree, and
 every run exits 0 with no hang and no process left behind; a failing rank ends every process.
 
 Launchers: plain ``python`` (the learner starts rank 1 itself), ``fabric run`` and ``torchrun``.
@@ -19,7 +19,9 @@ import pytest
 from multiproc import WORKERS, fabric_run, python, run, torchrun
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
-RUNS = 10
+# `make test`: each launcher, strategy order and close mode once; `make test-stress` (FL_STRESS=1): ten runs,
+# the repeated launches that exit races need before a run can be believed (see README, "Ending a run")
+RUNS = 10 if os.environ.get("FL_STRESS") == "1" else 4
 PER_RUN_TIMEOUT = 180
 
 
@@ -61,7 +63,7 @@ def problems(proc, first) -> str | None:
 
 
 @pytest.mark.parametrize("mode", ["python", "fabric-run", "torchrun"])
-def test_ten_runs_train_and_exit_cleanly(mode):
+def test_repeated_runs_train_and_exit_cleanly(mode):
     def one(i):
         first = ("ddp", "fsdp")[i % 2]
         cmd, env = command(mode, first)
