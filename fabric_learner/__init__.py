@@ -4,9 +4,10 @@ from fabric_learner.fabric import FabricLearner
 from fabric_learner.learner import Capabilities, Learner
 from fabric_learner.backends.sharded import ShardedLoss, shard_loss, whole_world
 from fabric_learner.local import LocalLearner
+from fabric_learner._stages import Stage
 from fabric_learner.replay import TorchPrioritizedSampler
 from fabric_learner.trainer import Trainer
 
-__all__ = ["Capabilities", "FabricLearner", "Learner", "LocalLearner", "ShardedLoss", "TorchPrioritizedSampler", "Trainer", "shard_loss",
+__all__ = ["Capabilities", "FabricLearner", "Learner", "LocalLearner", "ShardedLoss", "Stage", "TorchPrioritizedSampler", "Trainer", "shard_loss",
            "whole_world"]
 __version__ = "0.1.0"

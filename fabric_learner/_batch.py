@@ -19,10 +19,11 @@ from torch import nn
 class Carrier:
     """An opaque box: Fabric's and DDP's input/output traversals do not look inside."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "method")
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, method: str | None = None) -> None:
         self.value = value
+        self.method = method  # a loss method to call instead of forward (several optimizers)
 
 
 class LossForwarder(nn.Module):
@@ -43,9 +44,22 @@ class LossForwarder(nn.Module):
         self._call = call
 
     def forward(self, carrier: Carrier):
-        output = run_loss(self._call or self.loss_module, carrier.value, self._device, self._convert)
-        leaves = tuple(output.values(include_nested=True, leaves_only=True)) if isinstance(output, TensorDictBase) else ()
-        return Carrier(output), leaves
+        call = (self._call or self.loss_module) if carrier.method is None else getattr(self.loss_module, carrier.method)
+        output = run_loss(call, carrier.value, self._device, self._convert)
+        return Carrier(output), output_leaves(output)
+
+
+def output_leaves(output: Any) -> tuple:
+    """The tensors of a loss output, so that DDP and FSDP2 can find the graph behind it."""
+    if isinstance(output, TensorDictBase):
+        return tuple(output.values(include_nested=True, leaves_only=True))
+    if isinstance(output, torch.Tensor):
+        return (output,)
+    if isinstance(output, (tuple, list)):
+        return tuple(t for item in output for t in output_leaves(item))
+    if isinstance(output, dict):
+        return tuple(t for item in output.values() for t in output_leaves(item))
+    return ()
 
 
 def run_loss(loss_module: Callable, batch: TensorDictBase, device: torch.device, convert: Callable | None):

@@ -59,6 +59,15 @@ def fabric_callbacks(fabric: Any) -> list:
     return list(getattr(fabric, "_callbacks", []))
 
 
+def allow_unused_parameters(strategy: Any) -> None:
+    """Make a Fabric ``DDPStrategy`` wrap with ``find_unused_parameters=True`` (set before setup).
+
+    Needed when a backward reaches only part of the module (one stage of several optimizers);
+    Fabric keeps the DDP keyword arguments in ``_ddp_kwargs`` with no public setter.
+    """
+    strategy._ddp_kwargs["find_unused_parameters"] = True
+
+
 def release_ddp_group(ddp: Any) -> None:
     """Drop a ``DistributedDataParallel``'s internal references to its process group.
 
@@ -97,6 +106,7 @@ def required() -> list[tuple[str, Any, str]]:
     return [
         ("lightning _FabricModule", _FabricModule(nn.Linear(1, 1), strategy=DDPStrategy()), "_forward_module"),
         ("lightning DDPStrategy", DDPStrategy(), "_timeout"),
+        ("lightning DDPStrategy", DDPStrategy(), "_ddp_kwargs"),
         ("lightning ModelParallelStrategy", ModelParallelStrategy(parallelize_fn=lambda m, mesh: m), "_timeout"),
         ("lightning ModelParallelStrategy", ModelParallelStrategy(parallelize_fn=lambda m, mesh: m), "_device_mesh"),
         ("lightning Fabric", Fabric(accelerator="cpu", devices=1), "_callbacks"),

@@ -123,17 +123,22 @@ def read_small_file(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def read_meta(folder: Path) -> dict[str, Any]:
-    """``meta.json``, checked against the tensors ``.metadata`` says the folder stores."""
-    file = folder / META
+def read_json(file: Path, expected_format: str) -> dict[str, Any]:
+    """A checkpoint's JSON file: a dict whose ``format`` is ``expected_format``, or a clear error."""
     try:
         meta = json.loads(read_small_file(file))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{file} is not valid JSON ({err}); nothing was loaded. It may be truncated.") from None
-    if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != expected_format:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{folder} is not a {SHARDED_FORMAT} checkpoint (format {found!r}); nothing was loaded.")
-    check_meta(meta, read_metadata(folder), file)
+        raise ValueError(f"{file} has format {found!r}, expected {expected_format!r}; nothing was loaded.")
+    return meta
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    """``meta.json``, checked against the tensors ``.metadata`` says the folder stores."""
+    meta = read_json(folder / META, SHARDED_FORMAT)
+    check_meta(meta, read_metadata(folder), folder / META)
     return meta
 
 

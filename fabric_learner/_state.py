@@ -147,6 +147,8 @@ def check_checkpoint(checkpoint: Mapping[str, Any], model_shapes: Mapping[str, t
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"checkpoint[{key!r}] is {value!r}, expected a non-negative integer; nothing was loaded.")
     names = checkpoint.get("param_names")
+    if isinstance(names, Mapping):  # several optimizers: checked per stage by the learner
+        names = None
     if names is not None and (not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names)
                               or len(set(names)) != len(names)):
         raise ValueError("checkpoint['param_names'] is not a list of distinct parameter names; nothing was loaded.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision.precision import Precision
-from lightning.fabric.strategies import SingleDeviceStrategy
+from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from tensordict import TensorDictBase
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -19,12 +20,13 @@ from torch.distributed.tensor import DTensor
 from fabric_learner import _dcp, _lifecycle, _rng
 from fabric_learner._batch import Carrier, run_loss
 from fabric_learner._checkpoint import naming, read_learner_file
-from fabric_learner._compat import fabric_callbacks, scaler_unscaled_this_step, strategy_timeout, wrapped_forward
+from fabric_learner._compat import allow_unused_parameters, fabric_callbacks, scaler_unscaled_this_step, strategy_timeout, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
 from fabric_learner._optim import OptimizerLike, optimizer_params
 from fabric_learner._samples import SampleTrace
 from fabric_learner.backends import ReplicatedBackend, ShardedBackend, is_sharded_strategy
 from fabric_learner.backends.sharded import ShardedLoss
+from fabric_learner._stages import Stage
 from fabric_learner.learner import Capabilities, Learner
 
 
@@ -66,9 +68,12 @@ class FabricLearner(Learner):
         on_nonfinite: str = "raise",
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         compile: bool = False,
+        stages: Sequence[Stage] | None = None,
     ) -> None:
         super().__init__(loss_module, policy=policy, clip_grad_norm=clip_grad_norm, grad_accum_steps=grad_accum_steps,
-                         on_nonfinite=on_nonfinite, compile=compile)
+                         on_nonfinite=on_nonfinite, compile=compile, stages=stages)
+        if stages is not None and optimizer is not None:
+            raise ValueError("With stages=, each Stage builds its own optimizer; pass optimizer=None.")
         timeout = as_timeout(timeout)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
             raise TypeError(
@@ -99,17 +104,20 @@ class FabricLearner(Learner):
         plugin = fabric.strategy.precision
         convert = plugin.convert_input if type(plugin).convert_input is not Precision.convert_input else None
         object.__setattr__(self, "_precision", plugin)
+        if stages and isinstance(fabric.strategy, DDPStrategy):
+            # a stage's backward reaches only its part of the loss: DDP must not wait for the rest
+            allow_unused_parameters(fabric.strategy)
         if sharded:
-            backend = ShardedBackend(fabric, loss_module, optimizer, convert, policy)
+            backend = ShardedBackend(fabric, loss_module, optimizer, convert, policy, self.stages)
         else:
-            backend = ReplicatedBackend(fabric, loss_module, optimizer, convert, self._compiled_call(), compile)
+            backend = ReplicatedBackend(fabric, loss_module, optimizer, convert, self._compiled_call(), compile,
+                                        self.stages)
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_module", backend.module)
         self.optimizer = backend.optimizer
         # One device at 32-true: Fabric's backward, clip and optimizer wrappers only call torch's
         # own (measured 1-3% of a small update), so the step calls torch directly, as LocalLearner.
         object.__setattr__(self, "_direct", _wrappers_do_nothing(fabric, plugin))
-        object.__setattr__(self, "_raw_optimizer", getattr(self.optimizer, "optimizer", self.optimizer))
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
         self._samples = SampleTrace()
         if fabric.world_size > 1:
@@ -143,14 +151,15 @@ class FabricLearner(Learner):
         """The ``CompiledLoss`` for the forwarder with ``compile=True``, else ``None`` (call the loss)."""
         return None if self._loss_call is self.loss_module else self._loss_call
 
-    def _forward(self, batch):
+    def _forward(self, batch, method=None):
         if self._direct:
-            return run_loss(self._loss_call, batch, self.fabric.device, None)
+            call = self._loss_call if method is None else getattr(self.loss_module, method)
+            return run_loss(call, batch, self.fabric.device, None)
         # The strategy's module (DDP, FSDP2, or the forwarder) under the precision's forward
         # context: what `_FabricModule.forward` adds beyond that (input/output conversion,
         # backward-hook checks) is done by the carrier or not needed, and costs ~0.1-0.3 ms.
         with self._precision.forward_context():
-            carried, _ = wrapped_forward(self._module)(Carrier(batch))
+            carried, _ = wrapped_forward(self._module)(Carrier(batch, method))
         return carried.value
 
     def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
@@ -167,15 +176,17 @@ class FabricLearner(Learner):
             return contextlib.nullcontext()
         return self.fabric.no_backward_sync(self._module, enabled=True)
 
-    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+    def _clip_gradients(self, max_norm: float, optimizer=None) -> torch.Tensor:
+        optimizer = optimizer or self.optimizer
         if self._direct:
-            params = optimizer_params(self._raw_optimizer)
+            params = optimizer_params(getattr(optimizer, "optimizer", optimizer))
             return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
-        norm = self.fabric.clip_gradients(self._module, self.optimizer, max_norm=max_norm, error_if_nonfinite=False)
+        norm = self.fabric.clip_gradients(self._module, optimizer, max_norm=max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-    def _optimizer_step(self) -> None:
-        (self._raw_optimizer if self._direct else self.optimizer).step()
+    def _optimizer_step(self, optimizer=None) -> None:
+        optimizer = optimizer or self.optimizer
+        (getattr(optimizer, "optimizer", optimizer) if self._direct else optimizer).step()
 
     def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
         # A grad scaler owns inf gradients (it skips such steps itself), so then only a non-finite
@@ -284,10 +295,10 @@ class FabricLearner(Learner):
         self._backend.load_model_state(state)
 
     def _optimizer_state(self) -> dict[str, Any]:
-        return self._backend.optimizer_state(self._optimizer_param_names())
+        return self._backend.optimizer_state(self._saved_param_names())
 
     def _load_optimizer_state(self, state) -> None:
-        self._backend.load_optimizer_state(state, self._optimizer_param_names())
+        self._backend.load_optimizer_state(state, self._saved_param_names())
 
     # ---- checkpoints on disk --------------------------------------------------------------
 

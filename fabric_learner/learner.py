@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,14 @@ from fabric_learner import _rng
 from fabric_learner._compile import CompiledLoss
 from fabric_learner._loss import loss_keys, total_loss
 from fabric_learner._optim import coverage_error, optimizer_params, uncovered_with_grad
-from fabric_learner._state import check_checkpoint, check_optimizer_state, clone_state, reindex_optimizer_state
+from fabric_learner._stages import Stage, as_output, check_stages, groups
+from fabric_learner._state import (
+    check_checkpoint,
+    check_optimizer_state,
+    check_optimizer_structure,
+    clone_state,
+    reindex_optimizer_state,
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class Learner(nn.Module):
         grad_accum_steps: int = 1,
         on_nonfinite: str = "raise",
         compile: bool = False,
+        stages: Sequence[Stage] | None = None,
     ) -> None:
         if not isinstance(loss_module, nn.Module):
             raise TypeError(f"loss_module must be a torchrl LossModule (an nn.Module), got {type(loss_module).__name__}.")
@@ -85,6 +93,11 @@ class Learner(nn.Module):
             raise TypeError(f"policy must be an nn.Module or None, got {type(policy).__name__}.")
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}.")
+        if stages is not None:
+            if clip_grad_norm is not None:
+                raise ValueError("With stages=, give each Stage its own clip_grad_norm; the learner's "
+                                 "clip_grad_norm applies to a single optimizer only.")
+            check_stages(stages, loss_module.named_parameters(), loss_module)
         _materialize_lazy_state(loss_module)
         super().__init__()
         self.loss_module = loss_module
@@ -102,21 +115,18 @@ class Learner(nn.Module):
         self._window_results: list[TensorDictBase] = []  # this window's outputs, for error messages
         self._window_seed: torch.Tensor | None = None  # product of its backward seeds: NaN iff a loss was not finite
         self._window_samples = 0  # samples this rank fed in this window
-        self._coverage_checked = False
+        self._coverage_checked = stages is not None  # stages cover every trained parameter by construction
+        self.stages: tuple[Stage, ...] = tuple(stages or ())
+        self._window_batches: list[TensorDictBase] = []  # staged learners: the window's micro-batches
         self.optimizer: torch.optim.Optimizer
 
     # ---- the step -----------------------------------------------------------------------
 
     def update(self, batch: TensorDictBase) -> TensorDictBase:
         """Take one micro-step on ``batch``; step the optimizer at the end of each window."""
-        if not isinstance(batch, TensorDictBase):
-            raise TypeError(f"update() takes a TensorDict batch, got {type(batch).__name__}.")
-        if batch.batch_size.numel() == 0 or batch.is_empty():
-            raise ValueError(
-                f"update() got an empty batch (batch_size {tuple(batch.batch_size)}, keys "
-                f"{sorted(map(str, batch.keys()))}); a loss over no samples has nothing to learn from. "
-                "Skip empty batches before calling update()."
-            )
+        if self.stages:
+            return self._update_staged(batch)
+        _check_batch(batch)
         stepping = self._accum_step + 1 == self.grad_accum_steps
         with self._sync_context(stepping):
             try:
@@ -165,6 +175,85 @@ class Learner(nn.Module):
             self._weights_changed()
         return result
 
+    # ---- several optimizers (see _stages) -----------------------------------------------------
+
+    def _update_staged(self, batch: TensorDictBase) -> TensorDictBase:
+        """``update`` for a learner with stages: each due stage's backward, clip and step, in order.
+
+        The first group of stages (see ``_stages.groups``) runs on each micro-batch as it comes,
+        with the window's starting weights; later groups run when the window ends, over all of
+        its micro-batches, after the groups before them have stepped. So two accumulated halves
+        equal one full batch, and a method stage sees the weights its predecessors just stepped.
+        """
+        _check_batch(batch)
+        k = self.grad_accum_steps
+        stepping = self._accum_step + 1 == k
+        plan = groups([s for s in self.stages if s.due(self.num_updates)])
+        if self._accum_step == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._window_batches, self._window_results, self._window_samples = [], [], 0
+            self._group_seeds: list[torch.Tensor | None] = [None] * len(plan)
+        self._window_samples += batch.batch_size.numel()
+        result = self._stage_backward(plan, 0, batch, sync=stepping)
+        self._accum_step += 1
+        if len(plan) > 1:
+            self._window_batches.append(batch)
+        if not stepping:
+            return result
+        self._accum_step = 0
+        micro, self._window_batches = self._window_batches, []
+        stepped: list[str] = []
+        skipped = False
+        for index, group in enumerate(plan):
+            if index:
+                for i, each in enumerate(micro):
+                    result.update(self._stage_backward(plan, index, each, sync=i == len(micro) - 1))
+            for stage in group:
+                optimizer = self.optimizer.by_stage[stage.name]
+                clip = math.inf if stage.clip_grad_norm is None else stage.clip_grad_norm
+                grad_norm = self._clip_gradients(clip, optimizer)
+                result.set(f"grad_norm_{stage.name}", _reported_norm(grad_norm, result.device))
+                loss_bad = self.world_size == 1 and not math.isfinite(self._group_seeds[index].item())
+                if not math.isfinite(grad_norm.item()) or loss_bad:
+                    if self.on_nonfinite == "raise":
+                        self._abandon_window()
+                        raise FloatingPointError(
+                            f"Optimizer step {self.num_updates + 1}, stage {stage.name!r} refused: its "
+                            f"{'loss' if loss_bad else 'grad_norm'} is non-finite. Its parameters and optimizer "
+                            f"state did not change; stages {stepped} had already stepped in this update and later "
+                            "stages did not run. Check the batch for nan/inf, lower the learning rate or set the "
+                            "stage's clip_grad_norm, or build the learner with on_nonfinite='skip'."
+                        )
+                    skipped = True
+                    continue
+                self._optimizer_step(optimizer)
+                stepped.append(stage.name)
+            self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_updates += int(skipped)
+        if stepped:
+            self.num_updates += 1
+            self._weights_changed()
+        return result
+
+    def _stage_backward(self, plan, index: int, batch: TensorDictBase, sync: bool) -> TensorDictBase:
+        """Forward (shared, or the group's method) and backward of one group's loss terms on ``batch``."""
+        group = plan[index]
+        method = group[0].method
+        with self._sync_context(sync):
+            output = self._forward(batch, method)
+            if method is not None:
+                output = as_output(output, group[0])
+            loss = group[0].terms(output)
+            for stage in group[1:]:
+                loss = loss + stage.terms(output)
+            seed = _backward_seed(loss)
+            previous = self._group_seeds[index]
+            self._group_seeds[index] = seed if previous is None else previous * seed
+            if self.grad_accum_steps > 1:
+                loss = loss / self.grad_accum_steps
+            self._backward(loss, seed)
+        return output.detach()
+
     def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
         """Whether the window's step must not be taken: a non-finite grad norm, or here (one rank) loss.
 
@@ -204,11 +293,13 @@ class Learner(nn.Module):
     def _abandon_window(self) -> None:
         """Drop this window's gradients so the next call starts a fresh one."""
         self._accum_step = 0
+        self._window_batches = []
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- what backends provide ------------------------------------------------------------
 
-    def _forward(self, batch: TensorDictBase) -> TensorDictBase:
+    def _forward(self, batch: TensorDictBase, method: str | None = None) -> TensorDictBase:
+        """The loss on ``batch`` (its ``method`` when given), through the backend."""
         raise NotImplementedError
 
     def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
@@ -219,11 +310,12 @@ class Learner(nn.Module):
         """Context for one micro-batch; gradients are synchronised only when ``sync``."""
         return contextlib.nullcontext()
 
-    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+    def _clip_gradients(self, max_norm: float, optimizer=None) -> torch.Tensor:
+        """Clip ``optimizer``'s gradients (default: the learner's) and return their pre-clip norm."""
         raise NotImplementedError
 
-    def _optimizer_step(self) -> None:
-        self.optimizer.step()
+    def _optimizer_step(self, optimizer=None) -> None:
+        (optimizer or self.optimizer).step()
 
     def _weights_changed(self) -> None:
         """After an optimizer step or a load: bring copies used outside ``update`` up to date."""
@@ -306,7 +398,7 @@ class Learner(nn.Module):
         return {
             "model": self._model_state(),
             "optimizer": self._optimizer_state(),
-            "param_names": self._optimizer_param_names(),
+            "param_names": self._saved_param_names(),
             "accum_step": self._accum_step,
             "num_updates": self.num_updates,
             "rng": self._rng_states(),
@@ -331,6 +423,33 @@ class Learner(nn.Module):
         names = {id(p): n for n, p in self._named_parameters()}
         return [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(optimizer_params(self.optimizer))]
 
+    def _saved_param_names(self) -> list[str] | dict[str, list[str]]:
+        """What checkpoints record to pair moments with parameters: names per stage when staged."""
+        if not self.stages:
+            return self._optimizer_param_names()
+        names = {id(p): n for n, p in self._named_parameters()}
+        return {stage: [names[id(p)] for p in optimizer_params(o)] for stage, o in self.optimizer.by_stage.items()}
+
+    def _checked_stage_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """The stages' optimizer states of ``checkpoint``, re-indexed and checked for this learner."""
+        state, saved_names = checkpoint["optimizer"], checkpoint.get("param_names") or {}
+        ours = self._saved_param_names()
+        if not isinstance(state, Mapping) or not isinstance(state.get("stages"), Mapping) \
+                or set(state["stages"]) != set(ours) or not isinstance(saved_names, Mapping):
+            found = sorted(state["stages"]) if isinstance(state, Mapping) and isinstance(state.get("stages"), Mapping) \
+                else "a single optimizer"
+            raise ValueError(f"The checkpoint holds optimizer state for {found}; this learner has stages "
+                             f"{sorted(ours)}. Nothing was loaded: load it into a learner built with the same stages.")
+        out = {}
+        for stage, optimizer in self.optimizer.by_stage.items():
+            one, names = state["stages"][stage], saved_names.get(stage)
+            if names is not None:
+                check_optimizer_structure(one, len(names))
+                one = reindex_optimizer_state(one, names, ours[stage], [len(g["params"]) for g in optimizer.param_groups])
+            check_optimizer_state(one, optimizer)
+            out[stage] = one
+        return {"stages": out}
+
     def load_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         """Restore a ``checkpoint()``; everything is validated before anything is changed.
 
@@ -341,12 +460,18 @@ class Learner(nn.Module):
         check_checkpoint(checkpoint, self._model_shapes())
         _rng.check(checkpoint.get("rng"))
         optimizer_state = checkpoint["optimizer"]
-        if checkpoint.get("param_names") is not None:
+        if self.stages:
+            optimizer_state = self._checked_stage_state(checkpoint)
+        elif isinstance(checkpoint.get("param_names"), Mapping):
+            raise ValueError("The checkpoint was written by a learner with several optimizers (stages); this one "
+                             "has one. Nothing was loaded: build the learner with the same stages.")
+        elif checkpoint.get("param_names") is not None:
             optimizer_state = reindex_optimizer_state(
                 optimizer_state, checkpoint["param_names"], self._optimizer_param_names(),
                 [len(g["params"]) for g in self.optimizer.param_groups],
             )
-        check_optimizer_state(optimizer_state, self.optimizer)
+        if not self.stages:
+            check_optimizer_state(optimizer_state, self.optimizer)
         self._load_model_state(checkpoint["model"])
         self._load_optimizer_state(optimizer_state)
         self._resume_counters(int(checkpoint.get("num_updates", 0)), int(checkpoint.get("accum_step", 0)),
@@ -446,6 +571,17 @@ def _missing_keys_error(err: Exception, batch: TensorDictBase, loss_module: nn.M
         f"loss_module.in_keys: {missing}; add them to the batch (nested keys as tuples, e.g. "
         "('next', 'reward')). Some in_keys are only read in some configurations, so not all of them may be needed."
     )
+
+
+def _check_batch(batch: Any) -> None:
+    if not isinstance(batch, TensorDictBase):
+        raise TypeError(f"update() takes a TensorDict batch, got {type(batch).__name__}.")
+    if batch.batch_size.numel() == 0 or batch.is_empty():
+        raise ValueError(
+            f"update() got an empty batch (batch_size {tuple(batch.batch_size)}, keys "
+            f"{sorted(map(str, batch.keys()))}); a loss over no samples has nothing to learn from. "
+            "Skip empty batches before calling update()."
+        )
 
 
 def plain_weights(loss_module: nn.Module, policy: nn.Module | None, cpu_offload: bool) -> TensorDictBase:

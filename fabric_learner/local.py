@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -11,6 +12,7 @@ from fabric_learner._dcp import is_sharded_checkpoint, read_full
 from fabric_learner._checkpoint import atomic_torch_save, file_state, naming, overwrite_error, read_learner_file
 from fabric_learner._compile import fused_adam
 from fabric_learner._optim import OptimizerLike, build_optimizer, optimizer_params
+from fabric_learner._stages import Stage, StageOptimizers, build_stage_optimizers
 from fabric_learner.learner import Capabilities, Learner
 
 
@@ -33,22 +35,31 @@ class LocalLearner(Learner):
         grad_accum_steps: int = 1,
         on_nonfinite: str = "raise",
         compile: bool = False,
+        stages: Sequence[Stage] | None = None,
     ) -> None:
         super().__init__(loss_module, policy=policy, clip_grad_norm=clip_grad_norm, grad_accum_steps=grad_accum_steps,
-                         on_nonfinite=on_nonfinite, compile=compile)
+                         on_nonfinite=on_nonfinite, compile=compile, stages=stages)
+        if stages is not None:
+            if optimizer is not None:
+                raise ValueError("With stages=, each Stage builds its own optimizer; pass optimizer=None.")
+            self.optimizer = StageOptimizers(build_stage_optimizers(stages, loss_module.named_parameters()))
+            return
         default = fused_adam if compile and optimizer is None else optimizer
         self.optimizer = build_optimizer(default, loss_module.parameters())
 
-    def _forward(self, batch):
+    def _forward(self, batch, method=None):
+        if method is not None:
+            return getattr(self.loss_module, method)(batch)
         return self._loss_call(batch)
 
     def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
         loss.backward(seed)
 
-    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+    def _clip_gradients(self, max_norm: float, optimizer=None) -> torch.Tensor:
         # torch's default kernel choice, as a hand-written loop and Fabric's clip_gradients use:
         # forcing foreach measured a few percent slower per PPO update on CPU
-        return torch.nn.utils.clip_grad_norm_(optimizer_params(self.optimizer), max_norm, error_if_nonfinite=False)
+        params = optimizer_params(optimizer or self.optimizer)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``checkpoint()`` to ``path`` atomically (the same file format as FabricLearner).

@@ -63,7 +63,7 @@ from torchrl.trainers import LogScalar, OptimizationStepper, TrainerHookBase
 from torchrl.trainers import Trainer as _TorchRLTrainer
 
 from fabric_learner._checkpoint import weights_only_load
-from fabric_learner._dcp import read_small_file
+from fabric_learner._dcp import read_json
 from fabric_learner.onpolicy import all_reduce, distributed_world_size
 from fabric_learner.weights import PublishWeights, serve_collector_policy
 
@@ -667,14 +667,7 @@ class Trainer(_TorchRLTrainer):
             path = path.with_name(path.name + ".old")  # a crash hit the swap: the previous checkpoint
         if not (path / _META_FILE).exists():
             raise FileNotFoundError(f"No fabric_learner trainer checkpoint at {file} (no {_META_FILE}).")
-        meta_file = path / _META_FILE
-        try:
-            meta = json.loads(read_small_file(meta_file))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{meta_file} is not valid JSON ({err}); nothing was loaded.") from None
-        if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-            raise ValueError(f"{meta_file} has format {found!r}, expected {CHECKPOINT_FORMAT!r}; nothing was loaded.")
+        read_json(path / _META_FILE, CHECKPOINT_FORMAT)
         rank_file = path / f"rank{self.global_rank}.pt"
         learner_file = path / _LEARNER_FILE
         for inner in (rank_file, learner_file):  # files of the folder itself, never links out of it

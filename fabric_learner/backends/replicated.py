@@ -21,6 +21,7 @@ from fabric_learner._batch import LossForwarder
 from fabric_learner._checkpoint import FORMAT, AtomicCheckpointIO, overwrite_error
 from fabric_learner._compile import fused_adam
 from fabric_learner._optim import build_optimizer
+from fabric_learner._stages import StageOptimizers, build_stage_optimizers
 from fabric_learner.learner import plain_weights
 
 
@@ -30,12 +31,18 @@ class ReplicatedBackend:
     sharded = False
     sharded_module = None
 
-    def __init__(self, fabric, loss_module: nn.Module, optimizer, convert, call, compile: bool) -> None:
+    def __init__(self, fabric, loss_module: nn.Module, optimizer, convert, call, compile: bool, stages=()) -> None:
         if type(fabric.strategy.checkpoint_io) is TorchCheckpointIO:  # a custom one is the user's
             fabric.strategy.checkpoint_io = AtomicCheckpointIO()
         self.fabric, self.loss_module = fabric, loss_module
         wrapper = LossForwarder(loss_module, fabric.device, convert, call=call)
-        if isinstance(optimizer, torch.optim.Optimizer):
+        if stages:
+            self.module = fabric.setup_module(wrapper)
+            built = build_stage_optimizers(stages, loss_module.named_parameters())
+            wrapped = fabric.setup_optimizers(*built.values())
+            wrapped = wrapped if isinstance(wrapped, (tuple, list)) else (wrapped,)
+            self.optimizer = StageOptimizers(dict(zip(built, wrapped)))
+        elif isinstance(optimizer, torch.optim.Optimizer):
             self.module, self.optimizer = fabric.setup(wrapper, optimizer)
         else:
             self.module = fabric.setup_module(wrapper)
@@ -84,9 +91,9 @@ class ReplicatedBackend:
             error = self.fabric.broadcast(error, src=0)
         if error is not None:
             raise FileExistsError(error)
-        # Fabric turns the module and optimizer into state dicts itself; the rest is Learner._live_state's
-        self.fabric.save(path, {"format": FORMAT, "model": self.loss_module, "optimizer": self.optimizer,
-                                "param_names": learner._optimizer_param_names(), "accum_step": learner._accum_step,
+        # Fabric turns the module into a state dict itself; the rest is Learner._live_state's
+        self.fabric.save(path, {"format": FORMAT, "model": self.loss_module, "optimizer": learner._optimizer_state(),
+                                "param_names": learner._saved_param_names(), "accum_step": learner._accum_step,
                                 "num_updates": learner.num_updates, "rng": learner._rng_states()})
 
     def load_folder(self, learner, path: Path) -> None:

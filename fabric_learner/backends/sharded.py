@@ -34,8 +34,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fabric_learner import _compat, _dcp
-from fabric_learner._batch import Carrier, run_loss
+from fabric_learner._batch import Carrier, output_leaves, run_loss
 from fabric_learner._optim import build_optimizer
+from fabric_learner._stages import StageOptimizers, build_stage_optimizers
 
 __all__ = ["ShardedLoss", "shard_loss", "whole_world"]
 
@@ -108,13 +109,14 @@ class ShardedLoss(nn.Module):
         self.__dict__["_inside"] += 1
         try:
             with self._params().to_module(loss):
-                output = run_loss(loss, carrier.value, self._device, self._convert)
+                call = loss if carrier.method is None else getattr(loss, carrier.method)
+                output = run_loss(call, carrier.value, self._device, self._convert)
         finally:
             self.__dict__["_inside"] -= 1
             _compat.erase_loss_cache(loss)
         # FSDP2 hooks the backward through the tensors it finds in the output; a TensorDict
         # hides them, so the leaves travel beside the carried output.
-        return Carrier(output), tuple(output.values(include_nested=True, leaves_only=True))
+        return Carrier(output), output_leaves(output)
 
     # ---- full weights outside update ----------------------------------------------------------
 
@@ -329,20 +331,30 @@ class ShardedBackend:
                 "instance: pass e.g. optimizer=functools.partial(torch.optim.Adam, lr=3e-4), or None for Adam."
             )
 
-    def __init__(self, fabric, loss_module: nn.Module, optimizer, convert, policy: nn.Module | None) -> None:
+    def __init__(self, fabric, loss_module: nn.Module, optimizer, convert, policy: nn.Module | None,
+                 stages=()) -> None:
         self.check_optimizer(optimizer)
         loss_module.to(fabric.device)  # buffers (targets) stay in the loss, replicated
         self.fabric, self.loss_module = fabric, loss_module
         self.wrapper = ShardedLoss(loss_module, fabric.device, convert, serve=[policy] if policy is not None else [])
         self.module = fabric.setup_module(self.wrapper)
         check_sharded(self.wrapper, fabric.world_size)
-        self.optimizer = fabric.setup_optimizers(build_optimizer(optimizer, self.module.parameters()))
+        if stages:
+            built = build_stage_optimizers(stages, self.wrapper.named_loss_parameters())
+            wrapped = fabric.setup_optimizers(*built.values())
+            wrapped = wrapped if isinstance(wrapped, (tuple, list)) else (wrapped,)
+            self.optimizer = StageOptimizers(dict(zip(built, wrapped)))
+        else:
+            self.optimizer = fabric.setup_optimizers(build_optimizer(optimizer, self.module.parameters()))
 
     @property
     def sharded_module(self) -> ShardedLoss:
         return self.wrapper
 
-    def raw_optimizer(self) -> torch.optim.Optimizer:
+    def raw_optimizer(self):
+        """The torch optimizer, or the list of the stages' (torch's state-dict API takes either)."""
+        if isinstance(self.optimizer, StageOptimizers):
+            return [getattr(o, "optimizer", o) for o in self.optimizer.by_stage.values()]
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
     def named_parameters(self):
@@ -415,12 +427,19 @@ class ShardedBackend:
             for k, buffer in self.loss_buffers().items():
                 buffer.copy_(state[k])
 
-    def optimizer_state(self, param_names: list[str]) -> dict[str, Any]:
+    def optimizer_state(self, param_names) -> dict[str, Any]:
+        """Full optimizer state indexed as ``param_names`` (per stage when it is a dict of them)."""
+        if isinstance(param_names, dict):
+            return {"stages": {stage: self._optimizer_state(raw, param_names[stage])
+                               for stage, raw in zip(self.optimizer.by_stage, self.raw_optimizer())}}
+        return self._optimizer_state(self.raw_optimizer(), param_names)
+
+    def _optimizer_state(self, raw, param_names: list[str]) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         wrapper = self.wrapper
         by_flat = {flat_name(n): n for n in wrapper.names}
-        full = get_optimizer_state_dict(wrapper, self.raw_optimizer(), options=StateDictOptions(full_state_dict=True))
+        full = get_optimizer_state_dict(wrapper, raw, options=StateDictOptions(full_state_dict=True))
         index = {n: i for i, n in enumerate(param_names)}
         state = {}
         for fqn, fields in full["state"].items():
@@ -429,7 +448,14 @@ class ShardedBackend:
         groups = [dict(g, params=[index[by_flat[p]] for p in g["params"]]) for g in full["param_groups"]]
         return {"state": state, "param_groups": groups}
 
-    def load_optimizer_state(self, state, param_names: list[str]) -> None:
+    def load_optimizer_state(self, state, param_names) -> None:
+        if isinstance(param_names, dict):
+            for stage, raw in zip(self.optimizer.by_stage, self.raw_optimizer()):
+                self._load_optimizer_state(raw, state["stages"][stage], param_names[stage])
+            return
+        self._load_optimizer_state(self.raw_optimizer(), state, param_names)
+
+    def _load_optimizer_state(self, raw, state, param_names: list[str]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         wrapper = self.wrapper
@@ -442,7 +468,7 @@ class ShardedBackend:
                 for f, v in fields.items()
             }
         groups = [dict(g, params=[flat_name(param_names[i]) for i in g["params"]]) for g in state["param_groups"]]
-        set_optimizer_state_dict(wrapper, self.raw_optimizer(), {"state": moments, "param_groups": groups},
+        set_optimizer_state_dict(wrapper, raw, {"state": moments, "param_groups": groups},
                                  options=StateDictOptions(full_state_dict=True))
 
     # ---- checkpoints on disk: a DCP folder (see _dcp) ------------------------------------------

@@ -1,0 +1,231 @@
+"""Several optimizers (stages): TD3's delayed actor, SAC's temperature, DDPG, against torchrl's own."""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+import torch
+from conftest import make_learner
+from rl_cases import CLIP, LR, flat_params, make_batch, make_loss
+from torchrl.trainers.algorithms.td3 import TD3OptimizationStepper
+
+from fabric_learner import LocalLearner, Stage
+
+STEPS = 20
+
+
+def opt():
+    return functools.partial(torch.optim.Adam, lr=LR)
+
+
+def td3_stages(clip=CLIP):
+    return [Stage("critic", "qvalue_network_params", opt(), method="value_loss", clip_grad_norm=clip),
+            Stage("actor", "actor_network_params", opt(), method="actor_loss", every=2, clip_grad_norm=clip)]
+
+
+def sac_stages():
+    return [Stage("critic", "qvalue_network_params", opt(), loss="loss_qvalue", clip_grad_norm=CLIP),
+            Stage("actor", "actor_network_params", opt(), loss="loss_actor", clip_grad_norm=CLIP),
+            Stage("alpha", "log_alpha", functools.partial(torch.optim.Adam, lr=3e-3), loss="loss_alpha")]
+
+
+def ddpg_stages():
+    return [Stage("critic", "value_network_params", opt(), loss="loss_value", clip_grad_norm=CLIP),
+            Stage("actor", "actor_network_params", opt(), loss="loss_actor", clip_grad_norm=CLIP)]
+
+
+def params_of(loss, prefix):
+    return [p for n, p in loss.named_parameters() if n == prefix or n.startswith(prefix + ".")]
+
+
+def assert_same_weights(a, b):
+    for k, v in flat_params(a).items():
+        assert torch.equal(v, flat_params(b)[k]), k
+
+
+@pytest.mark.parametrize("kind", ["local", "fabric"])
+def test_td3_with_a_delayed_actor_reproduces_torchrls_td3_stepper_bit_for_bit(kind):
+    loss, reference = make_loss("td3")[0], make_loss("td3")[0]
+    learner = make_learner(kind, loss, stages=td3_stages())
+    stepper = TD3OptimizationStepper(opt()(params_of(reference, "actor_network_params")),
+                                     opt()(params_of(reference, "qvalue_network_params")), policy_update_delay=2)
+    # the part of torchrl's Trainer that its stepper calls
+    trainer = types.SimpleNamespace(compute_loss=lambda b, method=None: getattr(reference, method)(b),
+                                    clip_grad_norm=True, clip_norm=CLIP, loss_module=reference)
+    for step in range(STEPS):
+        batch = make_batch("td3", seed=200 + step)
+        torch.manual_seed(step)
+        out = learner.update(batch.clone())
+        torch.manual_seed(step)
+        expected = stepper.step(trainer, batch.clone())
+        assert torch.equal(out["loss_critic"], expected["loss_qvalue"])
+        assert ("grad_norm_actor" in out.keys()) == (step % 2 == 1)  # the actor steps on every 2nd update
+        if step % 2:
+            assert torch.equal(out["loss_actor"], expected["loss_actor"])
+    assert learner.num_updates == STEPS
+    assert_same_weights(loss, reference)
+
+
+def hand_shared_forward(reference, stage_params, stage_keys, clips, lrs, case, seeds):
+    """One forward, one backward of the summed terms, then each optimizer clipped and stepped: how
+    torchrl's SAC and DDPG scripts step their separate optimizers."""
+    optims = [torch.optim.Adam(params_of(reference, p), lr=lr) for p, lr in zip(stage_params, lrs)]
+    for step, seed in enumerate(seeds):
+        torch.manual_seed(step)
+        out = reference(make_batch(case, seed=seed))
+        sum(out[k] for k in stage_keys).backward()
+        for o, clip in zip(optims, clips):
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], clip)
+            o.step()
+        for o in optims:
+            o.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kind", ["local", "fabric"])
+def test_sac_with_a_temperature_optimizer_equals_the_hand_written_three_optimizer_loop(kind):
+    loss, reference = make_loss("sac")[0], make_loss("sac")[0]
+    learner = make_learner(kind, loss, stages=sac_stages())
+    seeds = [300 + s for s in range(STEPS)]
+    for step, seed in enumerate(seeds):
+        torch.manual_seed(step)
+        out = learner.update(make_batch("sac", seed=seed))
+        assert {"grad_norm_critic", "grad_norm_actor", "grad_norm_alpha"} <= set(out.keys())
+    hand_shared_forward(reference, ["qvalue_network_params", "actor_network_params", "log_alpha"],
+                        ["loss_qvalue", "loss_actor", "loss_alpha"], [CLIP, CLIP, None], [LR, LR, 3e-3], "sac", seeds)
+    assert_same_weights(loss, reference)
+
+
+def test_ddpg_with_two_optimizers_equals_the_hand_written_loop():
+    loss, reference = make_loss("ddpg")[0], make_loss("ddpg")[0]
+    learner = LocalLearner(loss, stages=ddpg_stages())
+    seeds = [400 + s for s in range(STEPS)]
+    for step, seed in enumerate(seeds):
+        torch.manual_seed(step)
+        learner.update(make_batch("ddpg", seed=seed))
+    hand_shared_forward(reference, ["value_network_params", "actor_network_params"], ["loss_value", "loss_actor"],
+                        [CLIP, CLIP], [LR, LR], "ddpg", seeds)
+    assert_same_weights(loss, reference)
+
+
+@pytest.mark.parametrize("stages", ["ddpg_stages", "ddpg_method_stages"])
+def test_two_accumulated_halves_equal_one_full_batch_in_every_stage(stages):
+    whole, halves = make_loss("ddpg")[0], make_loss("ddpg")[0]
+    a = LocalLearner(whole, stages=globals()[stages]())
+    b = LocalLearner(halves, stages=globals()[stages](), grad_accum_steps=2)
+    for step in range(4):
+        batch = make_batch("ddpg", n=16, seed=500 + step)
+        out_a = a.update(batch)
+        b.update(batch[:8])
+        out_b = b.update(batch[8:])
+        for name in ("critic", "actor"):
+            torch.testing.assert_close(out_b[f"grad_norm_{name}"], out_a[f"grad_norm_{name}"], atol=1e-6, rtol=1e-5)
+    for k, v in flat_params(whole).items():
+        torch.testing.assert_close(flat_params(halves)[k], v, atol=1e-6, rtol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("kind", ["local", "fabric"])
+def test_a_staged_checkpoint_round_trips_and_training_continues_identically(kind, tmp_path):
+    loss, fresh_loss = make_loss("sac")[0], make_loss("sac", seed=4)[0]
+    learner = make_learner(kind, loss, stages=sac_stages())
+    for step in range(3):
+        torch.manual_seed(step)
+        learner.update(make_batch("sac", seed=600 + step))
+    learner.save(tmp_path / "staged.pt")
+    fresh = make_learner(kind, fresh_loss, stages=sac_stages())
+    fresh.load(tmp_path / "staged.pt")
+    assert fresh.num_updates == 3
+    for run in (learner, fresh):
+        torch.manual_seed(9)
+        run.update(make_batch("sac", seed=700))
+    assert_same_weights(loss, fresh_loss)
+    single = make_learner(kind, make_loss("sac")[0], opt())
+    with pytest.raises(ValueError, match="several optimizers"):
+        single.load(tmp_path / "staged.pt")
+
+
+def ddpg_method_stages():
+    return [Stage("critic", "value_network_params", opt(), method="loss_value", clip_grad_norm=CLIP),
+            Stage("actor", "actor_network_params", opt(), method="loss_actor", clip_grad_norm=CLIP)]
+
+
+def test_a_non_finite_stage_is_skipped_alone_or_raises_naming_the_stage():
+    """Stages with their own forward refuse alone; stages sharing a forward share its backward, so a
+    non-finite term refuses all of them."""
+    batch = make_batch("ddpg", seed=1)
+    batch["next", "reward"][0] = float("nan")  # reaches the critic's loss only
+    learner = LocalLearner(make_loss("ddpg")[0], stages=ddpg_method_stages(), on_nonfinite="skip")
+    before = {k: v.clone() for k, v in flat_params(learner.loss_module).items()}
+    learner.update(batch)
+    after = flat_params(learner.loss_module)
+    assert learner.skipped_updates == 1 and learner.num_updates == 1  # the actor stepped
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k.startswith("value_network"))
+    assert any(not torch.equal(after[k], v) for k, v in before.items() if k.startswith("actor_network"))
+    raising = LocalLearner(make_loss("ddpg")[0], stages=ddpg_method_stages())
+    with pytest.raises(FloatingPointError, match="stage 'critic' refused"):
+        raising.update(batch)
+    shared = LocalLearner(make_loss("ddpg")[0], stages=ddpg_stages(), on_nonfinite="skip")
+    shared.update(batch)
+    assert shared.num_updates == 0 and shared.skipped_updates == 1
+
+
+@pytest.mark.parametrize("stages, match", [
+    ([Stage("a", "qvalue_network_params"), Stage("b", "qvalue_network_params.module.2")], "belongs to stages"),
+    ([Stage("critic", "qvalue_network_params", method="value_loss")], "No stage trains"),
+    ([Stage("critic", "qvalue_network_params", method="critic_loss"),
+      Stage("actor", "actor_network_params", method="actor_loss")], "does not have"),
+    ([Stage("critic", "qvalue_network_params", method="value_loss"),
+      Stage("actor", "actor_network_params", method="actor_loss"), Stage("x", "target")], "trains no parameter"),
+    ([Stage("critic", "qvalue_network_params"), Stage("actor", "actor_network_params")], "name their loss entries"),
+])
+def test_stages_that_cannot_train_the_loss_are_refused_before_anything_is_built(stages, match):
+    with pytest.raises(ValueError, match=match):
+        LocalLearner(make_loss("td3")[0], stages=stages)
+
+
+STAGES = {"ddpg_stages": ddpg_stages, "ddpg_method_stages": ddpg_method_stages, "td3_stages": td3_stages,
+          "sac_stages": sac_stages}
+CASE = {"ddpg_stages": "ddpg", "ddpg_method_stages": "ddpg", "td3_stages": "td3", "sac_stages": "sac"}
+DETERMINISTIC = {"ddpg_stages", "ddpg_method_stages"}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    import os
+
+    from multiproc import WORKERS, python, run
+
+    out = tmp_path_factory.mktemp("stages")
+    proc = run(python(os.path.join(WORKERS, "stages_checks.py"), str(out)), timeout=480)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def one_process(stages):
+    """LocalLearner on the full batch, on the schedule the ranks shared (with its checkpoint reload)."""
+    learner = LocalLearner(make_loss(CASE[stages])[0], stages=STAGES[stages]())
+    norms = []
+    for step in range(6):
+        torch.manual_seed(step)
+        out = learner.update(make_batch(CASE[stages], n=16, seed=800 + step))
+        norms.append({k: out[k] for k in out.keys() if str(k).startswith("grad_norm")})
+    return learner, norms
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("stages", list(STAGES))
+def test_stages_on_two_ranks_keep_ranks_identical_and_deterministic_ones_equal_one_process(ranks, strategy, stages):
+    r0, r1 = (r[(strategy, stages)] for r in ranks)
+    for k, v in r0["model"].items():
+        assert torch.equal(v, r1["model"][k]), k  # ranks agree bit for bit, through a checkpoint reload
+    assert r0["num_updates"] == 6
+    assert [sorted(n) for n in r0["norms"]] == [sorted(n) for n in one_process(stages)[1]]  # same stages stepped
+    if stages in DETERMINISTIC:
+        learner, norms = one_process(stages)
+        for got, want in zip(r0["norms"], norms):
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5)
+        for k, v in learner.loss_module.state_dict().items():
+            torch.testing.assert_close(r0["model"][k], v, atol=1e-5, rtol=1e-5, msg=k)

@@ -1,0 +1,61 @@
+"""Several optimizers (stages) on 2 ranks under DDP and FSDP, in one launch (plain ``python``).
+
+Usage: python stages_checks.py OUT_DIR   -> OUT_DIR/rank{r}.pt, compared by tests/test_stages.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
+from rl_cases import halves, make_batch, make_loss  # noqa: E402
+from test_stages import STAGES  # noqa: E402
+
+from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+
+TIMEOUT = timedelta(seconds=90)
+STEPS = 6
+
+
+def strategy(name):
+    return DDPStrategy(timeout=TIMEOUT) if name == "ddp" else \
+        ModelParallelStrategy(parallelize_fn=shard_loss, timeout=TIMEOUT)
+
+
+def run(name, case, stages, rank, out_dir):
+    learner = FabricLearner(make_loss(case)[0], stages=STAGES[stages](), accelerator="cpu", devices=2,
+                            strategy=strategy(name))
+    norms = []
+    for step in range(STEPS):
+        torch.manual_seed(step)  # the same draws on both ranks, as in the one-process reference
+        out = learner.update(halves(make_batch(case, n=16, seed=800 + step), rank))
+        norms.append({k: out[k] for k in out.keys() if str(k).startswith("grad_norm")})
+        if step == 2:  # a checkpoint mid-run, reloaded into a fresh learner that carries on
+            path = os.path.join(out_dir, f"{name}_{stages}" + ("" if name == "fsdp" else ".pt"))
+            learner.save(path)
+            fresh = FabricLearner(make_loss(case, seed=5)[0], stages=STAGES[stages](), accelerator="cpu", devices=2,
+                                  strategy=strategy(name))
+            fresh.load(path)
+            learner = fresh
+    return {"model": learner.checkpoint()["model"], "norms": norms, "num_updates": learner.num_updates}
+
+
+def main(out_dir):
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    results = {}
+    for name in ("ddp", "fsdp"):
+        for case, stages in (("ddpg", "ddpg_stages"), ("ddpg", "ddpg_method_stages"), ("td3", "td3_stages"),
+                             ("sac", "sac_stages")):
+            results[(name, stages)] = run(name, case, stages, rank, out_dir)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
