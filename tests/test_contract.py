@@ -1,4 +1,4 @@
-"""The Learner contract (CONTRACT.md sections 2-5) on LocalLearner and single-process FabricLearner."""
+"""The Learner contract (docs/contract.md §2-§5) on LocalLearner and single-process FabricLearner."""
 
 from __future__ import annotations
 

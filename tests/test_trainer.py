@@ -1,4 +1,4 @@
-"""fabric_learner.Trainer: torchrl's Trainer driven by a Learner (CONTRACT.md section 7).
+"""fabric_learner.Trainer: torchrl's Trainer driven by a Learner (docs/contract.md §9).
 
 Single-process tests use LocalLearner; the DDP tests start 2 real gloo processes once
 (tests/workers/trainer_ddp.py) and compare what each rank saved.
