@@ -115,9 +115,11 @@ class FabricLearner(Learner):
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_module", backend.module)
         self.optimizer = backend.optimizer
-        # One device at 32-true: Fabric's backward, clip and optimizer wrappers only call torch's
-        # own (measured 1-3% of a small update), so the step calls torch directly, as LocalLearner.
+        # One device or DDP at 32-true: Fabric's backward, clip and optimizer wrappers only call
+        # torch's own (measured 1-3% of a small update), so the step calls torch directly, as
+        # LocalLearner; on one device the forward skips the module wrapper too (DDP needs its own).
         object.__setattr__(self, "_direct", _wrappers_do_nothing(fabric, plugin))
+        object.__setattr__(self, "_direct_forward", self._direct and type(fabric.strategy) is SingleDeviceStrategy)
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
         self._samples = SampleTrace()
         if fabric.world_size > 1:
@@ -152,7 +154,7 @@ class FabricLearner(Learner):
         return None if self._loss_call is self.loss_module else self._loss_call
 
     def _forward(self, batch, method=None):
-        if self._direct:
+        if self._direct_forward:
             call = self._loss_call if method is None else getattr(self.loss_module, method)
             return run_loss(call, batch, self.fabric.device, None)
         # The strategy's module (DDP, FSDP2, or the forwarder) under the precision's forward
@@ -330,7 +332,7 @@ class FabricLearner(Learner):
 def _wrappers_do_nothing(fabric: Fabric, precision: Precision) -> bool:
     """Whether Fabric's backward, clip and optimizer step only call torch's own here."""
     hooked = any(hasattr(c, "on_after_optimizer_step") for c in fabric_callbacks(fabric))
-    return type(fabric.strategy) is SingleDeviceStrategy and type(precision) is Precision and not hooked
+    return type(fabric.strategy) in (SingleDeviceStrategy, DDPStrategy) and type(precision) is Precision and not hooked
 
 
 def _lost_peer(err: RuntimeError) -> str | None:
