@@ -454,6 +454,7 @@ class Trainer(_TorchRLTrainer):
         self._collector_closed = True
         try:
             self.collector.shutdown()
+            _shutdown_weight_sync(self.collector)
         except Exception:
             if raise_on_error:
                 raise
@@ -775,6 +776,20 @@ def _set_rng_state(state: dict[str, Any], env_plan: _EnvPlan) -> None:
 
 def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _shutdown_weight_sync(collector) -> None:
+    """Shut down the collector's weight-sync schemes now, while the interpreter is alive.
+
+    A multi-process collector's ``shutdown`` leaves its schemes open; the scheme's ``__del__``
+    then runs at interpreter exit and puts to a multiprocessing queue, whose feeder thread
+    cannot start during finalisation: the process hangs after the script has returned.
+    """
+    schemes = vars(collector).get("_weight_sync_schemes")
+    for scheme in (schemes.values() if isinstance(schemes, dict) else ()):
+        shutdown = getattr(type(scheme), "shutdown", None)
+        if callable(shutdown):
+            shutdown(scheme)
 
 
 # ---- what a checkpoint holds of the collector's environment ------------------------------------
