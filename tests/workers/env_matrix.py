@@ -83,6 +83,15 @@ ENVS = {
 # A collector that runs dry before the Trainer's total_frames, and one the Trainer outlasts.
 ENDS = {"collector_dry_first": (2, 10**6), "trainer_ends_first": (10**6, 2)}
 RESUMED = ("serial_gym", "parallel_gym", "serial_torch_pendulum")
+MODES = {1: ("local",), 2: ("ddp", "fsdp")}
+
+
+def cases(mode: str) -> list[tuple[str, str, str | None]]:
+    """``(case name, env name, end)`` run under ``mode``; ``end`` is ``None`` for a resume case."""
+    out = [(f"{env}-{end}", env, end) for env in ENVS for end in ENDS]
+    return out + [(f"resume-{env}", env, None) for env in RESUMED]
+
+
 LEARNERS = []  # closed together at the end: closing the last one ends the process group
 
 
@@ -160,16 +169,13 @@ def resume(mode: str, env_name: str, out_dir: str) -> dict:
 
 
 def main(out_dir: str, world: int, only: list[str]) -> None:
-    modes = ["local"] if world == 1 else ["ddp", "fsdp"]
-    for mode in modes:
-        jobs = [(f"{env}-{end}", functools.partial(end_to_end, mode, env, end)) for env in ENVS for end in ENDS]
-        jobs += [(f"resume-{env}", functools.partial(resume, mode, env, out_dir)) for env in RESUMED]
-        for case, job in jobs:
+    for mode in MODES[world]:
+        for case, env, end in cases(mode):
             if only and not any(name in case for name in only):
                 continue
             faulthandler.dump_traceback_later(CASE_LIMIT, exit=True)
             t0 = time.monotonic()
-            result = job()
+            result = end_to_end(mode, env, end) if end is not None else resume(mode, env, out_dir)
             faulthandler.cancel_dump_traceback_later()
             rank = result["rank"]
             result["seconds"] = time.monotonic() - t0
@@ -180,4 +186,9 @@ def main(out_dir: str, world: int, only: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # Worker processes by fork (torchrl's default, spawn, imports torch and torchrl again in each
+    # one: seconds per worker on 2 shared cores); the Trainer's part does not depend on it.
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
