@@ -91,3 +91,43 @@ def test_resume_with_a_batched_env_continues_where_the_checkpoint_stopped(reques
         if stateless:  # everything the run depends on was restored: the resumed run is the uninterrupted one
             for key, value in r["A"]["params"].items():
                 assert torch.equal(value, r["C"]["params"][key]), key
+
+
+# ---- what the trainer inspects of an env, in this process ------------------------------------
+
+
+def test_inspecting_a_batched_env_neither_starts_it_nor_forwards_to_its_workers():
+    from types import SimpleNamespace
+
+    from torchrl.envs import ParallelEnv, PendulumEnv, SerialEnv
+
+    from fabric_learner.trainer import _EnvPlan
+
+    for env in (ParallelEnv(2, PendulumEnv, mp_start_method="fork"), SerialEnv(2, em.gym)):
+        assert env.is_closed
+        plan = _EnvPlan(SimpleNamespace(env=env, _carrier=None))
+        assert env.is_closed, f"inspecting a {type(env).__name__} started it"
+        assert plan.stateless is isinstance(env, ParallelEnv)  # from the workers' metadata, not their attributes
+        assert plan.holders == [env] and plan.generators() == []
+
+
+def test_an_env_nested_without_end_fails_with_an_error_naming_it():
+    from types import SimpleNamespace
+
+    from torchrl.envs import EnvBase
+
+    from fabric_learner.trainer import _MAX_ENV_NODES, _EnvPlan
+
+    class Wrapper(EnvBase):
+        def __init__(self, inner=None):
+            super().__init__()
+            if inner is not None:
+                self.inner = inner
+
+        _reset = _step = _set_seed = None
+
+    env = Wrapper()
+    for _ in range(_MAX_ENV_NODES):
+        env = Wrapper(env)
+    with pytest.raises(RuntimeError, match=f"more than {_MAX_ENV_NODES} nested environments.*Wrapper"):
+        _EnvPlan(SimpleNamespace(env=env))
