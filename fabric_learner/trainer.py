@@ -36,7 +36,11 @@ What changes against torchrl's Trainer, and why:
   (replay buffer included), the collector's state and the rank's RNG states. It replaces
   the previous checkpoint atomically. A resume into a freshly built trainer continues as the
   uninterrupted run would (exactly so for stateless environments such as torchrl's
-  ``PendulumEnv``, whose in-flight observation is restored too).
+  ``PendulumEnv``, whose in-flight observation is restored too). What is saved of the
+  environment is decided once, at construction (see ``_EnvPlan``).
+- At the end of ``train()`` the collector's state is read, then the collector is shut down
+  (env, worker processes, weight-sync schemes), also when training fails, so no worker
+  process outlives the run.
 """
 
 from __future__ import annotations
@@ -817,12 +821,7 @@ class _EnvPlan:
     def __init__(self, collector) -> None:
         self.holders: list[EnvBase] = []
         self.stateless = False
-        self.has_carrier = False
-        if collector is None:
-            return
-        state = vars(collector)
-        env = state.get("env")
-        self.has_carrier = isinstance(state.get("_carrier"), TensorDictBase)
+        env = vars(collector).get("env") if collector is not None else None
         if isinstance(env, EnvBase):
             seen: dict[int, EnvBase] = {}
             self.stateless = _walk_env(env, seen)
@@ -833,11 +832,6 @@ class _EnvPlan:
         for env in self.holders:
             found.extend(v for v in vars(env).values() if isinstance(v, torch.Generator) and all(v is not f for f in found))
         return found
-
-    def describe(self) -> str:
-        kind = "stateless (in-flight tensordict saved)" if self.stateless and self.has_carrier else \
-            "stateful (episodes restart on resume)"
-        return f"{kind}, {len(self.holders)} in-process env(s)"
 
 
 def _walk_env(env: EnvBase, seen: dict[int, EnvBase]) -> bool:
