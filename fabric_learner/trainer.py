@@ -36,12 +36,17 @@ What changes against torchrl's Trainer, and why:
   (replay buffer included), the collector's state and the rank's RNG states. It replaces
   the previous checkpoint atomically. A resume into a freshly built trainer continues as the
   uninterrupted run would (exactly so for stateless environments such as torchrl's
-  ``PendulumEnv``, whose in-flight observation is restored too).
+  ``PendulumEnv``, whose in-flight observation is restored too). What is saved of the
+  environment is decided once, at construction (see ``_EnvPlan``).
+- At the end of ``train()`` the collector's state is read, then the collector is shut down
+  (env, worker processes, weight-sync schemes), also when training fails, so no worker
+  process outlives the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import json
 import math
@@ -336,6 +341,10 @@ class Trainer(_TorchRLTrainer):
             target_net_updater=target_net_updater,
             **kwargs,
         )
+        # Decided now, while the env is alive: what checkpoints hold of it (see _EnvPlan).
+        self._env_plan = _EnvPlan(collector)
+        self._collector_closed = False
+        self._collector_state_at_end: dict[str, Any] | None = None
         self.seed = seed
         if seed is not None:
             self.set_seed()
@@ -347,7 +356,6 @@ class Trainer(_TorchRLTrainer):
         if log_throughput:
             LogThroughput(self).register(self)
         self._pbar = None
-        self._collector_state_at_end = None
 
     # ---- ranks --------------------------------------------------------------------------------
 
@@ -431,12 +439,29 @@ class Trainer(_TorchRLTrainer):
                     self.save_trainer(force_save=True)
                     break
                 self.save_trainer()
+        except BaseException:
+            # Worker processes (ParallelEnv, multi-process collectors) would otherwise outlive the
+            # error and keep the interpreter from exiting.
+            self._close_collector(raise_on_error=False)
+            raise
         finally:
             if self._pbar is not None:
                 self._pbar.close()
         self._shutdown_hook()
-        self._collector_state_at_end = self._collector_state()  # a shut-down collector has no env left
-        self.collector.shutdown()
+        self._collector_state_at_end = self._collector_state()  # read while the collector is alive
+        self._close_collector(raise_on_error=True)
+
+    def _close_collector(self, *, raise_on_error: bool) -> None:
+        """Shut the collector down once (closing its env and worker processes)."""
+        if self._collector_closed or self.collector is None:
+            return
+        self._collector_closed = True
+        try:
+            self.collector.shutdown()
+            _shutdown_weight_sync(self.collector)
+        except Exception:
+            if raise_on_error:
+                raise
 
     def _sync_counts(self, frames: int, exhausted: bool, init_random: int) -> tuple[int, bool, int]:
         """Global frames of this batch, whether any rank's collector ran dry, and the warm-up total."""
@@ -526,16 +551,21 @@ class Trainer(_TorchRLTrainer):
         self.learner.load_checkpoint(state_dict["learner"])  # validated before it changes anything
         self._load_rank_state(state_dict, restore_rng=False)
         self._publish_after_load()
-        _set_rng_state(state_dict["rng"], self.collector)
+        _set_rng_state(state_dict["rng"], self._env_plan)
 
     def _collector_state(self) -> dict[str, Any]:
         collector = self.collector
         if collector is None:
             return {"collector": None, "carrier": None, "env_rng": []}
-        if not hasattr(collector, "env") and getattr(self, "_collector_state_at_end", None) is not None:
+        if self._collector_state_at_end is not None:
             return self._collector_state_at_end  # train() ended and shut the collector down
-        return {"collector": collector.state_dict(), "carrier": _carrier_state(collector),
-                "env_rng": [g.get_state() for g in _env_generators(getattr(collector, "env", None))]}
+        if self._collector_closed:
+            raise RuntimeError(
+                f"The trainer's collector ({type(collector).__name__}) was shut down by a train() that failed, so "
+                "its state can no longer be read. Save checkpoints during training (save_trainer_interval=...)."
+            )
+        return {"collector": collector.state_dict(), "carrier": _carrier_state(collector, self._env_plan),
+                "env_rng": [g.get_state() for g in self._env_plan.generators()]}
 
     def _rank_state(self) -> dict[str, Any]:
         collector = self._collector_state()
@@ -609,7 +639,7 @@ class Trainer(_TorchRLTrainer):
         self._last_save = counters["_last_save"]
         self._optim_count = counters["_optim_count"]
         if restore_rng:
-            _set_rng_state(state["rng"], self.collector)
+            _set_rng_state(state["rng"], self._env_plan)
 
     def _publish_after_load(self) -> None:
         publisher = self._modules.get("publish_weights")
@@ -679,7 +709,7 @@ class Trainer(_TorchRLTrainer):
         self.learner.load(learner_file)  # validated before it changes anything
         self._load_rank_state(state, restore_rng=False)
         self._publish_after_load()
-        _set_rng_state(state["rng"], self.collector)
+        _set_rng_state(state["rng"], self._env_plan)
         return self
 
 
@@ -715,28 +745,6 @@ def _check_rng_state(rng: Any, refuse) -> None:
         raise refuse("'rng' is not the random states of torch, numpy, python and the environments")
 
 
-def _env_generators(env, depth: int = 0) -> list[torch.Generator]:
-    """``torch.Generator`` objects held by an env, its base env and sub-envs (e.g. PendulumEnv.rng)."""
-    if env is None or depth > 4:
-        return []
-    found = []
-    for value in vars(env).values():
-        if isinstance(value, torch.Generator):
-            found.append(value)
-    children = []
-    for attr in ("base_env", "_envs"):
-        child = getattr(env, attr, None) if attr == "base_env" else vars(env).get(attr)
-        if isinstance(child, EnvBase):
-            children.append(child)
-        elif isinstance(child, (list, tuple)):
-            children.extend(c for c in child if isinstance(c, EnvBase))
-    modules = vars(env).get("_modules") or {}
-    children.extend(m for m in modules.values() if isinstance(m, EnvBase) and m not in children)
-    for child in children:
-        found.extend(g for g in _env_generators(child, depth + 1) if all(g is not f for f in found))
-    return found
-
-
 def _rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
@@ -750,12 +758,12 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any], collector) -> None:
+def _set_rng_state(state: dict[str, Any], env_plan: _EnvPlan) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     random.setstate(_tuplify(state["python"]))
-    gens = _env_generators(getattr(collector, "env", None))
+    gens = env_plan.generators()
     if len(gens) == len(state.get("env", [])):
         for g, s in zip(gens, state["env"]):
             g.set_state(s)
@@ -767,17 +775,97 @@ def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _stateless(env) -> bool:
-    """Envs whose whole state travels in the tensordict (torchrl's ``_supports_set_state``)."""
-    while env is not None and not getattr(env, "_supports_set_state", False) and hasattr(env, "base_env"):
-        env = env.base_env
-    return bool(getattr(env, "_supports_set_state", False))
+def _shutdown_weight_sync(collector) -> None:
+    """Shut down the collector's weight-sync schemes now, while the interpreter is alive.
+
+    A multi-process collector's ``shutdown`` leaves its schemes open; the scheme's ``__del__``
+    then runs at interpreter exit and puts to a multiprocessing queue, whose feeder thread
+    cannot start during finalisation: the process hangs after the script has returned.
+    """
+    schemes = vars(collector).get("_weight_sync_schemes")
+    for scheme in (schemes.values() if isinstance(schemes, dict) else ()):
+        shutdown = getattr(type(scheme), "shutdown", None)
+        if callable(shutdown):
+            shutdown(scheme)
 
 
-def _carrier_state(collector) -> dict[str, Any] | None:
+# ---- what a checkpoint holds of the collector's environment ------------------------------------
+
+_MAX_ENV_NODES = 256  # envs reachable from one collector's env (wrappers, sub-envs) before we give up
+
+
+class _EnvPlan:
+    """What a checkpoint saves of one collector's environment, decided once while the env is alive.
+
+    The walk reads only instance dictionaries (``vars``) and class attributes: a batched env's
+    ``__getattr__`` forwards unknown names to its workers (and restarts a closed ``ParallelEnv``),
+    and a ``TransformedEnv`` forwards them to its base env, so ``hasattr``/``getattr`` on them can
+    recurse, raise or loop. What the walk finds:
+
+    - ``holders``: the envs living in this process (wrappers, base envs, ``SerialEnv`` sub-envs),
+      whose ``torch.Generator`` attributes (e.g. ``PendulumEnv.rng``) are saved and restored;
+      envs in worker processes (``ParallelEnv``, multi-process collectors) are out of reach.
+    - ``stateless``: every env's whole state travels in the tensordict (torchrl's
+      ``_supports_set_state``), so the collector's in-flight tensordict is saved and a resume
+      continues the episodes under way; for any other env it would desync env and data, so a
+      resume starts from the fresh collector's own reset.
+    """
+
+    def __init__(self, collector) -> None:
+        self.holders: list[EnvBase] = []
+        self.stateless = False
+        env = vars(collector).get("env") if collector is not None else None
+        if isinstance(env, EnvBase):
+            seen: dict[int, EnvBase] = {}
+            self.stateless = _walk_env(env, seen)
+            self.holders = list(seen.values())
+
+    def generators(self) -> list[torch.Generator]:
+        found: list[torch.Generator] = []
+        for env in self.holders:
+            found.extend(v for v in vars(env).values() if isinstance(v, torch.Generator) and all(v is not f for f in found))
+        return found
+
+
+def _walk_env(env: EnvBase, seen: dict[int, EnvBase]) -> bool:
+    """Record ``env`` and the envs inside it in ``seen``; whether they are all stateless.
+
+    Stops with an error naming the env if the nesting looks unbounded (a cycle is skipped).
+    """
+    if id(env) in seen:
+        return True
+    if len(seen) >= _MAX_ENV_NODES:
+        raise RuntimeError(
+            f"Trainer: the collector's environment holds more than {_MAX_ENV_NODES} nested environments (reached "
+            f"{type(env).__name__}); checkpointing cannot inspect it. Build the collector around a flatter "
+            "environment, or pass collector=None and drive the trainer with optim_steps()."
+        )
+    seen[id(env)] = env
+    own = vars(env)
+    children = [m for m in (own.get("_modules") or {}).values() if isinstance(m, EnvBase)]  # TransformedEnv.base_env
+    sub_envs = own.get("_envs")  # SerialEnv's in-process workers, once started
+    if isinstance(sub_envs, (list, tuple)):
+        children.extend(e for e in sub_envs if isinstance(e, EnvBase))
+    meta = own.get("meta_data")  # a batched env: its workers' metadata, collected when it was built
+    if meta is not None:
+        metas = meta if isinstance(meta, (list, tuple)) else [meta]
+        stateless = all(bool(getattr(m, "supports_set_state", False)) for m in metas)
+    elif children:
+        stateless = True  # a wrapper: stateless when everything it wraps is
+    else:
+        flag = inspect.getattr_static(type(env), "_supports_set_state", False)
+        stateless = flag is True
+    for child in children:
+        stateless = _walk_env(child, seen) and stateless
+    return stateless
+
+
+def _carrier_state(collector, plan: _EnvPlan) -> dict[str, Any] | None:
     """The collector's in-flight tensordict, for stateless envs only (elsewhere it would desync)."""
-    carrier = getattr(collector, "_carrier", None)
-    if not isinstance(carrier, TensorDictBase) or not _stateless(getattr(collector, "env", None)):
+    if not plan.stateless:
+        return None
+    carrier = vars(collector).get("_carrier")
+    if not isinstance(carrier, TensorDictBase):
         return None
     leaves = dict(carrier.items(include_nested=True, leaves_only=True))
     if not all(isinstance(v, torch.Tensor) for v in leaves.values()):
@@ -786,7 +874,7 @@ def _carrier_state(collector) -> dict[str, Any] | None:
 
 
 def _restore_carrier(collector, state: dict[str, Any] | None) -> None:
-    if state is None or not isinstance(getattr(collector, "_carrier", None), TensorDictBase):
+    if state is None or not isinstance(vars(collector).get("_carrier"), TensorDictBase):
         return
     current = collector._carrier
     collector._carrier = TensorDict(state["data"], batch_size=state["batch_size"], device=current.device)
