@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -83,6 +84,24 @@ def release_ddp_group(ddp: Any) -> None:
                 pass
 
 
+def stored_priorities(sampler: Any, index: Any):
+    """The priorities a torchrl ``PrioritizedSampler`` holds for ``index`` (``None`` for other samplers).
+
+    They live in its sum tree, already raised to ``alpha``; torchrl has no getter for them.
+    """
+    tree = getattr(sampler, "_sum_tree", None)
+    return None if tree is None else torch.as_tensor(tree[index]).clone()
+
+
+def restore_priorities(sampler: Any, index: Any, stored: Any) -> None:
+    """Give ``index`` the stored priorities read by ``stored_priorities``, through the public setter.
+
+    ``update_priority`` applies ``(p + eps) ** alpha``, so the raw priority is recovered first.
+    """
+    raw = stored.double().clamp_min(0) ** (1.0 / sampler._alpha) - sampler._eps
+    sampler.update_priority(index, raw.clamp_min(0).to(stored.dtype))
+
+
 def erase_loss_cache(loss: nn.Module) -> None:
     """Drop a torchrl loss's cached views of its parameters (``LossModule._erase_cache``).
 
@@ -101,7 +120,10 @@ def required() -> list[tuple[str, Any, str]]:
     from lightning.fabric.wrappers import _FabricModule
     from torch.amp import GradScaler
     from torch.distributed.device_mesh import DeviceMesh
+    from torchrl.data.replay_buffers.samplers import PrioritizedSampler
     from torchrl.objectives import LossModule
+
+    from fabric_learner.replay import TorchPrioritizedSampler
 
     return [
         ("lightning _FabricModule", _FabricModule(nn.Linear(1, 1), strategy=DDPStrategy()), "_forward_module"),
@@ -114,4 +136,8 @@ def required() -> list[tuple[str, Any, str]]:
         ("torch DeviceMesh", DeviceMesh, "_flatten"),
         ("torch GradScaler", GradScaler("cpu"), "_per_optimizer_states"),
         ("torchrl LossModule", LossModule, "_erase_cache"),
+        ("torchrl PrioritizedSampler", PrioritizedSampler, "update_priority"),
+        ("fabric_learner TorchPrioritizedSampler", TorchPrioritizedSampler(8, alpha=0.5, beta=0.5), "_sum_tree"),
+        ("fabric_learner TorchPrioritizedSampler", TorchPrioritizedSampler(8, alpha=0.5, beta=0.5), "_alpha"),
+        ("fabric_learner TorchPrioritizedSampler", TorchPrioritizedSampler(8, alpha=0.5, beta=0.5), "_eps"),
     ]

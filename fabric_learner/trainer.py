@@ -64,11 +64,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
-from torchrl.trainers import LogScalar, OptimizationStepper, TrainerHookBase
+from torchrl.trainers import LogScalar, OptimizationStepper, ReplayBufferTrainer, TrainerHookBase
 from torchrl.trainers import Trainer as _TorchRLTrainer
 
 from fabric_learner._checkpoint import weights_only_load
 from fabric_learner._dcp import read_json
+from fabric_learner._resize import fill_replay, replay_share, reseed
 from fabric_learner.onpolicy import all_reduce, distributed_world_size
 from fabric_learner.weights import PublishWeights, serve_collector_policy
 
@@ -582,8 +583,11 @@ class Trainer(_TorchRLTrainer):
             "rng": rng,
         }
 
-    def _check_rank_state(self, state: Any, source: str = "the trainer state") -> None:
-        """Raise, before anything is loaded, if this rank's state cannot be restored here."""
+    def _check_rank_state(self, state: Any, source: str = "the trainer state", resizing: bool = False) -> None:
+        """Raise, before anything is loaded, if this rank's state cannot be restored here.
+
+        ``resizing``: the state comes from a run with another number of ranks (see ``_resize``).
+        """
         def refuse(what: str) -> ValueError:
             return ValueError(f"{source}: {what}; nothing was loaded. Pass a checkpoint folder written by "
                               "fabric_learner's Trainer.save_checkpoint.")
@@ -593,11 +597,10 @@ class Trainer(_TorchRLTrainer):
             raise refuse(f"format is {found!r}, expected {CHECKPOINT_FORMAT!r}")
         if not _is_count(state.get("world_size")) or state["world_size"] < 1:
             raise refuse(f"'world_size' is {state.get('world_size')!r}, expected a positive integer")
-        if state["world_size"] != self._world_size:
+        if state["world_size"] != self._world_size and not resizing:
             raise ValueError(
-                f"This checkpoint's per-rank state (replay buffers, collectors, RNG) was saved by {state['world_size']} "
-                f"rank(s) and cannot be split over {self._world_size}. Load the learner alone with "
-                "learner.load(<checkpoint>/learner.ckpt)."
+                f"This rank's state was saved by {state['world_size']} rank(s) and this run has {self._world_size}; "
+                "load the whole checkpoint folder with Trainer.load_from_file, which redistributes it."
             )
         counters = state.get("state")
         if not isinstance(counters, dict) or not all(_is_count(counters.get(k)) for k in _COUNTERS) \
@@ -697,19 +700,55 @@ class Trainer(_TorchRLTrainer):
             path = path.with_name(path.name + ".old")  # a crash hit the swap: the previous checkpoint
         if not (path / _META_FILE).exists():
             raise FileNotFoundError(f"No fabric_learner trainer checkpoint at {file} (no {_META_FILE}).")
-        read_json(path / _META_FILE, CHECKPOINT_FORMAT)
-        rank_file = path / f"rank{self.global_rank}.pt"
+        meta = read_json(path / _META_FILE, CHECKPOINT_FORMAT)
+        saved_world = meta.get("world_size")
+        if not _is_count(saved_world) or saved_world < 1:
+            raise ValueError(f"{path / _META_FILE}: 'world_size' is {saved_world!r}, expected a positive integer; "
+                             "nothing was loaded.")
+        ranks = [self.global_rank] if saved_world == self._world_size else list(range(saved_world))
+        files = [path / f"rank{r}.pt" for r in ranks]
         learner_file = path / _LEARNER_FILE
-        for inner in (rank_file, learner_file):  # files of the folder itself, never links out of it
+        for inner in (*files, learner_file):  # files of the folder itself, never links out of it
             if inner.is_symlink():
                 raise ValueError(f"{inner} is a symlink; a trainer checkpoint holds only its own files. Nothing "
                                  "was loaded.")
-        state = weights_only_load(rank_file)
-        self._check_rank_state(state, str(rank_file))
+        states = [weights_only_load(f) for f in files]
+        for f, state in zip(files, states):
+            self._check_rank_state(state, str(f), resizing=saved_world != self._world_size)
+        if saved_world != self._world_size:
+            return self._load_resized(states, learner_file)
+        state = states[0]
         self.learner.load(learner_file)  # validated before it changes anything
         self._load_rank_state(state, restore_rng=False)
         self._publish_after_load()
         _set_rng_state(state["rng"], self._env_plan)
+        return self
+
+    def _load_resized(self, states: list[dict[str, Any]], learner_file: Path) -> Trainer:
+        """Resume a checkpoint written by ``len(states)`` ranks on this run's (see ``_resize``)."""
+        replay = {name: m for name, m in self._modules.items() if isinstance(m, ReplayBufferTrainer)}
+        shares = {name: replay_share(m.replay_buffer, [s["modules"][name]["replay_buffer"] for s in states],
+                                     self.global_rank, self._world_size) for name, m in replay.items()}
+        self.learner.load(learner_file)  # reshards; validated before it changes anything
+        first = states[0]
+        for name, module in self._modules.items():
+            if name in replay:
+                fill_replay(module.replay_buffer, *shares[name])
+            else:
+                module.load_state_dict(first["modules"][name])
+        counters = first["state"]
+        self.collected_frames = counters["collected_frames"]
+        self._last_log = dict(counters["_last_log"])
+        self._last_save = counters["_last_save"]
+        self._optim_count = counters["_optim_count"]
+        warnings.warn(
+            f"The checkpoint was written by {len(states)} rank(s) and this run has {self._world_size}: the learner "
+            "was resharded and the replay buffers' samples dealt over the ranks, but collectors start afresh and "
+            "random generators are re-seeded from the frame count, so the run does not continue bit for bit.",
+            stacklevel=3,
+        )
+        reseed(self.collected_frames, self.global_rank)
+        self._publish_after_load()
         return self
 
 

@@ -316,7 +316,7 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer_2ranks")
     proc = run(python(os.path.join(WORKERS, "trainer_ddp.py"), str(out)), timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [{**torch.load(out / f"rank{r}.pt", weights_only=False), "dir": out} for r in (0, 1)]
 
 
 STRATEGIES = ["ddp", "fsdp"]
@@ -476,3 +476,47 @@ def test_a_crafted_trainer_checkpoint_is_refused_and_runs_nothing(tmp_path, monk
     assert fresh_learner.num_updates == 0
     for k, v in fresh_learner.loss_module.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+# ---- resuming on another number of ranks ----------------------------------------------------------
+
+
+def _fixture_samples():
+    """The observations and priorities the one-process trainer fixture stored (48 samples)."""
+    trainer, learner, _, _, rb, _ = tc.build_dqn(local, total_frames=tc.FRAMES_PER_BATCH)
+    trainer.load_from_file(os.path.join(os.path.dirname(WORKERS), "fixtures", "checkpoints", "trainer"))
+    return rb[: len(rb)]["observation"], rb._sampler._sum_tree.values[: len(rb)].clone(), learner
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_one_process_checkpoint_resumes_on_two_ranks_with_every_sample_once(ranks, strategy):
+    obs, priorities, learner = _fixture_samples()
+    got = [r["resized"][strategy] for r in ranks]
+    assert [g["rb_len"] for g in got] == [24, 24]
+    # sample j went to rank j % 2, with its priority
+    for rank, g in enumerate(got):
+        assert torch.equal(g["rb_obs"], obs[rank::2])
+        torch.testing.assert_close(g["priorities"], priorities[rank::2], rtol=1e-5, atol=1e-7)
+        assert (g["collected_frames"], g["num_updates"], g["optim_count"]) == (48, 6, 6)  # global counters kept
+    for k, v in learner.loss_module.state_dict().items():  # the learner resharded from the file
+        assert torch.equal(got[0]["after"]["params"][k], got[1]["after"]["params"][k]), k
+    assert got[0]["after"]["collected_frames"] == 4 * tc.FRAMES_PER_BATCH * 2  # and training went on
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_two_rank_checkpoint_resumes_in_one_process_with_every_sample_once(ranks, strategy):
+    """Run B's checkpoint (2 ranks, half the frames) loaded by a one-process trainer."""
+    b = [r["B"] for r in runs(ranks, strategy)]  # each rank's state when B saved
+    trainer, learner, _, _, rb, _ = tc.build_dqn(local, total_frames=10 * tc.FRAMES_PER_BATCH * 2)
+    with pytest.warns(UserWarning, match="written by 2 rank"):
+        trainer.load_from_file(ranks[0]["dir"] / f"trainer_ckpt_{strategy}")
+    stored = rb[: len(rb)]["observation"]
+    assert len(rb) == b[0]["rb_len"] + b[1]["rb_len"]
+    assert torch.equal(stored, torch.cat([b[0]["rb_obs"], b[1]["rb_obs"]]))  # both ranks' samples, each once
+    torch.testing.assert_close(rb._sampler._sum_tree.values[: len(rb)],
+                               torch.cat([b[0]["priorities"], b[1]["priorities"]]), rtol=1e-5, atol=1e-7)
+    assert (trainer.collected_frames, learner.num_updates) == (b[0]["collected_frames"], b[0]["num_updates"])
+    for k, v in b[0]["params"].items():  # the learner resharded from the 2-rank checkpoint
+        assert torch.equal(learner.loss_module.state_dict()[k], v), k
+    trainer.train()  # and training goes on
+    assert learner.num_updates > b[0]["num_updates"]

@@ -124,6 +124,21 @@ class Recorder:
         self.sent.append(weights.clone())
 
 
+def resized(make):
+    """The one-process trainer fixture (tests/fixtures/checkpoints/trainer) resumed on 2 ranks, then trained on."""
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoints", "trainer")
+    trainer, learner, _, _, rb, _ = tc.build_dqn(make, total_frames=4 * tc.FRAMES_PER_BATCH * WORLD)
+    trainer.load_from_file(fixture)
+    out = {"rb_obs": rb[: len(rb)]["observation"].clone(), "rb_len": len(rb),
+           "priorities": rb._sampler._sum_tree.values[: len(rb)].clone(),
+           "collected_frames": trainer.collected_frames, "num_updates": learner.num_updates,
+           "optim_count": trainer._optim_count}
+    trainer.train()
+    out["after"] = {"collected_frames": trainer.collected_frames, "num_updates": learner.num_updates,
+                    "params": {k: v for k, v in learner.checkpoint()["model"].items()}}
+    return out
+
+
 def main(out_dir):
     t0 = time.time()
     res, learner = dqn_runs(out_dir, ddp, "ddp")
@@ -137,6 +152,7 @@ def main(out_dir):
         res[name] = {"sent": rec.sent, "returned_none": returned is None,
                      "weights": which.get_weights(cpu_offload=False)}
     res["stops"] = stops(rank)
+    res["resized"] = {"ddp": resized(ddp), "fsdp": resized(fsdp)}
     res["seconds"] = time.time() - t0
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     for each in LEARNERS:
