@@ -4,6 +4,7 @@
     fabric run --accelerator=cpu --strategy=ddp --devices=2 examples/dqn_replay_ddp.py
     torchrun --nproc-per-node=2 examples/dqn_replay_ddp.py
     python examples/dqn_replay_ddp.py --strategy fsdp      # the same program under FSDP2
+    torchrun --nproc-per-node=2 examples/dqn_replay_ddp.py --strategy fsdp   # the same options, any launcher
 
 Off-policy, every rank running this same program: each rank steps its own cart-poles with an
 epsilon-greedy Q-network, writes the transitions into its *own* prioritized replay buffer,
@@ -39,6 +40,7 @@ from torchrl.objectives import DQNLoss, SoftUpdate
 from torchrl.trainers import ReplayBufferTrainer, TrainerHookBase
 
 from fabric_learner import FabricLearner
+from fabric_learner.cli import add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import global_mean
 from fabric_learner.replay import TorchPrioritizedSampler
 from fabric_learner.trainer import Trainer
@@ -134,16 +136,6 @@ class AnnealEpsilon(TrainerHookBase):
         trainer.register_module(name, self)
 
 
-def launcher_kwargs(args) -> dict:
-    if "LT_CLI_USED" in os.environ:
-        return {}
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return {"strategy": "fsdp"} if args.strategy == "fsdp" else {}
-    if args.devices == 1:
-        return {"accelerator": "cpu", "devices": 1}
-    return {"accelerator": "cpu", "strategy": args.strategy, "devices": args.devices}
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frames", type=int, default=int(os.environ.get("DQN_FRAMES", 30_000)),
@@ -153,13 +145,12 @@ def parse_args(argv=None):
     p.add_argument("--updates", type=int, default=8, help="optimizer steps per collected batch")
     p.add_argument("--batch", type=int, default=128, help="replay minibatch per rank")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--strategy", default="ddp", help="ddp or fsdp: nothing else in the script changes")
-    p.add_argument("--devices", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logdir", default="runs", help="TensorBoard root ('' for none)")
     p.add_argument("--checkpoint", default=None, help="trainer checkpoint folder, written every 10k frames")
     p.add_argument("--resume", default=None)
     p.add_argument("--no-progress", action="store_true")
+    add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)  # plain python: 2 CPU ranks
     return p.parse_args(argv)
 
 
@@ -198,7 +189,7 @@ def build(args, learner_kwargs: dict):
 def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
-    learner, trainer, lengths = build(args, launcher_kwargs(args))
+    learner, trainer, lengths = build(args, launch_kwargs(args))
     if args.resume:
         trainer.load_from_file(args.resume)
     trainer.train()
