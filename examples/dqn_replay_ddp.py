@@ -4,6 +4,7 @@
     fabric run --accelerator=cpu --strategy=ddp --devices=2 examples/dqn_replay_ddp.py
     torchrun --nproc-per-node=2 examples/dqn_replay_ddp.py
     python examples/dqn_replay_ddp.py --strategy fsdp      # the same program under FSDP2
+    torchrun --nproc-per-node=2 examples/dqn_replay_ddp.py --strategy fsdp   # the same options, any launcher
 
 Off-policy, every rank running this same program: each rank steps its own cart-poles with an
 epsilon-greedy Q-network, writes the transitions into its *own* prioritized replay buffer,
@@ -15,30 +16,29 @@ epsilon annealing, reward logging. The collector acts with the Q-network the los
 (shared memory under DDP; under FSDP the learner keeps its ``policy=`` full and refreshed after
 every step), so it always uses the newest weights.
 
-The environment is the classic cart-pole (Barto et al.; gym's CartPole-v1 dynamics) written
-as one torch ``EnvBase`` holding ``--envs`` poles, so nothing is downloaded. Episodes end when
-the pole falls or after 500 steps; the mean length of the episodes that ended is the score.
+The environment is gymnasium's CartPole-v1 through torchrl's ``GymEnv``, ``--envs`` of them in
+a ``SerialEnv`` on each rank. Episodes end when the pole falls or after 500 steps; the mean
+length of the episodes that ended is the score.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import time
 
 import torch
-from tensordict import TensorDict
 from tensordict.nn import TensorDictSequential
 from torchrl.collectors import Collector
-from torchrl.data import Composite, LazyTensorStorage, OneHot, TensorDictReplayBuffer, Unbounded
-from torchrl.envs import EnvBase, StepCounter, TransformedEnv
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.envs import GymEnv, SerialEnv, StepCounter, TransformedEnv
 from torchrl.modules import MLP, EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, SoftUpdate
 from torchrl.trainers import ReplayBufferTrainer, TrainerHookBase
 
 from fabric_learner import FabricLearner
+from fabric_learner.cli import add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import global_mean
 from fabric_learner.replay import TorchPrioritizedSampler
 from fabric_learner.trainer import Trainer
@@ -46,46 +46,9 @@ from fabric_learner.trainer import Trainer
 MAX_STEPS = 500
 
 
-class VecCartPole(EnvBase):
-    """``num_envs`` cart-poles (CartPole-v1 dynamics) stepped as one batch; reward 1 per step."""
-
-    _supports_set_state = True  # the whole state is the observation, carried in the tensordict
-
-    def __init__(self, num_envs: int = 8, seed: int = 0):
-        super().__init__(batch_size=torch.Size([num_envs]))
-        n = (num_envs,)
-        self.observation_spec = Composite(observation=Unbounded(shape=(*n, 4)), shape=n)
-        self.state_spec = Composite(observation=Unbounded(shape=(*n, 4)), shape=n)
-        self.action_spec = OneHot(2, shape=(*n, 2))
-        self.reward_spec = Unbounded(shape=(*n, 1))
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def _set_seed(self, seed):
-        self.rng = torch.Generator().manual_seed(int(seed))
-
-    def _flags(self, failed):
-        return {"done": failed.clone(), "terminated": failed.clone()}
-
-    def _reset(self, td, **kwargs):
-        n = self.batch_size
-        if kwargs.get("set_state") and td is not None and "observation" in td.keys():
-            obs = td["observation"]
-        else:
-            obs = (torch.rand(*n, 4, generator=self.rng) - 0.5) * 0.1
-        return TensorDict({"observation": obs, **self._flags(torch.zeros(*n, 1, dtype=torch.bool))}, n)
-
-    def _step(self, td):
-        x, x_dot, theta, theta_dot = td["observation"].unbind(-1)
-        force = torch.where(td["action"][..., 1].bool(), 10.0, -10.0)
-        cos, sin = theta.cos(), theta.sin()
-        temp = (force + 0.05 * theta_dot**2 * sin) / 1.1
-        theta_acc = (9.8 * sin - cos * temp) / (0.5 * (4.0 / 3.0 - 0.1 * cos**2 / 1.1))
-        x_acc = temp - 0.05 * theta_acc * cos / 1.1
-        tau = 0.02
-        obs = torch.stack([x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot, theta_dot + tau * theta_acc], -1)
-        failed = ((obs[..., 0].abs() > 2.4) | (obs[..., 2].abs() > 12 * 2 * math.pi / 360)).unsqueeze(-1)
-        n = self.batch_size
-        return TensorDict({"observation": obs, "reward": torch.ones(*n, 1), **self._flags(failed)}, n)
+def make_env(num_envs: int):
+    """``num_envs`` gymnasium CartPole-v1 environments stepped in this process, episodes capped at 500 steps."""
+    return TransformedEnv(SerialEnv(num_envs, functools.partial(GymEnv, "CartPole-v1")), StepCounter(max_steps=MAX_STEPS))
 
 
 class EpisodeLength(TrainerHookBase):
@@ -134,16 +97,6 @@ class AnnealEpsilon(TrainerHookBase):
         trainer.register_module(name, self)
 
 
-def launcher_kwargs(args) -> dict:
-    if "LT_CLI_USED" in os.environ:
-        return {}
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return {"strategy": "fsdp"} if args.strategy == "fsdp" else {}
-    if args.devices == 1:
-        return {"accelerator": "cpu", "devices": 1}
-    return {"accelerator": "cpu", "strategy": args.strategy, "devices": args.devices}
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frames", type=int, default=int(os.environ.get("DQN_FRAMES", 30_000)),
@@ -153,19 +106,18 @@ def parse_args(argv=None):
     p.add_argument("--updates", type=int, default=8, help="optimizer steps per collected batch")
     p.add_argument("--batch", type=int, default=128, help="replay minibatch per rank")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--strategy", default="ddp", help="ddp or fsdp: nothing else in the script changes")
-    p.add_argument("--devices", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logdir", default="runs", help="TensorBoard root ('' for none)")
     p.add_argument("--checkpoint", default=None, help="trainer checkpoint folder, written every 10k frames")
     p.add_argument("--resume", default=None)
     p.add_argument("--no-progress", action="store_true")
+    add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)  # plain python: 2 CPU ranks
     return p.parse_args(argv)
 
 
 def build(args, learner_kwargs: dict):
     torch.manual_seed(args.seed)
-    env = TransformedEnv(VecCartPole(args.envs), StepCounter(max_steps=MAX_STEPS))
+    env = make_env(args.envs)
     qnet = QValueActor(MLP(in_features=4, out_features=2, num_cells=[128, 128]), in_keys=["observation"],
                        spec=env.action_spec, action_space="one_hot")
     loss = DQNLoss(qnet, action_space="one_hot", delay_value=True, double_dqn=True, loss_function="smooth_l1")
@@ -198,7 +150,7 @@ def build(args, learner_kwargs: dict):
 def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
-    learner, trainer, lengths = build(args, launcher_kwargs(args))
+    learner, trainer, lengths = build(args, launch_kwargs(args))
     if args.resume:
         trainer.load_from_file(args.resume)
     trainer.train()

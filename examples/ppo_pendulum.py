@@ -5,6 +5,11 @@
     torchrun --nproc-per-node=2 examples/ppo_pendulum.py
     python examples/ppo_pendulum.py --devices 1           # one process
     python examples/ppo_pendulum.py --strategy fsdp       # FSDP2 (sharded parameters) on 2 CPU ranks
+    torchrun --nproc-per-node=2 examples/ppo_pendulum.py --strategy fsdp   # the same options under any launcher
+
+Launch options (``--accelerator --strategy --devices --num-nodes --precision``,
+``fabric_learner.cli``): their defaults (2 CPU ranks, DDP) apply under plain ``python``; under
+``fabric run``/``torchrun`` the launcher decides, and an option given must agree with it.
 
 Every rank runs this same program: it collects its own rollouts (16 pendulums stepped as one
 batch), computes GAE, and takes PPO epochs over minibatches that partition its own data
@@ -38,6 +43,7 @@ from torchrl.objectives.value import GAE
 from torchrl.trainers import TrainerHookBase
 
 from fabric_learner import FabricLearner
+from fabric_learner.cli import add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import (
     EpochPartitionSampler,
     GlobalAdvantageNormalization,
@@ -142,17 +148,6 @@ def scale_reward(batch, scale: float):
     return batch
 
 
-def launcher_kwargs(args) -> dict:
-    """No device arguments under `fabric run` / `torchrun`: the launcher decides."""
-    if "LT_CLI_USED" in os.environ:
-        return {}
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return {"strategy": "fsdp"} if args.strategy == "fsdp" else {}
-    if args.devices == 1:
-        return {"accelerator": "cpu", "devices": 1}
-    return {"accelerator": "cpu", "strategy": args.strategy, "devices": args.devices}
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frames", type=int, default=int(os.environ.get("DEMO_FRAMES", 160_000)),
@@ -164,14 +159,13 @@ def parse_args(argv=None):
     p.add_argument("--gamma", type=float, default=0.9)
     p.add_argument("--reward-scale", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
-    p.add_argument("--strategy", default="ddp")
-    p.add_argument("--devices", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logdir", default=os.environ.get("DEMO_LOGDIR", "runs"), help="TensorBoard root ('' for none)")
     p.add_argument("--checkpoint", default=None, help="trainer checkpoint folder, written at the end")
     p.add_argument("--resume", default=None, help="trainer checkpoint folder to resume from")
     p.add_argument("--plot", default=None, help="write the learning curve to this PNG (rank 0)")
     p.add_argument("--no-progress", action="store_true")
+    add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)  # plain python: 2 CPU ranks
     return p.parse_args(argv)
 
 
@@ -232,7 +226,7 @@ def plot(curve, path, world_size):  # rank 0, after training
 def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
-    learner, trainer, returns = build(args, launcher_kwargs(args))
+    learner, trainer, returns = build(args, launch_kwargs(args))
     if args.resume:
         trainer.load_from_file(args.resume)
     trainer.train()

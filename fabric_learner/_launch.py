@@ -29,18 +29,107 @@ def as_timeout(timeout: Any) -> timedelta | None:
     return timeout
 
 
+def launcher() -> str:
+    """How this process was started: ``"fabric"``, ``"torchrun"`` or ``"python"``.
+
+    ``"fabric"``: by ``fabric run`` (which runs torchrun underneath, so it is checked first).
+    ``"torchrun"``: by ``torchrun`` / ``python -m torch.distributed.run``. ``"python"``: anything
+    else, including the ranks a learner started itself from a plain ``python script.py``.
+
+    Examples:
+        >>> import fabric_learner
+        >>> fabric_learner.launcher()  # in a plain interpreter
+        'python'
+    """
+    if os.environ.get("LT_CLI_USED", "0") == "1":
+        return "fabric"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    return "python"
+
+
 def using_fabric_cli() -> bool:
     """True inside processes started by ``fabric run`` (which forbids ``fabric.launch()``)."""
-    return os.environ.get("LT_CLI_USED", "0") == "1"
+    return launcher() == "fabric"
 
 
 def external_world() -> tuple[int, int] | None:
-    """``(local_world_size, num_nodes)`` when an external launcher such as torchrun started us."""
-    if "LT_CLI_USED" in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+    """``(local_world_size, num_nodes)`` when torchrun (not ``fabric run``) started us."""
+    if launcher() != "torchrun":
         return None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return local, max(1, world // max(local, 1))
+
+
+# What a constructor argument holds when the script left the choice open (the launcher's then applies).
+_OPEN = {"accelerator": ("auto",), "strategy": ("auto",), "devices": ("auto",), "num_nodes": (1,),
+         "precision": ("32-true", None)}
+
+
+def agree_with_launcher(*, accelerator: Any, strategy: Any, devices: Any, num_nodes: Any,
+                        precision: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """The settings to build Fabric with, once the launcher's have been applied.
+
+    One rule for ``fabric run`` and ``torchrun``: a setting the launcher fixes wins over an
+    argument left open (``"auto"``, ``num_nodes=1``, the default precision); an argument equal to
+    the launcher's is fine; one that differs raises ``ValueError`` before anything starts, naming
+    both. ``fabric run`` fixes the devices and nodes, and the accelerator, strategy and precision
+    it was given; torchrun fixes the devices per node and the nodes. A strategy *object* is the
+    script's explicit choice and is used as it is.
+    """
+    how = launcher()
+    given = {"accelerator": accelerator, "strategy": strategy, "devices": devices, "num_nodes": num_nodes,
+             "precision": precision}
+    if how == "fabric":
+        fixed = {name: os.environ.get("LT_" + name.upper()) for name in given}
+        if fixed["strategy"] == "auto":
+            fixed["strategy"] = None
+        flag = "fabric run --{}={}"
+    elif how == "torchrun":
+        local, nodes = external_world()
+        fixed = {"devices": str(local), "num_nodes": str(nodes)}
+        flag = "torchrun --{}={}"
+    else:
+        return accelerator, strategy, devices, num_nodes, precision
+    out = dict(given)
+    for name, theirs in fixed.items():
+        ours = given[name]
+        if theirs is None or (name == "strategy" and not isinstance(ours, str)):
+            continue
+        if ours in _OPEN[name]:
+            out[name] = _typed(name, theirs)
+        elif not _same(name, ours, theirs):
+            option = {"devices": "nproc-per-node", "num_nodes": "nnodes"}[name] if how == "torchrun" else \
+                name.replace("_", "-")
+            open_value = _OPEN[name][0]
+            raise ValueError(
+                f"FabricLearner({name}={ours!r}) disagrees with the launcher, started as "
+                f"`{flag.format(option, theirs)}`. Under fabric run and torchrun the launcher decides: pass "
+                f"{name}={open_value!r} (or leave it out) to take the launcher's, or launch with "
+                f"`--{option}={ours}`. Nothing was started."
+            )
+    return out["accelerator"], out["strategy"], out["devices"], out["num_nodes"], out["precision"]
+
+
+def _typed(name: str, value: str) -> Any:
+    if name == "num_nodes" or (name == "devices" and value.isdigit()):
+        return int(value)
+    return value
+
+
+def _same(name: str, ours: Any, theirs: str) -> bool:
+    if name == "strategy":
+        ours, theirs = ours.lower(), theirs.lower()
+        return ours == theirs or (ours in SHARDED_NAMES and theirs in SHARDED_NAMES)
+    if name == "precision":
+        from lightning.fabric.connector import _convert_precision_to_unified_args
+
+        try:
+            return _convert_precision_to_unified_args(ours) == _convert_precision_to_unified_args(theirs)
+        except ValueError:
+            return False
+    return str(ours).lower() == str(theirs).lower()
 
 
 def resolve_strategy(strategy: Any, timeout: timedelta | None = None) -> Any:
@@ -72,27 +161,19 @@ def _without_env(*names: str):
 
 def build_fabric(*, accelerator: Any, strategy: Any, devices: Any, num_nodes: int, precision: Any,
                  timeout: timedelta | None = None) -> tuple[Fabric, bool]:
-    """A Fabric for these settings, honouring the launcher's.
+    """A Fabric for these settings, agreeing with the launcher's (see ``agree_with_launcher``).
 
     ``"auto"`` devices under torchrun means the launched world (Fabric alone would give each
     process its own one-device world); ``fabric run --strategy=fsdp`` means the sharded
-    strategy; ``fabric run --precision=...`` wins over this constructor's default precision.
-    Also says whether ``timeout`` is this Fabric's to set (its strategy was built from a name).
+    strategy. Also says whether ``timeout`` is this Fabric's to set (its strategy was built from a name).
     """
-    world = external_world()
-    if world is not None and devices == "auto":
-        devices, launched_nodes = world
-        if num_nodes == 1:
-            num_nodes = launched_nodes
+    accelerator, strategy, devices, num_nodes, precision = agree_with_launcher(
+        accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision)
     hidden = []
-    if strategy == "auto" and os.environ.get("LT_STRATEGY", "").lower() in SHARDED_NAMES:
-        strategy = os.environ["LT_STRATEGY"]
     by_name = isinstance(strategy, str)
     strategy = resolve_strategy(strategy, timeout)
     if not isinstance(strategy, str):
         hidden.append("LT_STRATEGY")  # Fabric would let the CLI's string override the object
-    if using_fabric_cli() and precision == "32-true" and "LT_PRECISION" in os.environ:
-        precision = None
     with _without_env(*hidden):
         fabric = Fabric(accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes,
                         precision=precision)

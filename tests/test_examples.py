@@ -10,6 +10,7 @@ from multiproc import ROOT, python, run
 SHORT = {
     "ppo_pendulum.py": ["--frames", "3200", "--envs", "4", "--epochs", "1", "--minibatch", "400"],
     "dqn_replay_ddp.py": ["--frames", "2048", "--envs", "8", "--steps", "8", "--updates", "2", "--batch", "32"],
+    "ppo_mujoco.py": ["--frames", "2048", "--frames-per-batch", "512", "--epochs", "1", "--minibatch", "256"],
 }
 
 

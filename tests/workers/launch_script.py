@@ -22,10 +22,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-from lightning.fabric.strategies import DDPStrategy  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 from rl_cases import halves, make_batch, make_loss  # noqa: E402
 
-from fabric_learner import FabricLearner  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss  # noqa: E402
 
 
 def train(kwargs, fail_rank=-1):
@@ -57,9 +57,9 @@ def main():
         given = {**world, "strategy": first}
     else:
         given = {"strategy": os.environ["FL_STRATEGY"]} if "FL_STRATEGY" in os.environ else {}
-    # "fsdp" resolves to a strategy object; "ddp" is given as one too, since under `fabric run` a
-    # strategy name that differs from --strategy is refused by Fabric
-    other = DDPStrategy() if second == "ddp" else "fsdp"
+    # Given as strategy objects: under `fabric run` a strategy *name* that differs from --strategy
+    # is refused (the launcher decides); an object is the script's explicit choice
+    other = DDPStrategy() if second == "ddp" else ModelParallelStrategy(parallelize_fn=shard_loss)
     learners = [train(given, int(os.environ.get("FL_FAIL_RANK", "-1"))), train({**world, "strategy": other})]
     if os.environ.get("FL_CLOSE") == "1":
         for learner in learners:

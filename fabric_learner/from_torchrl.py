@@ -1,0 +1,155 @@
+"""A torchrl algorithm trainer (``PPOTrainer``, ``DQNTrainer``, ...) driven by a learner.
+
+torchrl's trainer factories (its Hydra configs) build the collector, the loss, the optimizer
+and the algorithm's hooks (value estimation, replay buffer, exploration annealing, logging).
+:func:`learner_trainer` keeps all of that and hands the optimisation step to a learner: the
+result is a :class:`fabric_learner.Trainer` with the same collector, counters and hooks, whose
+steps are ``learner.update(sub_batch)``, in one process or on many ranks.
+
+Hooks that act on the loss's weights or on the optimizer are replaced by their learner-aware
+counterparts: the value estimator runs with the learner's full weights (FSDP), the collector's
+weight update is the learner's :class:`~fabric_learner.weights.PublishWeights`, the target
+network update follows the learner's optimizer steps, and torchrl's optimizer hook is dropped
+(the learner steps).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torchrl.trainers.trainers import (
+    LRSchedulerHook,
+    OptimizerHook,
+    TargetNetUpdaterHook,
+    UpdateWeights,
+    ValueEstimatorHook,
+)
+from torchrl.trainers.trainers import Trainer as _TorchRLTrainer
+
+from fabric_learner.onpolicy import LearnerValueEstimator
+from fabric_learner.trainer import Trainer
+
+__all__ = ["learner_trainer", "optimizer_factory"]
+
+# torchrl keeps each hook stage in a list; the stage name register_op() takes for each
+_STAGES = {
+    "_batch_process_ops": "batch_process", "_pre_optim_ops": "pre_optim_steps",
+    "_process_optim_batch_ops": "process_optim_batch", "_post_loss_ops": "post_loss",
+    "_process_loss_ops": "process_loss", "_optimizer_ops": "optimizer", "_post_steps_ops": "post_steps",
+    "_post_optim_ops": "post_optim", "_pre_steps_log_ops": "pre_steps_log", "_post_steps_log_ops": "post_steps_log",
+    "_post_optim_log_ops": "post_optim_log", "_pre_epoch_log_ops": "pre_epoch_log",
+    "_post_epoch_log_ops": "post_epoch_log", "_post_optim_complete_log_ops": "post_optim_complete_log",
+    "_pre_epoch_ops": "pre_epoch", "_post_epoch_ops": "post_epoch", "_setup_ops": "setup",
+    "_shutdown_ops": "shutdown",
+}
+# the order torchrl's loop runs the stages in, so hooks land in the same relative order
+_ORDER = ["_setup_ops", "_batch_process_ops", "_pre_steps_log_ops", "_pre_epoch_ops", "_pre_epoch_log_ops",
+          "_pre_optim_ops", "_process_optim_batch_ops", "_post_loss_ops", "_process_loss_ops", "_optimizer_ops",
+          "_post_optim_ops", "_post_optim_log_ops", "_post_epoch_ops", "_post_epoch_log_ops",
+          "_post_optim_complete_log_ops", "_post_steps_ops", "_post_steps_log_ops", "_shutdown_ops"]
+
+
+def optimizer_factory(optimizer: torch.optim.Optimizer) -> Callable[[Any], torch.optim.Optimizer]:
+    """A factory ``params -> Optimizer`` building another optimizer like ``optimizer``.
+
+    Same class and hyper-parameters (its ``defaults``); the learner builds it over the
+    parameters it trains (after sharding, under FSDP). One parameter group only.
+
+    Examples:
+        >>> opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        >>> optimizer_factory(opt)([torch.nn.Parameter(torch.zeros(3))]).defaults["lr"]
+        0.001
+    """
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(
+            f"The trainer's optimizer has {len(optimizer.param_groups)} parameter groups; a learner builds its "
+            "optimizer over all the loss's parameters as one group. Give the trainer one optimizer over "
+            "loss_module.parameters()."
+        )
+    return functools.partial(type(optimizer), **optimizer.defaults)
+
+
+def policy_of(loss_module) -> torch.nn.Module | None:
+    """The network a loss trains that a collector acts with (PPO/A2C: actor; DQN: value network)."""
+    for name in ("actor_network", "value_network", "local_value_network"):
+        module = getattr(loss_module, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    return None
+
+
+def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **overrides) -> Trainer:
+    """The ``fabric_learner.Trainer`` running ``trainer``'s algorithm with a learner.
+
+    Args:
+        trainer: a torchrl trainer built by its factory (``hydra.utils.instantiate`` of a
+            ``PPOTrainerConfig``, ``DQNTrainerConfig``, ...) with one optimizer over its loss.
+        learner: ``(loss_module, optimizer_factory, policy=...) -> Learner``, e.g.
+            ``functools.partial(FabricLearner, strategy="ddp", devices=2)``: built here on the
+            trainer's loss, with an optimizer like the trainer's (see :func:`optimizer_factory`).
+        **overrides: ``fabric_learner.Trainer`` arguments to use instead of the trainer's
+            (``progress_bar``, ``logger``, ``save_trainer_file``, ...).
+
+    Returns:
+        the trainer to ``train()``; the learner is its ``.learner``.
+
+    Examples:
+        >>> from hydra.utils import instantiate
+        >>> trainer = learner_trainer(instantiate(cfg.trainer),  # doctest: +SKIP
+        ...                           functools.partial(FabricLearner, strategy="ddp", devices=2))
+        >>> trainer.train()  # doctest: +SKIP
+    """
+    if getattr(trainer, "optimization_stepper", None) is not None:
+        raise NotImplementedError(
+            f"{type(trainer).__name__} steps its losses with its own OptimizationStepper (several optimizers, as "
+            "SAC and TD3); a learner takes one optimizer over the whole loss. Such trainers are not supported yet."
+        )
+    if trainer.optimizer is None:
+        raise ValueError(f"{type(trainer).__name__} has no optimizer to build the learner's from.")
+    if getattr(trainer, "learner_backend", "local") != "local":
+        raise ValueError("learner_trainer needs a torchrl trainer with learner_backend='local'.")
+    hooks = [(attr, op, kwargs) for attr in _ORDER for op, kwargs in getattr(trainer, attr)]
+    for _, op, _ in hooks:
+        if isinstance(_unwrap(op), LRSchedulerHook):
+            raise NotImplementedError(
+                "The trainer has a learning-rate scheduler bound to its own optimizer, which the learner replaces. "
+                "Leave lr_scheduler out of the trainer config and schedule learner.optimizer in a hook."
+            )
+    loss = trainer.loss_module
+    built = learner(loss, optimizer_factory(trainer.optimizer), policy=policy_of(loss))
+    target_updater = None
+    for _, op, _ in hooks:
+        if isinstance(_unwrap(op), TargetNetUpdaterHook):
+            target_updater = _unwrap(op).target_params_updater
+    kwargs = dict(
+        learner=built, collector=trainer.collector, total_frames=trainer.total_frames,
+        optim_steps_per_batch=trainer.optim_steps_per_batch, frame_skip=trainer.frame_skip, logger=trainer.logger,
+        progress_bar=trainer.progress_bar, seed=trainer.seed, target_net_updater=target_updater,
+        num_epochs=trainer.num_epochs, log_interval=trainer._log_interval,
+        save_trainer_file=trainer.save_trainer_file, save_trainer_interval=trainer.save_trainer_interval,
+        auto_log_optim_steps=trainer.auto_log_optim_steps,
+    )
+    kwargs.update(overrides)
+    out = Trainer(**kwargs)
+    for attr, op, op_kwargs in hooks:
+        hook = _unwrap(op)
+        if isinstance(hook, (OptimizerHook, UpdateWeights, TargetNetUpdaterHook)):
+            continue  # the learner steps; PublishWeights and the trainer's target update replace these
+        if isinstance(hook, ValueEstimatorHook):
+            LearnerValueEstimator(built, hook.value_estimator, stage=_STAGES[attr]).register(out)
+            continue
+        out.register_op(_STAGES[attr], hook, **op_kwargs)
+    for name, module in trainer._modules.items():
+        if name not in out._modules and not isinstance(
+                module, (OptimizerHook, UpdateWeights, TargetNetUpdaterHook, ValueEstimatorHook)):
+            out.register_module(name, module)
+    return out
+
+
+def _unwrap(op):
+    """The hook itself, without the timing wrapper torchrl's ``register_op`` puts around it."""
+    if getattr(op, "__qualname__", "").endswith("._wrap_hook_with_timing.<locals>.timed_hook"):
+        return op.__wrapped__
+    return op

@@ -1,0 +1,34 @@
+"""Runs one of examples/hydra/config/*.yaml through fabric_learner.configs and reports every rank.
+
+``python hydra_configs.py --config-name ppo learner=fabric ...``: prints one RESULT line per rank
+(world, updates, frames, a checksum of the full weights) so the test can check the ranks agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import hydra
+
+from fabric_learner.configs import instantiate_trainer
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "hydra", "config")
+
+
+@hydra.main(config_path=CONFIGS, config_name="ppo", version_base="1.3")
+def main(cfg) -> None:
+    trainer = instantiate_trainer(cfg)
+    trainer.train()
+    learner = trainer.learner
+    weights = learner.get_weights(cpu_offload=False)  # a collective under FSDP: every rank calls it
+    checksum = sum(float(t.double().sum()) for t in weights.values(True, True))
+    print("RESULT " + json.dumps({"rank": learner.global_rank, "world_size": learner.world_size,
+                                  "learner": type(learner).__name__, "sharded": learner.capabilities.sharded,
+                                  "updates": learner.num_updates, "frames": trainer.collected_frames,
+                                  "checksum": checksum}), flush=True)
+    learner.close()
+
+
+if __name__ == "__main__":
+    main()
