@@ -201,6 +201,7 @@ def test_a_strategy_object_keeps_its_timeout():
 
 @pytest.mark.parametrize("scenario,strategy,launcher", [
     ("returns", "ddp", "python"),  # rank 1 calls update() once fewer and ends its program
+    ("busy", "fabric=", "python"),  # through fabric= whose strategy has a 5 s timeout; the learner says 1 h
     ("busy", "fsdp", "python"),  # ... and works on elsewhere, past the timeout
     ("busy", "ddp", "fabric"),  # the same under `fabric run`, which builds the group inside Fabric()
     ("dies", "ddp", "python"),  # rank 1 is SIGKILLed
@@ -209,6 +210,7 @@ def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strateg
     from multiproc import WORKERS, fabric_run, python, run
 
     script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
+    # fabric=: the Fabric's own 5 s timeout must hold, not the learner's 1 h (README, Reliability)
     cmd = python(*script) if launcher == "python" else fabric_run(*script, strategy=strategy)
     # 5 s collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
     proc = run(cmd, timeout=150)
@@ -327,6 +329,8 @@ def _resume_results(tmp_path, world):
         assert resumed.returncode == 0, resumed.stdout[-4000:]
     else:  # killed in a second DDP save, after writing its results
         assert resumed.returncode != 0 and "was not interrupted" not in resumed.stdout, resumed.stdout[-4000:]
+        # the resumed FSDP learner saved again: only that version is left, the killed folder removed
+        assert len([p for p in (tmp_path / "fsdp.ckpt").iterdir() if p.is_dir()]) == 1
         assert (tmp_path / "ddp.ckpt").read_bytes() == ddp_file
         assert len([p for p in tmp_path.iterdir() if p.name.startswith(".ddp.ckpt.")]) == 1
         fresh = LocalLearner(make_loss("sac", seed=8)[0])
