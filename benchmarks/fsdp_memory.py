@@ -2,7 +2,9 @@
 
     python benchmarks/fsdp_memory.py --strategy fsdp --out fsdp.json   # the learner starts rank 1
 
-Counts the bytes each rank holds in tensors after a few Adam updates of a 20M+ parameter PPO
+Counts the bytes each rank holds in tensors (gradients counted just before the optimizer step,
+since the learner frees them with ``zero_grad(set_to_none=True)`` after it; under DDP also its
+gradient buckets) after a few Adam updates of a 20M+ parameter PPO
 loss (local shards under FSDP, plus the replicated buffers such as target networks), and the
 process's peak resident memory, which also includes the transient all-gathered parameters.
 """
@@ -31,6 +33,18 @@ def local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def ddp_bucket_bytes(learner) -> int:
+    """Bytes of DDP's gradient buckets (flat copies of the gradients used by the all-reduce, apart
+    from the gradients unless ``gradient_as_bucket_view``), from DDP's own logging data."""
+    module = learner._module
+    ddp = getattr(module, "_forward_module", module)
+    data = ddp._get_ddp_logging_data() if hasattr(ddp, "_get_ddp_logging_data") else {}
+    if data.get("gradient_as_bucket_view"):
+        return 0
+    sizes = data.get("bucket_sizes", "")
+    return sum(int(x) for x in str(sizes).split(",") if x.strip().isdigit())
+
+
 def peak_rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -54,12 +68,19 @@ def main():
     learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-4), accelerator="cpu", devices=2,
                             strategy=strategy)
     rank = learner.global_rank
+    params = [p for g in learner.optimizer.param_groups for p in g["params"]]
+    # Gradients live from the backward to the learner's zero_grad(set_to_none=True) after the step:
+    # count them where they are largest, just before the optimizer steps.
+    at_step = {}
+    torch_optimizer = getattr(learner.optimizer, "optimizer", learner.optimizer)
+    torch_optimizer.register_step_pre_hook(
+        lambda *_: at_step.update(gradients=sum(local_bytes(p.grad) for p in params if p.grad is not None)))
     for step in range(args.steps):
         learner.update(common.make_batch("ppo_big_actor", n=64, seed=step + 10 * rank))
-    params = [p for g in learner.optimizer.param_groups for p in g["params"]]
     held = {
         "parameters": sum(local_bytes(p) for p in params),
-        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "gradients": at_step["gradients"],
+        "ddp_gradient_buckets": ddp_bucket_bytes(learner) if args.strategy == "ddp" else 0,
         "optimizer": sum(local_bytes(v) for s in learner.optimizer.state.values() for v in s.values()
                          if isinstance(v, torch.Tensor)),
         "buffers": sum(local_bytes(b) for b in loss.buffers()),

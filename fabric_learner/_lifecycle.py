@@ -138,6 +138,7 @@ def _die(code: int) -> None:
         status = proc.poll()
         if status is None:
             proc.kill()
+            print(f"fabric_learner: rank {rank} was still running and was killed", file=sys.stderr, flush=True)
         elif status != 0:
             print(f"fabric_learner: rank {rank} exited with status {status}", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -79,7 +79,7 @@ def test_stochastic_losses_ranks_agree_and_train(fsdp, case):
     assert torch.isfinite(r0["grad_norm"]).all()
 
 
-@pytest.mark.parametrize("case", ["dqn", "ppo"])
+@pytest.mark.parametrize("case", ["dqn", "ppo", "ddpg"])
 def test_accumulation_equals_local(fsdp, case):
     r0, r1 = (r["accum"][case] for r in fsdp["ranks"])
     assert_equal_states(r0["model"], r1["model"])
@@ -127,7 +127,15 @@ def test_round_trip_fsdp_ddp_local_fsdp_continues_training(fsdp):
     learner = LocalLearner(loss, opt(), clip_grad_norm=CLIP)
     for step in range(5):
         learner.update(make_batch("dqn", n=16, seed=300 + step))
-    assert_equal_states(rt0["model"], learner.checkpoint()["model"], atol=1e-5)
+    expected = learner.checkpoint()
+    assert_equal_states(rt0["model"], expected["model"], atol=1e-5)
+    # the Adam moments came through FSDP -> DDP -> one process -> FSDP too, not only the weights
+    assert rt0["optimizer"]["state"].keys() == expected["optimizer"]["state"].keys()
+    for i, s in expected["optimizer"]["state"].items():
+        assert s.keys() == rt0["optimizer"]["state"][i].keys()
+        for field, value in s.items():
+            torch.testing.assert_close(rt0["optimizer"]["state"][i][field], value, atol=1e-5, rtol=0,
+                                       msg=f"{i}.{field}")
 
 
 def test_sharded_resume_equals_uninterrupted_run(fsdp):
@@ -146,8 +154,15 @@ def test_sharded_checkpoint_loads_into_one_process(fsdp):
     learner.load(path)
     assert learner.num_updates == 2
     assert (path / "LATEST").is_file()
-    state = learner.checkpoint()
-    assert state["optimizer"]["state"], "optimizer moments were restored"
+    state, saved = learner.checkpoint(), fsdp["ranks"][0]["resume"]["saved"]
+    assert_equal_states(state["model"], saved["model"])  # bit for bit what the 2 ranks held at the save
+    assert state["optimizer"]["state"].keys() == saved["optimizer"]["state"].keys()
+    for i, s in saved["optimizer"]["state"].items():
+        assert_equal_states(state["optimizer"]["state"][i], s)
+    def hyper(groups):  # meta.json stores betas as a list
+        return [{k: tuple(g[k]) if isinstance(g[k], list) else g[k] for k in ("lr", "betas", "eps", "weight_decay")}
+                for g in groups]
+    assert hyper(state["optimizer"]["param_groups"]) == hyper(saved["optimizer"]["param_groups"])
     torch.manual_seed(0)
     assert torch.isfinite(learner.update(make_batch("sac"))["grad_norm"])
 
@@ -200,3 +215,30 @@ def test_a_loss_network_the_learner_does_not_serve_names_itself_and_the_fix(fsdp
         value = loss.critic_network(probe)["state_value"]
     for rank in fsdp["ranks"]:
         torch.testing.assert_close(rank["served"]["critic_after_step"], value, atol=1e-5, rtol=1e-5)
+
+
+def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank_under_fsdp(fsdp):
+    r0, r1 = (r["nonfinite"] for r in fsdp["ranks"])
+    for r in (r0, r1):
+        assert r["skipped_updates"] == 1 and r["num_updates"] == 1
+        assert not torch.isfinite(r["skip_grad_norm"])
+        assert_equal_states(r["after_skip"], r["before"])
+        assert torch.isfinite(r["next_grad_norm"]) and r["final_num_updates"] == 2
+        assert r["raise_num_updates"] == 3
+    assert "loss entries" in r1["raised"] and "(rank 1)" in r1["raised"]
+    assert "(rank 0)" in r0["raised"] and ("grad_norm" in r0["raised"] or "another rank" in r0["raised"])
+    for key in ("after_skip", "after_next", "after_raise"):
+        assert_equal_states(r0[key], r1[key])
+    assert any(not torch.equal(r0["after_next"][k], v) for k, v in r0["before"].items())
+
+
+def test_unequal_per_rank_sample_counts_are_warned_under_fsdp(fsdp):
+    for r in fsdp["ranks"]:
+        seen = r["unequal_first_step"]
+        assert len(seen) == 1 and "different numbers of samples (from 6 to 10 per step)" in seen[0], seen
+
+
+def test_a_users_parallelize_fn_sharding_over_whole_world_trains_like_the_default(fsdp):
+    """The nonfinite and unequal-count checks above ran with such a function (fsdp_checks.user_parallelize)."""
+    for r in fsdp["ranks"]:
+        assert r["user_sharded"] == [("ShardedLoss", 2), ("ShardedLoss", 2)]

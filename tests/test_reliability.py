@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from datetime import timedelta
 
 import pytest
@@ -200,6 +201,7 @@ def test_a_strategy_object_keeps_its_timeout():
 
 @pytest.mark.parametrize("scenario,strategy,launcher", [
     ("returns", "ddp", "python"),  # rank 1 calls update() once fewer and ends its program
+    ("busy", "fabric=", "python"),  # through fabric= whose strategy has a 5 s timeout; the learner says 1 h
     ("busy", "fsdp", "python"),  # ... and works on elsewhere, past the timeout
     ("busy", "ddp", "fabric"),  # the same under `fabric run`, which builds the group inside Fabric()
     ("dies", "ddp", "python"),  # rank 1 is SIGKILLed
@@ -208,6 +210,7 @@ def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strateg
     from multiproc import WORKERS, fabric_run, python, run
 
     script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
+    # fabric=: the Fabric's own 5 s timeout must hold, not the learner's 1 h (README, Reliability)
     cmd = python(*script) if launcher == "python" else fabric_run(*script, strategy=strategy)
     # 5 s collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
     proc = run(cmd, timeout=150)
@@ -219,6 +222,9 @@ def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strateg
         in proc.stdout, proc.stdout[-4000:]
     if scenario == "busy":
         assert "it timed out waiting for them" in proc.stdout and "(0:00:05)" in proc.stdout
+    if launcher == "python":  # rank 0 names each rank it started that exited non-zero or that it killed
+        assert re.search(r"fabric_learner: rank 1 (exited with status -?[1-9]|was still running and was killed)",
+                         proc.stdout), proc.stdout[-4000:]
 
 
 @pytest.mark.parametrize("timeout,error", [(0, ValueError), (-1.0, ValueError), ("5m", TypeError), (True, TypeError)])
@@ -323,6 +329,8 @@ def _resume_results(tmp_path, world):
         assert resumed.returncode == 0, resumed.stdout[-4000:]
     else:  # killed in a second DDP save, after writing its results
         assert resumed.returncode != 0 and "was not interrupted" not in resumed.stdout, resumed.stdout[-4000:]
+        # the resumed FSDP learner saved again: only that version is left, the killed folder removed
+        assert len([p for p in (tmp_path / "fsdp.ckpt").iterdir() if p.is_dir()]) == 1
         assert (tmp_path / "ddp.ckpt").read_bytes() == ddp_file
         assert len([p for p in tmp_path.iterdir() if p.name.startswith(".ddp.ckpt.")]) == 1
         fresh = LocalLearner(make_loss("sac", seed=8)[0])
@@ -396,3 +404,153 @@ def test_a_malformed_random_state_is_refused_before_anything_loads():
     with pytest.raises(ValueError, match=r"checkpoint\['rng'\]"):
         fresh.load_checkpoint(saved)
     assert_unchanged(fresh, before)
+
+
+# ---- rows of the README's Reliability table checked here in one process ----------------------
+
+
+def test_a_batch_with_no_entries_is_refused_before_the_forward(kind):
+    learner = make_learner(kind, make_loss("dqn")[0])
+    before = snapshot(learner)
+    with pytest.raises(ValueError, match=r"empty batch \(batch_size \(16,\)"):
+        learner.update(TensorDict({}, [16]))
+    assert_unchanged(learner, before)
+    assert learner._accum_step == 0 and learner.num_updates == 0
+
+
+def test_float64_entries_for_a_float32_loss_raise_a_type_error_naming_them(kind):
+    learner = make_learner(kind, make_loss("dqn")[0])
+    before = snapshot(learner)
+    batch = make_batch("dqn")
+    batch["observation"] = batch["observation"].double()
+    with pytest.raises(TypeError) as info:
+        learner.update(batch)
+    message = str(info.value)
+    assert "'observation': 'float64'" in message and "float32" in message, message
+    assert "precision" in message and "cast" in message.lower(), message
+    assert_unchanged(learner, before)
+
+
+def test_saving_a_file_checkpoint_onto_a_folder_raises_is_a_directory_error(kind, tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "mine.txt").write_text("keep")
+    learner = make_learner(kind, make_loss("dqn")[0])
+    with pytest.raises(IsADirectoryError, match=r"folder is a (directory|folder); a single-file checkpoint would replace it"):
+        learner.save(tmp_path / "folder")
+    assert [p.name for p in (tmp_path / "folder").iterdir()] == ["mine.txt"]
+
+
+def test_saving_a_sharded_checkpoint_onto_a_foreign_folder_or_file_raises_file_exists_error(tmp_path):
+    from fabric_learner import FabricLearner
+
+    learner = FabricLearner(make_loss("dqn")[0], accelerator="cpu", strategy="fsdp", devices=1)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "mine.txt").write_text("keep")
+    (tmp_path / "file.pt").write_text("keep")
+    with pytest.raises(FileExistsError, match="non-empty folder that is not a fabric_learner sharded checkpoint"):
+        learner.save(tmp_path / "folder")
+    with pytest.raises(FileExistsError, match="file.pt is a file"):
+        learner.save(tmp_path / "file.pt")
+    assert [p.name for p in (tmp_path / "folder").iterdir()] == ["mine.txt"]
+    assert (tmp_path / "file.pt").read_text() == "keep"
+
+
+def test_timeout_none_leaves_the_strategy_at_torchs_default():
+    """``timeout=None``: the learner does not touch the group's timeout (torch's 30 minutes for gloo)."""
+    import torch.distributed as dist
+
+    from fabric_learner._launch import as_timeout, build_fabric
+
+    for strategy in ("ddp", "fsdp"):
+        fabric, owns = build_fabric(accelerator="cpu", strategy=strategy, devices=2, num_nodes=1,
+                                    precision="32-true", timeout=as_timeout(None))
+        assert fabric.strategy._timeout == dist.default_pg_timeout == timedelta(minutes=30) and not owns
+
+
+def test_16_mixed_leaves_inf_gradients_to_the_scaler_and_still_refuses_a_nonfinite_loss():
+    """Fabric turns precision="16-mixed" into bf16 on CPU, so the same plugin (fp16 autocast and a
+    grad scaler) is given through ``fabric=``; on a GPU the name alone builds it."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    from fabric_learner import FabricLearner
+
+    loss, _ = make_loss("dqn")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    learner = FabricLearner(loss, fabric=Fabric(accelerator="cpu", devices=1, plugins=[plugin]), on_nonfinite="skip")
+    scaler = learner.fabric.strategy.precision.scaler
+    assert scaler is not None
+    learner.update(make_batch("dqn", seed=1))
+    assert learner.num_updates == 1
+    # an overflow in the scaled gradients: the scaler skips its step and lowers its scale; not a refusal
+    scale = scaler.get_scale()
+    before = snapshot(learner)
+    hook = loss.value_network_params.values(True, True).__iter__().__next__().register_hook(
+        lambda g: torch.full_like(g, float("inf")))
+    out = learner.update(make_batch("dqn", seed=2))
+    hook.remove()
+    assert learner.skipped_updates == 0 and learner.num_updates == 2 and not torch.isfinite(out["grad_norm"])
+    assert scaler.get_scale() < scale
+    assert_unchanged_params(learner, before)
+    # a non-finite loss is still the learner's to skip
+    out = learner.update(nan_batch("dqn", seed=3))
+    assert learner.skipped_updates == 1 and learner.num_updates == 2
+    assert_unchanged_params(learner, before)
+    out = learner.update(make_batch("dqn", seed=4))
+    assert torch.isfinite(out["grad_norm"]) and learner.num_updates == 3
+
+
+def assert_unchanged_params(learner, before):
+    for k, v in flat_params(learner.loss_module).items():
+        assert torch.equal(v, before[0][k]), k
+
+
+class _HostReads:
+    """Counts the ways Python code reads a tensor's value on the host (each one a sync on a GPU)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _real=real, **k):
+                self.count += 1
+                return _real(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_accumulation_calls_read_nothing_on_the_host(kind, monkeypatch):
+    """README, Reliability, "cost of the check": host reads happen on the step call only."""
+    learner = make_learner(kind, ToyLoss(), clip_grad_norm=1.0, grad_accum_steps=3)
+    batches = [TensorDict({"x": torch.randn(8, 3, generator=torch.Generator().manual_seed(i))}, [8])
+               for i in range(6)]
+    learner.update(batches[0]), learner.update(batches[1]), learner.update(batches[2])  # warm-up window
+    reads = _HostReads(monkeypatch)
+    per_call = []
+    for batch in batches[3:]:
+        before = reads.count
+        learner.update(batch)
+        per_call.append(reads.count - before)
+    assert per_call[0] == per_call[1] == 0, per_call
+    assert per_call[2] >= 1, per_call  # the step call reads the verdict
+
+
+class ToyLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 2)
+
+    def forward(self, td):
+        return TensorDict({"loss": self.net(td["x"]).pow(2).mean()}, [])
+
+
+def test_fsdp_refuses_an_optimizer_instance_and_asks_for_a_factory():
+    from fabric_learner import FabricLearner
+
+    loss, _ = make_loss("dqn")
+    with pytest.raises(ValueError, match=r"needs a factory, not an instance.*functools.partial"):
+        FabricLearner(loss, torch.optim.Adam(loss.parameters()), accelerator="cpu", strategy="fsdp", devices=1)

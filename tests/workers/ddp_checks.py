@@ -59,20 +59,28 @@ def integrity(rank, precision):
     }
 
 
-def nonfinite_on_one_rank(rank):
-    """Only rank 1 feeds a NaN batch; with on_nonfinite="skip" every rank must skip together."""
+def nonfinite_on_one_rank(rank, build=None):
+    """Only rank 1 feeds a NaN batch; with on_nonfinite="skip" every rank must skip together.
+
+    ``build`` makes the learner (DDP by default; fsdp_checks.py passes its FSDP builder). The
+    weights are read through ``checkpoint()``, which works under both strategies."""
     loss, _ = make_loss("ppo")
-    learner = ddp(loss_module=loss, optimizer=functools.partial(torch.optim.Adam, lr=LR), on_nonfinite="skip")
+    learner = (build or ddp)(loss_module=loss, optimizer=functools.partial(torch.optim.Adam, lr=LR),
+                             on_nonfinite="skip")
+
+    def weights():
+        return learner.checkpoint()["model"]
+
     learner.update(halves(make_batch("ppo", n=16, seed=30), rank))
-    before = flat_params(loss)
+    before = weights()
     batch = halves(make_batch("ppo", n=16, seed=31), rank)
     if rank == 1:
         batch["observation"] = torch.full_like(batch["observation"], float("nan"))
     out = learner.update(batch)
-    res = {"before": before, "after_skip": flat_params(loss), "skipped_updates": learner.skipped_updates,
+    res = {"before": before, "after_skip": weights(), "skipped_updates": learner.skipped_updates,
            "num_updates": learner.num_updates, "skip_grad_norm": out["grad_norm"]}
     out = learner.update(halves(make_batch("ppo", n=16, seed=32), rank))
-    res.update(after_next=flat_params(loss), next_grad_norm=out["grad_norm"], final_num_updates=learner.num_updates)
+    res.update(after_next=weights(), next_grad_norm=out["grad_norm"], final_num_updates=learner.num_updates)
     # the same with on_nonfinite="raise": every rank raises, and can go on
     learner.on_nonfinite = "raise"
     try:
@@ -80,7 +88,7 @@ def nonfinite_on_one_rank(rank):
     except FloatingPointError as err:
         res["raised"] = str(err)
     out = learner.update(halves(make_batch("ppo", n=16, seed=33), rank))
-    res.update(after_raise=flat_params(loss), raise_num_updates=learner.num_updates)
+    res.update(after_raise=weights(), raise_num_updates=learner.num_updates)
     return res
 
 
@@ -100,6 +108,19 @@ def nonfinite_without_gradient(rank):
     learner.update(halves(batch, rank))
     res.update(after_next=flat_params(loss), final_num_updates=learner.num_updates)
     return res
+
+
+def unequal_first_step(rank, build=None):
+    """Rank 0 feeds 10 samples and rank 1 feeds 6 on the first step, where ranks always compare:
+    the warnings each rank saw."""
+    import warnings
+
+    learner = (build or ddp)(loss_module=make_loss("dqn")[0])
+    batch = make_batch("dqn", n=16, seed=40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        learner.update(batch[:10] if rank == 0 else batch[10:])
+    return [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
 
 
 def unequal_samples(rank):
@@ -145,7 +166,7 @@ def main(out_dir, local_ckpt):
         if case == "sac":
             learner.save(os.path.join(out_dir, "ddp_sac.pt"))
             results["saved_sac"] = learner.checkpoint()
-    for case in ("dqn", "ppo"):
+    for case in ("dqn", "ppo", "ddpg"):
         results["accum"][case] = train(case, rank, grad_accum_steps=2)[1]
     results["nonfinite"] = nonfinite_on_one_rank(rank)
     results["nonfinite_nograd"] = nonfinite_without_gradient(rank)

@@ -22,8 +22,22 @@ from fabric_learner import FabricLearner, LocalLearner, shard_loss  # noqa: E402
 TIMEOUT = timedelta(seconds=90)
 
 
-def fsdp(**kwargs):
-    strategy = ModelParallelStrategy(parallelize_fn=shard_loss, timeout=TIMEOUT)
+USER_SHARDED = []  # what user_parallelize saw, one entry per learner built with it
+
+
+def user_parallelize(module, mesh):
+    """A parallelize_fn written as a user would (README, FSDP): fully_shard over whole_world(mesh)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fabric_learner import whole_world
+
+    USER_SHARDED.append((type(module).__name__, whole_world(mesh).size()))
+    fully_shard(module, mesh=whole_world(mesh))
+    return module
+
+
+def fsdp(parallelize_fn=shard_loss, **kwargs):
+    strategy = ModelParallelStrategy(parallelize_fn=parallelize_fn, timeout=TIMEOUT)
     return FabricLearner(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
 
 
@@ -71,7 +85,7 @@ def round_trip(out_dir, rank):
     d = fsdp(loss_module=make_loss("dqn", seed=7)[0], optimizer=opt(), clip_grad_norm=CLIP)
     d.load(os.path.join(out_dir, "local_c.pt"))
     d.update(halves(batch(4), rank))
-    return {"model": d.checkpoint()["model"], "num_updates": d.num_updates,
+    return {"model": d.checkpoint()["model"], "optimizer": d.checkpoint()["optimizer"], "num_updates": d.num_updates,
             "versions": sorted(os.listdir(os.path.join(out_dir, "fsdp_a")))}
 
 
@@ -85,12 +99,13 @@ def resume(out_dir, rank):
     for s in range(2):
         step(a, s)
     a.save(os.path.join(out_dir, "sac_resume"))
+    saved = a.checkpoint()
     step(a, 2)
     b = fsdp(loss_module=make_loss("sac", seed=9)[0], optimizer=opt(), clip_grad_norm=CLIP)
     b.load(os.path.join(out_dir, "sac_resume"))
     loaded_updates = b.num_updates
     step(b, 2)
-    return {"a": a.checkpoint(), "b": b.checkpoint(), "loaded_updates": loaded_updates}
+    return {"a": a.checkpoint(), "b": b.checkpoint(), "loaded_updates": loaded_updates, "saved": saved}
 
 
 def served(rank):
@@ -172,8 +187,15 @@ def main(out_dir):
         results["world_size"] = learner.world_size
         results["sharded"] = learner.capabilities.sharded
         results.setdefault("shard_fraction", {})[case] = shard_fraction(learner)
-    for case in ("dqn", "ppo"):
+    for case in ("dqn", "ppo", "ddpg"):
         results["accum"][case] = train(case, rank, grad_accum_steps=2)[1]
+    # the DDP launch's checks, under FSDP, with a user's parallelize_fn (README, FSDP and Reliability)
+    import ddp_checks
+
+    user_fsdp = functools.partial(fsdp, parallelize_fn=user_parallelize)
+    results["nonfinite"] = ddp_checks.nonfinite_on_one_rank(rank, build=user_fsdp)
+    results["unequal_first_step"] = ddp_checks.unequal_first_step(rank, build=user_fsdp)
+    results["user_sharded"] = list(USER_SHARDED)
     learner, _ = train("sac", rank, policy=True)
     results["weights_offload"] = learner.get_weights(cpu_offload=True)
     results["weights_full"] = learner.get_weights(cpu_offload=False)

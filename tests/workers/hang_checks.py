@@ -22,7 +22,16 @@ from fabric_learner import FabricLearner  # noqa: E402
 
 
 def main(scenario, strategy):
-    learner = FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=2, strategy=strategy, timeout=5)
+    if strategy == "fabric=":  # an existing Fabric keeps its own timeout; the learner's is ignored
+        from datetime import timedelta
+
+        from lightning.fabric import Fabric
+        from lightning.fabric.strategies import DDPStrategy
+
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=5)))
+        learner = FabricLearner(make_loss("dqn")[0], fabric=fabric, timeout=3600)
+    else:
+        learner = FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=2, strategy=strategy, timeout=5)
     rank = learner.global_rank
     calls = 3 if rank == 0 else 2
     for step in range(calls):

@@ -62,8 +62,20 @@ def main():
     other = DDPStrategy() if second == "ddp" else ModelParallelStrategy(parallelize_fn=shard_loss)
     learners = [train(given, int(os.environ.get("FL_FAIL_RANK", "-1"))), train({**world, "strategy": other})]
     if os.environ.get("FL_CLOSE") == "1":
+        # README, Ending a run: close() is idempotent, and the context manager closes too
+        learners[0].close()
+        learners[0].close()
+        with learners[1] as learner:
+            assert learner is learners[1]
+        learners[1].close()
         for learner in learners:
-            learner.close()  # otherwise the exit hook tears down
+            try:
+                learner.update(make_batch("dqn", n=8))
+            except RuntimeError as err:
+                assert "closed" in str(err), err
+            else:
+                raise AssertionError("a closed learner took an update")
+        print(f"CLOSED rank {learners[0].global_rank}", flush=True)
 
 
 if __name__ == "__main__":

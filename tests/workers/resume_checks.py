@@ -95,6 +95,8 @@ def main(mode, world, out_dir):
             learner.load(path)
             result = train(learner, range(SAVE_AT, STEPS), world)
         torch.save(result, os.path.join(out_dir, f"{kind}_{mode}_rank{rank}.pt"))
+        if mode == "resume" and kind == "fsdp":
+            learner.save(path)  # the next save: it must remove the version folder the kill left
         learners[kind] = learner
         if world > 1:
             learner.fabric.barrier()

@@ -1,0 +1,52 @@
+"""The README's published numbers: honest verdicts, and a table no older than the code it times."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+# the code every update runs: a benchmark table older than its last change no longer describes it
+UPDATE_PATH = ["fabric_learner/learner.py", "fabric_learner/fabric.py", "fabric_learner/local.py",
+               "fabric_learner/backends"]
+
+
+def test_one_rule_decides_met_and_not_met_and_noise_never_helps():
+    from run import decide, verdict
+
+    assert decide((0.95, 1.02), 1.03) is True
+    assert decide((1.04, 1.10), 1.03) is False
+    assert decide((1.00, 1.06), 1.03) is None and verdict((1.00, 1.06), 1.03).startswith("undecided")
+    # mirror images get mirror answers: a wide interval makes a point below the goal as undecided
+    # as a point above it
+    assert decide((0.98, 1.08), 1.03) is decide((0.98, 1.08), 1.03) is None
+    assert decide((1.031, 1.2), 1.03) is False and decide((0.8, 1.03), 1.03) is True
+    assert decide((0.5, 2.0), None) is None and verdict((0.5, 2.0), None) == "-"
+
+
+def _git(*args):
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+
+
+def test_the_readme_performance_table_is_no_older_than_the_update_path():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("## Performance"):]
+    named = re.search(r"git `([0-9a-f]{7,40})`", section)
+    assert named, "the README's Performance section names no commit"
+    if _git("rev-parse", "--git-dir").returncode != 0:
+        pytest.skip("no git repository here: the table's commit cannot be checked")
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("shallow git history: the commits before the cut cannot be ordered")
+    last = _git("log", "-1", "--format=%H", "--", *UPDATE_PATH).stdout.strip()
+    assert last, "git log found no commit touching the update path"
+    table = _git("rev-parse", "--verify", "--quiet", named.group(1) + "^{commit}")
+    assert table.returncode == 0, f"the README's table names {named.group(1)}, which is not in this history"
+    older = _git("merge-base", "--is-ancestor", last, table.stdout.strip()).returncode != 0
+    assert not older, (
+        f"README's benchmark table was measured at {named.group(1)}, before the update path last changed "
+        f"({last[:7]}: {' '.join(UPDATE_PATH)}). Rerun `python benchmarks/run.py` at HEAD and copy its table.")
