@@ -636,13 +636,15 @@ class Trainer(_TorchRLTrainer):
             _restore_carrier(self.collector, state.get("carrier"))
         for name, module in self._modules.items():
             module.load_state_dict(state["modules"][name])
-        counters = state["state"]
+        self._restore_counters(state["state"])
+        if restore_rng:
+            _set_rng_state(state["rng"], self._env_plan)
+
+    def _restore_counters(self, counters: dict[str, Any]) -> None:
         self.collected_frames = counters["collected_frames"]
         self._last_log = dict(counters["_last_log"])
         self._last_save = counters["_last_save"]
         self._optim_count = counters["_optim_count"]
-        if restore_rng:
-            _set_rng_state(state["rng"], self._env_plan)
 
     def _publish_after_load(self) -> None:
         publisher = self._modules.get("publish_weights")
@@ -736,11 +738,7 @@ class Trainer(_TorchRLTrainer):
                 fill_replay(module.replay_buffer, *shares[name])
             else:
                 module.load_state_dict(first["modules"][name])
-        counters = first["state"]
-        self.collected_frames = counters["collected_frames"]
-        self._last_log = dict(counters["_last_log"])
-        self._last_save = counters["_last_save"]
-        self._optim_count = counters["_optim_count"]
+        self._restore_counters(first["state"])  # global: the same on every rank that wrote them
         warnings.warn(
             f"The checkpoint was written by {len(states)} rank(s) and this run has {self._world_size}: the learner "
             "was resharded and the replay buffers' samples dealt over the ranks, but collectors start afresh and "
