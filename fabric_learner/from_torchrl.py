@@ -26,12 +26,15 @@ from torchrl.trainers.trainers import (
     UpdateWeights,
     ValueEstimatorHook,
 )
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+from torchrl.trainers.algorithms.td3 import TD3OptimizationStepper
 from torchrl.trainers.trainers import Trainer as _TorchRLTrainer
 
+from fabric_learner._stages import Stage
 from fabric_learner.onpolicy import LearnerValueEstimator
 from fabric_learner.trainer import Trainer
 
-__all__ = ["learner_trainer", "optimizer_factory"]
+__all__ = ["learner_trainer", "optimizer_factory", "stages_of"]
 
 # torchrl keeps each hook stage in a list; the stage name register_op() takes for each
 _STAGES = {
@@ -80,6 +83,33 @@ def policy_of(loss_module) -> torch.nn.Module | None:
     return None
 
 
+def stages_of(trainer: _TorchRLTrainer) -> list[Stage] | None:
+    """The learner stages doing what ``trainer``'s optimization stepper does (``None``: it has none).
+
+    ``TD3OptimizationStepper`` becomes a critic stage on ``value_loss`` and an actor stage on
+    ``actor_loss`` every ``policy_update_delay`` updates, each with an optimizer like the
+    stepper's and the trainer's norm clipping, so its updates are the stepper's bit for bit.
+    """
+    stepper = getattr(trainer, "optimization_stepper", None)
+    if stepper is None:
+        return None
+    if not isinstance(stepper, TD3OptimizationStepper):
+        raise NotImplementedError(
+            f"{type(trainer).__name__} steps its losses with a {type(stepper).__name__}, which has no learner "
+            "counterpart yet (TD3's has). Drive the learner directly with stages=[Stage(...), ...]."
+        )
+    if trainer.clip_norm is not None and not trainer.clip_grad_norm:
+        raise NotImplementedError("The trainer clips gradients by value; a learner clips their norm only.")
+    clip = trainer.clip_norm if trainer.clip_grad_norm else None
+    if isinstance(getattr(trainer.replay_buffer, "sampler", None), PrioritizedSampler):
+        raise NotImplementedError("TD3's stepper updates replay priorities from value_loss's td_error, which the "
+                                  "learner's stages do not write back yet; use a non-prioritized replay buffer.")
+    return [Stage("critic", "qvalue_network_params", optimizer_factory(stepper.optimizer_critic), method="value_loss",
+                  clip_grad_norm=clip),
+            Stage("actor", "actor_network_params", optimizer_factory(stepper.optimizer_actor), method="actor_loss",
+                  every=stepper.policy_update_delay, clip_grad_norm=clip)]
+
+
 def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **overrides) -> Trainer:
     """The ``fabric_learner.Trainer`` running ``trainer``'s algorithm with a learner.
 
@@ -101,12 +131,8 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
         ...                           functools.partial(FabricLearner, strategy="ddp", devices=2))
         >>> trainer.train()  # doctest: +SKIP
     """
-    if getattr(trainer, "optimization_stepper", None) is not None:
-        raise NotImplementedError(
-            f"{type(trainer).__name__} steps its losses with its own OptimizationStepper (several optimizers, as "
-            "SAC and TD3); a learner takes one optimizer over the whole loss. Such trainers are not supported yet."
-        )
-    if trainer.optimizer is None:
+    stages = stages_of(trainer)
+    if stages is None and trainer.optimizer is None:
         raise ValueError(f"{type(trainer).__name__} has no optimizer to build the learner's from.")
     if getattr(trainer, "learner_backend", "local") != "local":
         raise ValueError("learner_trainer needs a torchrl trainer with learner_backend='local'.")
@@ -118,7 +144,10 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
                 "Leave lr_scheduler out of the trainer config and schedule learner.optimizer in a hook."
             )
     loss = trainer.loss_module
-    built = learner(loss, optimizer_factory(trainer.optimizer), policy=policy_of(loss))
+    if stages is None:
+        built = learner(loss, optimizer_factory(trainer.optimizer), policy=policy_of(loss))
+    else:
+        built = learner(loss, None, policy=policy_of(loss), stages=stages)
     target_updater = None
     for _, op, _ in hooks:
         if isinstance(_unwrap(op), TargetNetUpdaterHook):
