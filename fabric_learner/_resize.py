@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
-
 from fabric_learner import _compat
 
 
@@ -45,7 +43,7 @@ def replay_share(live_rb, saved: list[dict[str, Any]], rank: int, world: int):
         priorities.append(stored)
     if not parts:
         return None, None
-    data = torch.cat(parts) if isinstance(parts[0], TensorDictBase) else torch.cat(parts)
+    data = torch.cat(parts)
     mine = torch.arange(rank, len(data), world)
     if any(p is None for p in priorities):
         return data[mine], None

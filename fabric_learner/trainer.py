@@ -550,7 +550,7 @@ class Trainer(_TorchRLTrainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._check_rank_state(state_dict)
         self.learner.load_checkpoint(state_dict["learner"])  # validated before it changes anything
-        self._load_rank_state(state_dict, restore_rng=False)
+        self._load_rank_state(state_dict)
         self._publish_after_load()
         _set_rng_state(state_dict["rng"], self._env_plan)
 
@@ -629,16 +629,14 @@ class Trainer(_TorchRLTrainer):
             raise refuse("'carrier' is not a collector's in-flight tensordict")
         _check_rng_state(state.get("rng"), refuse)
 
-    def _load_rank_state(self, state: dict[str, Any], *, restore_rng: bool = True) -> None:
-        self._check_rank_state(state)
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        """Apply a checked rank state (``_check_rank_state``) but its random state, set once publishing is done."""
         if self.collector is not None and state["collector"] is not None:
             self.collector.load_state_dict(state["collector"])
             _restore_carrier(self.collector, state.get("carrier"))
         for name, module in self._modules.items():
             module.load_state_dict(state["modules"][name])
         self._restore_counters(state["state"])
-        if restore_rng:
-            _set_rng_state(state["rng"], self._env_plan)
 
     def _restore_counters(self, counters: dict[str, Any]) -> None:
         self.collected_frames = counters["collected_frames"]
@@ -721,7 +719,7 @@ class Trainer(_TorchRLTrainer):
             return self._load_resized(states, learner_file)
         state = states[0]
         self.learner.load(learner_file)  # validated before it changes anything
-        self._load_rank_state(state, restore_rng=False)
+        self._load_rank_state(state)
         self._publish_after_load()
         _set_rng_state(state["rng"], self._env_plan)
         return self

@@ -16,7 +16,7 @@ import pytest
 import tamper
 import torch
 from conftest import make_learner
-from rl_cases import CLIP, LR, make_loss
+from rl_cases import CLIP, LR, make_batch, make_loss
 
 from fabric_learner import LocalLearner
 from fabric_learner._state import clone_state
@@ -60,8 +60,6 @@ def marker(tmp_path, monkeypatch):
 
 def trained_learner(kind):
     learner = make_learner(kind, make_loss("dqn", seed=3)[0], opt(), clip_grad_norm=CLIP)
-    from rl_cases import make_batch
-
     learner.update(make_batch("dqn", seed=7))
     return learner
 
@@ -87,7 +85,7 @@ def test_a_tampered_sharded_checkpoint_is_refused_in_one_process(kind, case, tmp
     assert str(ckpt) in str(err.value), err.value  # the error names the checkpoint it is about
     assert not marker.exists(), "code from the checkpoint ran"
     assert_same(learner_state(learner), before)
-    learner.update(__import__("rl_cases").make_batch("dqn", seed=8))  # still usable
+    learner.update(make_batch("dqn", seed=8))  # still usable
 
 
 @pytest.mark.parametrize("fixture", ["local.pt", "ddp.pt"])
@@ -137,8 +135,6 @@ def build_trainer():
         total_frames=4 * tc.FRAMES_PER_BATCH)
     # some state to lose: a filled replay buffer, moved weights and optimizer state, collector counters
     rb.extend(next(iter(collector)).reshape(-1))
-    from rl_cases import make_batch
-
     learner.update(make_batch("dqn", seed=7))
     return trainer, learner, rb, collector
 
