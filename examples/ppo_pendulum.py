@@ -17,26 +17,23 @@ without replacement, with advantages normalised over all ranks' minibatches; DDP
 gradients. torchrl's Trainer loop drives it all (collector -> GAE -> EpochPartitionSampler ->
 GlobalAdvantageNormalization -> learner.update), shows a progress bar on rank 0, logs losses,
 grad norm, episode return and throughput to TensorBoard (``--logdir``) through Fabric's
-TensorBoardLogger, and prints a summary. The environment has gym's Pendulum-v1 dynamics (those
-of torchrl's ``PendulumEnv``), vectorised: one ``EnvBase`` steps all ``--envs`` pendulums in a
-single batched call, where a ``SerialEnv`` of ``PendulumEnv``s would step them one by one.
+TensorBoardLogger, and prints a summary. The environment is torchrl's own ``PendulumEnv`` (gym's
+Pendulum-v1 dynamics in pure torch) stepping all ``--envs`` pendulums of a rank in one batched call.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import time
 
 import torch
-from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
 from torchrl.collectors import Collector
-from torchrl.data import Bounded, Composite, Unbounded
-from torchrl.envs import EnvBase, StepCounter, TransformedEnv
+from torchrl.data import Unbounded
+from torchrl.envs import BatchSizeTransform, Compose, PendulumEnv, StepCounter, Transform, TransformedEnv
 from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
@@ -55,54 +52,37 @@ from fabric_learner.trainer import Trainer
 MAX_STEPS = 200  # one episode: a batch holds exactly one episode per pendulum
 
 
-class VecPendulum(EnvBase):
-    """``num_envs`` pendulums (Pendulum-v1 / torchrl ``PendulumEnv`` dynamics) stepped as one batch.
+class PendulumObservation(Transform):
+    """Adds ``observation = [cos th, sin th, thdot / 8]`` from the pendulum's state ``th, thdot``."""
 
-    Observation ``[cos th, sin th, thdot / 8]``; action: torque in [-2, 2]; reward:
-    ``-(th^2 + 0.1 thdot^2 + 0.001 u^2)``. Stateless (the state ``th, thdot`` travels in the
-    tensordict), so a trainer checkpoint restores episodes mid-flight.
-    """
+    def __init__(self):
+        super().__init__(in_keys=["th", "thdot"], out_keys=["observation"])
 
-    _supports_set_state = True
-
-    def __init__(self, num_envs: int = 16, seed: int = 0):
-        super().__init__(batch_size=torch.Size([num_envs]))
-        n = (num_envs,)
-        self.observation_spec = Composite(observation=Unbounded(shape=(*n, 3)), th=Unbounded(shape=n),
-                                          thdot=Unbounded(shape=n), shape=n)
-        self.state_spec = Composite(th=Unbounded(shape=n), thdot=Unbounded(shape=n), shape=n)
-        self.action_spec = Bounded(-2.0, 2.0, shape=(*n, 1))
-        self.reward_spec = Unbounded(shape=(*n, 1))
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def _set_seed(self, seed):
-        self.rng = torch.Generator().manual_seed(int(seed))
-
-    def _state(self, th, thdot):
-        n = self.batch_size
-        return {"th": th, "thdot": thdot, "observation": torch.stack([th.cos(), th.sin(), thdot / 8.0], -1),
-                "done": torch.zeros(*n, 1, dtype=torch.bool), "terminated": torch.zeros(*n, 1, dtype=torch.bool)}
-
-    def _reset(self, td, **kwargs):
-        if kwargs.get("set_state") and td is not None and "th" in td.keys():
-            return TensorDict(self._state(td["th"], td["thdot"]), self.batch_size)
-        th = (torch.rand(self.batch_size, generator=self.rng) * 2 - 1) * math.pi
-        thdot = torch.rand(self.batch_size, generator=self.rng) * 2 - 1
-        return TensorDict(self._state(th, thdot), self.batch_size)
-
-    def _step(self, td):
+    def _call(self, td):
         th, thdot = td["th"], td["thdot"]
-        u = td["action"].squeeze(-1).clamp(-2.0, 2.0)
-        cost = (((th + math.pi) % (2 * math.pi)) - math.pi) ** 2 + 0.1 * thdot**2 + 0.001 * u**2
-        thdot = (thdot + (15.0 * th.sin() + 3.0 * u) * 0.05).clamp(-8.0, 8.0)
-        th = ((th + thdot * 0.05 + math.pi) % (2 * math.pi)) - math.pi
-        out = self._state(th, thdot)
-        out["reward"] = -cost.unsqueeze(-1)
-        return TensorDict(out, self.batch_size)
+        return td.set("observation", torch.stack([th.cos(), th.sin(), thdot / 8.0], -1))
+
+    def _reset(self, td, td_reset):
+        return self._call(td_reset)
+
+    def transform_observation_spec(self, spec):
+        spec["observation"] = Unbounded(shape=(*spec.shape, 3), dtype=torch.float32, device=spec.device)
+        return spec
+
+
+def _fresh_states(tensordict, tensordict_reset, env):
+    """One random start per pendulum: the stateless base env draws a state for each row of ``params``."""
+    base = env.base_env
+    return base.reset(base.gen_params(batch_size=env.batch_size), set_state=False)
 
 
 def make_env(num_envs: int):
-    return TransformedEnv(VecPendulum(num_envs), StepCounter(max_steps=MAX_STEPS))
+    """torchrl's pure-torch ``PendulumEnv`` (gym's Pendulum-v1 dynamics), ``num_envs`` pendulums stepped as
+    one batch: the env is stateless, so ``BatchSizeTransform`` gives it a batch size and every step is one
+    batched call, where a ``SerialEnv`` would step them one by one."""
+    return TransformedEnv(PendulumEnv(), Compose(
+        BatchSizeTransform(batch_size=[num_envs], reset_func=_fresh_states, env_kwarg=True),
+        PendulumObservation(), StepCounter(max_steps=MAX_STEPS)))
 
 
 def make_agent(hidden: int = 64):
