@@ -33,11 +33,12 @@ def _git(*args):
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
 
 
-def test_the_readme_performance_table_is_no_older_than_the_update_path():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("## Performance"):]
+@pytest.mark.parametrize("page", ["README.md", "docs/performance.md"])
+def test_the_published_performance_table_is_no_older_than_the_update_path(page):
+    text = open(os.path.join(ROOT, page)).read()
+    section = text[text.index("# Performance"):]
     named = re.search(r"git `([0-9a-f]{7,40})`", section)
-    assert named, "the README's Performance section names no commit"
+    assert named, f"{page}'s Performance section names no commit"
     if _git("rev-parse", "--git-dir").returncode != 0:
         pytest.skip("no git repository here: the table's commit cannot be checked")
     if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
@@ -45,8 +46,8 @@ def test_the_readme_performance_table_is_no_older_than_the_update_path():
     last = _git("log", "-1", "--format=%H", "--", *UPDATE_PATH).stdout.strip()
     assert last, "git log found no commit touching the update path"
     table = _git("rev-parse", "--verify", "--quiet", named.group(1) + "^{commit}")
-    assert table.returncode == 0, f"the README's table names {named.group(1)}, which is not in this history"
+    assert table.returncode == 0, f"{page}'s table names {named.group(1)}, which is not in this history"
     older = _git("merge-base", "--is-ancestor", last, table.stdout.strip()).returncode != 0
     assert not older, (
-        f"README's benchmark table was measured at {named.group(1)}, before the update path last changed "
+        f"{page}'s benchmark table was measured at {named.group(1)}, before the update path last changed "
         f"({last[:7]}: {' '.join(UPDATE_PATH)}). Rerun `python benchmarks/run.py` at HEAD and copy its table.")

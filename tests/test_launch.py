@@ -5,7 +5,7 @@ Launchers: plain ``python`` (the learner starts rank 1 itself), ``fabric run`` a
 Every run trains a DDP and an FSDP learner and ends with both alive; runs alternate which comes
 first (the first one takes its strategy from the launcher where it gives one) and whether the
 script closes them or leaves it to the exit hook. Before the exit hook existed a gloo run
-aborted or hung at exit in a fair share of runs (see README, "Ending a run").
+aborted or hung at exit in a fair share of runs (see docs/ending.md).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from multiproc import WORKERS, fabric_run, python, run, torchrun
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
 # `make test`: each launcher, strategy order and close mode once; `make test-stress` (FL_STRESS=1): ten runs,
-# the repeated launches that exit races need before a run can be believed (see README, "Ending a run")
+# the repeated launches that exit races need before a run can be believed (see docs/ending.md)
 RUNS = 10 if os.environ.get("FL_STRESS") == "1" else 4
 PER_RUN_TIMEOUT = 180
 

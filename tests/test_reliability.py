@@ -210,7 +210,7 @@ def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strateg
     from multiproc import WORKERS, fabric_run, python, run
 
     script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
-    # fabric=: the Fabric's own 5 s timeout must hold, not the learner's 1 h (README, Reliability)
+    # fabric=: the Fabric's own 5 s timeout must hold, not the learner's 1 h (docs/reliability.md)
     cmd = python(*script) if launcher == "python" else fabric_run(*script, strategy=strategy)
     # 5 s collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
     proc = run(cmd, timeout=150)
@@ -406,7 +406,7 @@ def test_a_malformed_random_state_is_refused_before_anything_loads():
     assert_unchanged(fresh, before)
 
 
-# ---- rows of the README's Reliability table checked here in one process ----------------------
+# ---- rows of docs/reliability.md's table checked here in one process ----------------------
 
 
 def test_a_batch_with_no_entries_is_refused_before_the_forward(kind):
@@ -523,7 +523,7 @@ class _HostReads:
 
 
 def test_accumulation_calls_read_nothing_on_the_host(kind, monkeypatch):
-    """README, Reliability, "cost of the check": host reads happen on the step call only."""
+    """docs/reliability.md, "cost of the check": host reads happen on the step call only."""
     learner = make_learner(kind, ToyLoss(), clip_grad_norm=1.0, grad_accum_steps=3)
     batches = [TensorDict({"x": torch.randn(8, 3, generator=torch.Generator().manual_seed(i))}, [8])
                for i in range(6)]
