@@ -40,7 +40,7 @@ from torchrl.trainers import ReplayBufferTrainer, TrainerHookBase
 from fabric_learner import FabricLearner
 from fabric_learner.cli import add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import global_mean
-from fabric_learner.replay import TorchPrioritizedSampler
+from fabric_learner.replay import prioritized_sampler
 from fabric_learner.trainer import Trainer
 
 MAX_STEPS = 500
@@ -130,7 +130,7 @@ def build(args, learner_kwargs: dict):
     collector = Collector(env, TensorDictSequential(qnet, egreedy), frames_per_batch=frames_per_batch,
                           total_frames=-1, init_random_frames=1000, auto_register_policy_transforms=False)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(50_000), priority_key="td_error", batch_size=args.batch,
-                                sampler=TorchPrioritizedSampler(50_000, alpha=0.6, beta=0.4))
+                                sampler=prioritized_sampler(50_000, alpha=0.6, beta=0.4))
     logger = None
     if args.logdir:
         from lightning.fabric.loggers import TensorBoardLogger

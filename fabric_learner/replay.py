@@ -1,9 +1,11 @@
-"""A prioritized replay sampler in plain torch, for installs without torchrl's C++ extension.
+"""Prioritized replay: torchrl's own sampler where its C++ extension loads, a plain-torch one where not.
 
 torchrl's ``PrioritizedSampler`` (and ``TensorDictPrioritizedReplayBuffer``, built on it) keeps
-its priorities in sum/min segment trees from the compiled ``torchrl._torchrl`` extension; where
-that extension is missing (as on this project's CPU install) constructing one raises
-``RuntimeError: SumSegmentTreeFp32 is not available``. :class:`TorchPrioritizedSampler` is the
+its priorities in sum/min segment trees from the compiled ``torchrl._torchrl`` extension. The
+extension is in torchrl's wheel, but it only loads with the torch release it was built against:
+torchrl 0.14.1's fails on torch 2.13.0 (``undefined symbol``), and constructing the sampler then
+raises ``RuntimeError: SumSegmentTreeFp32 is not available``. :func:`prioritized_sampler` returns
+torchrl's sampler whenever the extension loads, else :class:`TorchPrioritizedSampler`, the
 same sampler (same priorities, importance weights, ``alpha``/``beta``/``eps`` and max-priority
 rules: it *is* a ``PrioritizedSampler`` subclass) with the trees replaced by flat tensors:
 sampling is a cumulative sum and a ``searchsorted``, O(capacity) per sample instead of
@@ -12,7 +14,7 @@ Its ``state_dict`` holds plain tensors, so replay-buffer checkpoints load with
 ``weights_only=True``.
 
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100_000),
-                                sampler=TorchPrioritizedSampler(100_000, alpha=0.6, beta=0.4),
+                                sampler=prioritized_sampler(100_000, alpha=0.6, beta=0.4),
                                 priority_key="td_error", batch_size=256)
 
 ``ReplayBufferTrainer`` then updates priorities from the loss's ``td_error`` as usual.
@@ -27,7 +29,38 @@ import numpy as np
 import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 
-__all__ = ["TorchPrioritizedSampler"]
+__all__ = ["TorchPrioritizedSampler", "prioritized_sampler", "torchrl_extension_error"]
+
+
+def torchrl_extension_error() -> str | None:
+    """Why torchrl's compiled extension does not load in this install, or ``None`` when it does."""
+    try:
+        import torchrl._torchrl  # noqa: F401
+    except ImportError as err:
+        return str(err)
+    return None
+
+
+def prioritized_sampler(max_capacity: int, alpha: float, beta: float, **kwargs) -> PrioritizedSampler:
+    """torchrl's ``PrioritizedSampler`` when its extension loads, else :class:`TorchPrioritizedSampler`.
+
+    Both take the same arguments and sample alike (same priorities, importance weights and
+    max-priority rule), so a script runs unchanged on either install.
+
+    Args:
+        max_capacity: the replay buffer's capacity.
+        alpha: priority exponent.
+        beta: importance-sampling exponent.
+        **kwargs: ``eps``, ``dtype``, ``reduction``, ``max_priority_within_buffer``, ``device``.
+
+    Examples:
+        >>> sampler = prioritized_sampler(1000, alpha=0.6, beta=0.4)
+        >>> isinstance(sampler, PrioritizedSampler)
+        True
+    """
+    if torchrl_extension_error() is None:
+        return PrioritizedSampler(max_capacity, alpha, beta, **kwargs)
+    return TorchPrioritizedSampler(max_capacity, alpha, beta, **kwargs)
 
 
 class _FlatTree:
