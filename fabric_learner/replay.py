@@ -22,6 +22,7 @@ Its ``state_dict`` holds plain tensors, so replay-buffer checkpoints load with
 
 from __future__ import annotations
 
+import functools
 from copy import deepcopy
 from typing import Any
 
@@ -32,8 +33,9 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 __all__ = ["TorchPrioritizedSampler", "prioritized_sampler", "torchrl_extension_error"]
 
 
+@functools.cache
 def torchrl_extension_error() -> str | None:
-    """Why torchrl's compiled extension does not load in this install, or ``None`` when it does."""
+    """Why torchrl's compiled extension does not load in this install, or ``None`` when it does (tried once)."""
     try:
         import torchrl._torchrl  # noqa: F401
     except ImportError as err:
