@@ -20,7 +20,6 @@ optimizers; they are refused until learners take several.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 

@@ -17,13 +17,14 @@ from tensordict import TensorDictBase
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _dcp, _lifecycle, _rng
-from fabric_learner._batch import Carrier, run_loss
-from fabric_learner._checkpoint import naming, read_learner_file
+from fabric_learner import _rng, _teardown
+from fabric_learner.checkpoint import sharded as sharded_files
+from fabric_learner._carrier import Carrier, run_loss
+from fabric_learner.checkpoint.files import naming, read_learner_file
 from fabric_learner._compat import allow_unused_parameters, fabric_callbacks, scaler_unscaled_this_step, strategy_timeout, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
-from fabric_learner._optim import OptimizerLike, optimizer_params
-from fabric_learner._samples import SampleTrace
+from fabric_learner.optim import OptimizerLike, optimizer_params
+from fabric_learner._sample_counts import SampleTrace
 from fabric_learner.backends import ReplicatedBackend, ShardedBackend, is_sharded_strategy
 from fabric_learner.backends.sharded import ShardedLoss
 from fabric_learner._stages import Stage
@@ -123,7 +124,7 @@ class FabricLearner(Learner):
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
         self._samples = SampleTrace()
         if fabric.world_size > 1:
-            _lifecycle.register(self, group_existed)
+            _teardown.register(self, group_existed)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -131,21 +132,14 @@ class FabricLearner(Learner):
         """Release the learner's distributed state; idempotent.
 
         Closing the last learner of a process group this package started ends the group in a
-        safe order (see ``_lifecycle``), so every rank must close it, as every rank built it.
+        safe order (see ``_teardown``), so every rank must close it, as every rank built it.
         A script that just returns gets the same teardown from an exit hook.
         """
         if self._closed:
             return
         self._closed = True
         if self.capabilities.distributed:
-            _lifecycle.close(self)
-
-    def __enter__(self) -> "FabricLearner":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is None:  # on an error, the exit hook ends this rank without waiting for peers
-            self.close()
+            _teardown.close(self)
 
     # ---- the step, through Fabric ---------------------------------------------------------
 
@@ -309,7 +303,7 @@ class FabricLearner(Learner):
 
         Unsharded: one file through ``fabric.save``, written on rank 0 to a temporary file beside
         ``path``, flushed to disk and renamed onto it (``AtomicCheckpointIO``). Sharded: a folder
-        where each rank writes its own shards (see ``_dcp``), made current by an atomic rename of
+        where each rank writes its own shards (see ``checkpoint.sharded``), made current by an atomic rename of
         its ``LATEST`` file.
         """
         self._backend.save(self, Path(path))
@@ -318,10 +312,10 @@ class FabricLearner(Learner):
         """Restore a checkpoint written by any learner, any strategy or world size.
 
         Never runs code from the file: files load ``weights_only``, sharded folders through
-        ``_dcp.SafeReader``. Everything is validated before anything changes.
+        ``sharded_files.SafeReader``. Everything is validated before anything changes.
         """
         with naming(path):
-            if _dcp.is_sharded_checkpoint(path):
+            if sharded_files.is_sharded_checkpoint(path):
                 return self._backend.load_folder(self, Path(path))
             if Path(path).is_dir():
                 raise FileNotFoundError(f"{path} is a folder but holds no fabric_learner checkpoint (no LATEST file).")

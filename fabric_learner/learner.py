@@ -21,9 +21,9 @@ from torch import nn
 from fabric_learner import _rng
 from fabric_learner._compile import CompiledLoss
 from fabric_learner._loss import loss_keys, total_loss
-from fabric_learner._optim import coverage_error, optimizer_params, uncovered_with_grad
+from fabric_learner.optim import coverage_error, optimizer_params, uncovered_with_grad
 from fabric_learner._stages import Stage, as_output, check_stages, groups
-from fabric_learner._state import (
+from fabric_learner.checkpoint.validate import (
     check_checkpoint,
     check_optimizer_state,
     check_optimizer_structure,
@@ -374,7 +374,7 @@ class Learner(nn.Module):
         return self
 
     def __exit__(self, kind, value, tb) -> None:
-        if kind is None:
+        if kind is None:  # on an error, the exit hook ends a distributed rank without waiting for peers
             self.close()
 
     # ---- weights ----------------------------------------------------------------------------

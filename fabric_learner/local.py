@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fabric_learner._dcp import is_sharded_checkpoint, read_full
-from fabric_learner._checkpoint import atomic_torch_save, file_state, naming, overwrite_error, read_learner_file
+from fabric_learner.checkpoint.sharded import is_sharded_checkpoint, read_full
+from fabric_learner.checkpoint.files import atomic_torch_save, file_state, naming, overwrite_error, read_learner_file
 from fabric_learner._compile import fused_adam
-from fabric_learner._optim import OptimizerLike, build_optimizer, optimizer_params
+from fabric_learner.optim import OptimizerLike, build_optimizer, optimizer_params
 from fabric_learner._stages import Stage, StageOptimizers, build_stage_optimizers
 from fabric_learner.learner import Capabilities, Learner
 

@@ -11,7 +11,8 @@ learn exactly as one process on the whole batch:
   computes, but over every rank's minibatch rather than the local one);
 - :class:`GlobalMeanLoss`: wraps a torchrl loss built with ``reduction="none"`` and divides
   each loss entry's local *sum* by the global *count* (variable samples, masks, tokens);
-- :func:`global_sum`, :func:`global_mean`, :func:`global_count`: the reductions themselves;
+- :func:`global_sum`, :func:`global_mean`, :func:`global_count`: the reductions themselves
+  (from :mod:`fabric_learner.collectives`, re-exported here);
 - :func:`partition_indices` / :class:`EpochPartitionSampler`: PPO minibatches that partition
   the rank's batch without replacement each epoch, with the same number of minibatches on
   every rank (a rank that stepped once more than another would hang the others);
@@ -36,6 +37,17 @@ from tensordict import NestedKey, TensorDictBase
 from torch import nn
 from torchrl.trainers import TrainerHookBase
 
+from fabric_learner._loss import loss_keys
+from fabric_learner.collectives import (  # re-exported: part of this module's public API
+    _broadcast_mask,
+    _mask_like,
+    all_reduce,
+    distributed_world_size,
+    global_count,
+    global_mean,
+    global_sum,
+)
+
 __all__ = [
     "EpochPartitionSampler",
     "GlobalAdvantageNormalization",
@@ -49,95 +61,6 @@ __all__ = [
     "normalize_advantage",
     "partition_indices",
 ]
-
-
-# ---- collectives ------------------------------------------------------------------------------
-
-
-def distributed_world_size(group: Any = None) -> int:
-    """Ranks in ``group`` (the default world when ``None``); 1 without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def _collective_device(group: Any = None) -> torch.device:
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
-    """All-reduce a detached copy of ``tensor`` (``op``: ``"sum"``, ``"max"``, ``"min"``).
-
-    Returns a new tensor on ``tensor``'s device and dtype; ``tensor`` itself is not modified.
-    Without a process group (or with one rank) it returns a copy. NCCL groups get the
-    tensor on the current CUDA device, gloo on CPU.
-    """
-    out = tensor.detach().clone()
-    if distributed_world_size(group) == 1:
-        return out
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    if op not in ops:
-        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}.")
-    device = _collective_device(group)
-    buf = out.to(device)
-    dist.all_reduce(buf, op=ops[op], group=group)
-    return buf.to(tensor.device)
-
-
-def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
-    """Sum of ``x`` (where ``mask``) over every rank's data; not differentiable."""
-    x = x.detach()
-    if mask is not None:
-        x = x * _broadcast_mask(mask, x).to(x.dtype)
-    return all_reduce(x.sum(), "sum", group)
-
-
-def global_count(n: int | torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Sum over ranks of a local count (samples, valid mask entries, tokens), as float64."""
-    return all_reduce(torch.as_tensor(n, dtype=torch.float64).reshape(()), "sum", group)
-
-
-def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
-    """Mean of ``x`` (where ``mask``) over the union of every rank's data: global sum / global count.
-
-    Ranks may hold different numbers of valid entries; each counts with its own weight, which
-    a mean of per-rank means would not do. Not differentiable (use :class:`GlobalMeanLoss` for
-    losses).
-    """
-    x = x.detach()
-    if mask is None:
-        count = torch.tensor(float(x.numel()), dtype=torch.float64)
-        total = x.sum().to(torch.float64)
-    else:
-        m = _broadcast_mask(mask, x)
-        count = m.sum().to(torch.float64)
-        total = (x * m.to(x.dtype)).sum().to(torch.float64)
-    both = all_reduce(torch.stack([total, count]), "sum", group)
-    return (both[0] / both[1].clamp_min(1)).to(x.dtype)
-
-
-def _mask_like(mask: torch.Tensor, value: torch.Tensor, key: str) -> torch.Tensor:
-    mask = mask.to(torch.bool)
-    if mask.ndim > value.ndim and mask.numel() == value.numel():
-        mask = mask.reshape(value.shape)
-    try:
-        return _broadcast_mask(mask, value)
-    except RuntimeError as err:
-        raise ValueError(
-            f"Cannot apply a mask of shape {tuple(mask.shape)} to loss entry {key!r} of shape "
-            f"{tuple(value.shape)}: with mask_key, loss entries must keep the batch's leading shape "
-            "(build the loss with reduction='none' and no mask of its own)."
-        ) from err
-
-
-def _broadcast_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(torch.bool)
-    while mask.ndim < like.ndim:
-        mask = mask.unsqueeze(-1)
-    return mask.expand_as(like)
 
 
 # ---- advantage normalisation ------------------------------------------------------------------
@@ -284,7 +207,7 @@ class GlobalMeanLoss(nn.Module):
     def forward(self, batch: TensorDictBase) -> TensorDictBase:
         out = self.loss_module(batch)
         mask = batch.get(self.mask_key) if self.mask_key is not None else None
-        keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss")]
+        keys = loss_keys(out)
         sums, counts = [], []
         for key in keys:
             value = out.get(key)

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch import nn
 from torchrl.trainers import TrainerHookBase
 

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from fabric_learner._checkpoint import fsync_dir
+from fabric_learner.checkpoint.files import fsync_dir
 
 SHARDED_FORMAT = "fabric_learner/sharded-1"
 LATEST = "LATEST"
