@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from tensordict import NestedKey, TensorDictBase
 from torch import nn
-from torchrl.trainers import TrainerHookBase
+from torchrl.trainers import TrainerHookBase, ValueEstimatorHook
 
 from fabric_learner._loss import loss_keys
 from fabric_learner.collectives import (  # re-exported: part of this module's public API
@@ -137,34 +137,55 @@ class GlobalAdvantageNormalization(TrainerHookBase):
 # ---- value estimates with the learner's weights -------------------------------------------------
 
 
-class LearnerValueEstimator(TrainerHookBase):
-    """Trainer hook: a value estimator (e.g. torchrl's ``GAE``) run on each collected batch.
+class LearnerValueEstimator(ValueEstimatorHook):
+    """torchrl's ``ValueEstimatorHook`` run with the learner's full weights and without gradients.
 
-    Like torchrl's ``ValueEstimatorHook``, but the estimator runs inside
-    ``learner.full_parameters()`` and without gradients: under a sharded learner the loss's
-    critic holds no weights outside ``update``, and this gathers them for the call (a
-    collective: every rank runs it, as every rank runs the same hooks). Unsharded it is the
-    plain call. ``stage="batch_process"`` (default) computes advantages once per batch;
-    ``"pre_epoch"`` recomputes them before every epoch, with the critic as it is then.
+    Under a sharded learner the loss's critic holds no whole weights outside ``update``; this
+    hook gathers them for the call (a collective: every rank runs it, as every rank runs the
+    same hooks). Unsharded it is the plain call. The estimator's state (e.g. ``GAE``'s
+    ``gamma`` and ``lmbda``) is checkpointed with the trainer, as torchrl's hook does.
+
+    Args:
+        learner (Learner): the learner whose loss holds the critic the estimator reads.
+        value_estimator (Callable[[TensorDictBase], TensorDictBase]): e.g. torchrl's ``GAE``.
+
+    Keyword Args:
+        stage (str): ``"batch_process"`` (default) computes advantages once per collected
+            batch; ``"pre_epoch"`` recomputes them before every epoch, with the critic as it is then.
+
+    Raises:
+        ValueError: ``stage`` is neither of the two.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.objectives.value import GAE
+        >>> from fabric_learner import LocalLearner
+        >>> critic = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["state_value"])
+        >>> learner = LocalLearner(critic)
+        >>> hook = LearnerValueEstimator(learner, GAE(gamma=0.99, lmbda=0.95, value_network=critic))
+        >>> batch = TensorDict({"observation": torch.randn(5, 3), "next": {"observation": torch.randn(5, 3),
+        ...     "reward": torch.ones(5, 1), "done": torch.zeros(5, 1, dtype=torch.bool),
+        ...     "terminated": torch.zeros(5, 1, dtype=torch.bool)}}, [5])
+        >>> hook(batch)["advantage"].shape
+        torch.Size([5, 1])
+        >>> sorted(hook.state_dict()["value_estimator"])
+        ['gamma', 'lmbda']
     """
 
     def __init__(self, learner, value_estimator, *, stage: str = "batch_process") -> None:
         if stage not in ("batch_process", "pre_epoch"):
             raise ValueError(f"stage must be 'batch_process' or 'pre_epoch', got {stage!r}.")
-        self.learner, self.value_estimator, self.stage = learner, value_estimator, stage
+        super().__init__(value_estimator)
+        self.learner, self.stage = learner, stage
 
-    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
+    def __call__(self, batch: TensorDictBase | None) -> TensorDictBase | None:
         if batch is None:
             return batch
         full = self.learner.full_parameters() if self.learner.capabilities.sharded else contextlib.nullcontext()
         with full, torch.no_grad():
-            return self.value_estimator(batch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        return
+            return super().__call__(batch)
 
     def register(self, trainer, name: str = "value_estimator") -> None:
         trainer.register_op(self.stage, self)
