@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from tensordict import NestedKey, TensorDictBase
 from torch import nn
+from torchrl.data import SamplerWithoutReplacement, TensorStorage
 from torchrl.trainers import TrainerHookBase, ValueEstimatorHook
 
 from fabric_learner._loss import loss_keys
@@ -274,18 +275,43 @@ def partition_indices(n: int, minibatch_size: int, *, generator: torch.Generator
 
 
 class EpochPartitionSampler(TrainerHookBase):
-    """Trainer hook: each epoch, minibatches that partition the rank's batch without replacement.
+    """Trainer hook: each epoch, minibatches that partition the rank's batch, the same count on every rank.
 
-    Registers at ``pre_epoch`` (draws a fresh permutation of the flattened batch) and at
-    ``process_optim_batch`` (returns the next minibatch, then raises ``StopIteration``, which
-    ends torchrl's optimisation loop for the epoch). Use ``optim_steps_per_batch=None`` (or the
-    number of minibatches) and ``num_epochs=`` for PPO epochs. Register it after the value
-    estimator, so each epoch partitions the batch with fresh advantages.
+    The minibatches are torchrl's ``SamplerWithoutReplacement(drop_last=True)`` drawn over the
+    flattened batch; what this adds is the agreement between ranks: every rank takes the
+    smallest number of minibatches over ranks (one all-reduce per epoch; a rank with more data
+    drops the extra samples of that epoch, with a warning), since a rank that stepped once more
+    than another would hang the others. Each epoch starts from a fresh permutation.
 
-    Every rank takes the same number of minibatches: the smallest over ranks (an all-reduce
-    per epoch; ranks with more data drop the extra samples of that epoch, with a warning).
-    ``seed`` gives a generator seeded with ``seed + rank`` (reproducible partitions, also
-    checkpointed); without it the global torch RNG is used.
+    Registers at ``pre_epoch`` (:meth:`start_epoch`) and at ``process_optim_batch`` (returns
+    the next minibatch, then raises ``StopIteration``, which ends torchrl's optimisation loop
+    for the epoch). Use ``optim_steps_per_batch=None`` (or the number of minibatches) and
+    ``num_epochs=`` for PPO epochs, and register it after the value estimator, so each epoch
+    partitions the batch with fresh advantages.
+
+    Args:
+        minibatch_size (int): samples per minibatch.
+
+    Keyword Args:
+        seed (int, optional): seeds a generator with ``seed + rank`` (reproducible partitions,
+            checkpointed with the sampler's state); without it the global torch RNG is used.
+        group (optional): the process group the ranks agree over (default: the world).
+
+    Raises:
+        ValueError: ``minibatch_size`` is below 1.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> sampler = EpochPartitionSampler(4, seed=0)
+        >>> batch = TensorDict({"i": torch.arange(10)}, [10])
+        >>> _ = sampler.start_epoch(batch)
+        >>> [len(sampler(batch)) for _ in range(2)]
+        [4, 4]
+        >>> sampler(batch)
+        Traceback (most recent call last):
+        ...
+        StopIteration
     """
 
     def __init__(self, minibatch_size: int, *, seed: int | None = None, group: Any = None) -> None:
@@ -298,42 +324,58 @@ class EpochPartitionSampler(TrainerHookBase):
         if seed is not None:
             rank = dist.get_rank(group) if distributed_world_size(group) > 1 else 0
             self.generator = torch.Generator().manual_seed(seed + rank)
-        self._flat: TensorDictBase | None = None
-        self._parts: list[torch.Tensor] = []
+        self.sampler = self._new_sampler()
+        self._fresh = True  # the sampler holds no permutation, or an untouched one
+        self._storage: TensorStorage | None = None
+        self._left = 0
         self._warned = False
 
-    def start_epoch(self, batch: TensorDictBase) -> TensorDictBase:
+    def _new_sampler(self) -> SamplerWithoutReplacement:
+        sampler = SamplerWithoutReplacement(drop_last=True)
+        sampler._rng = self.generator  # how torchrl's ReplayBuffer(generator=...) hands its sampler a generator
+        return sampler
+
+    def start_epoch(self, batch: TensorDictBase | None) -> TensorDictBase | None:
+        """Agree on this epoch's number of minibatches over ranks and start a fresh permutation (a collective)."""
         if batch is None:
             return batch
         flat = batch.reshape(-1)
-        n = flat.shape[0]
-        local = n // self.minibatch_size
+        local = flat.shape[0] // self.minibatch_size
         common = int(all_reduce(torch.tensor(local, dtype=torch.int64), "min", self.group))
         if common < local and not self._warned:
             warnings.warn(
                 f"This rank has {local} minibatches of {self.minibatch_size} but another has {common}; every rank "
                 f"takes {common} so that all step the same number of times.", stacklevel=2)
             self._warned = True
-        self._flat = flat
-        self._parts = partition_indices(n, self.minibatch_size, generator=self.generator, num_minibatches=common)
-        self._parts.reverse()
+        if not self._fresh:  # the last epoch stopped before the permutation ran out
+            self.sampler = self._new_sampler()
+        self._storage = TensorStorage(flat)
+        self._left = common
         return batch
 
-    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
-        if not self._parts:
+    def __call__(self, batch: TensorDictBase | None) -> TensorDictBase:
+        if self._left == 0:
             raise StopIteration
-        return self._flat[self._parts.pop()]
+        index, _ = self.sampler.sample(self._storage, self.minibatch_size)
+        self._left -= 1
+        # drop_last: torchrl draws the next permutation as soon as fewer than a minibatch remain
+        self._fresh = self.sampler.ran_out
+        return self._storage[index]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state() if self.generator is not None else None}
+        return {"generator": self.generator.get_state() if self.generator is not None else None,
+                "sampler": dict(self.sampler.state_dict()), "fresh": self._fresh}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict.get("generator")
         if state is not None and self.generator is not None:
             self.generator.set_state(state)
+        self.sampler = self._new_sampler()
+        if state_dict.get("sampler") is not None:
+            self.sampler.load_state_dict(state_dict["sampler"])
+        self._fresh = bool(state_dict.get("fresh", True))
 
     def register(self, trainer, name: str = "epoch_partition_sampler") -> None:
         trainer.register_op("pre_epoch", self.start_epoch)
         trainer.register_op("process_optim_batch", self)
         trainer.register_module(name, self)
-
