@@ -83,7 +83,26 @@ def normalize_advantage(
     ``("collector", "mask")``) the masked mean and the biased masked std clamped at ``1e-4``
     (masked-out entries are normalised with the same statistics but do not contribute).
     Build the loss with ``normalize_advantage=False`` so it does not normalise again locally.
-    Writes to ``out_key`` (default: ``key``) and returns ``batch``. A collective.
+    A collective (one all-reduce, in float64).
+
+    Args:
+        batch (TensorDictBase): this rank's data.
+        key (NestedKey): the entry to standardise (default ``"advantage"``).
+
+    Keyword Args:
+        out_key (NestedKey, optional): where to write the result (default: ``key``).
+        mask_key (NestedKey, optional): a boolean entry selecting the valid samples.
+        group (optional): the process group (default: the world).
+
+    Returns:
+        ``batch``, written in place.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> batch = TensorDict(advantage=torch.tensor([1.0, 2.0, 3.0, 6.0]), batch_size=[4])
+        >>> normalize_advantage(batch)["advantage"]
+        tensor([-0.9258, -0.4629,  0.0000,  1.3887])
     """
     adv = batch.get(key)
     mask = batch.get(mask_key) if mask_key is not None else None
@@ -111,6 +130,25 @@ class GlobalAdvantageNormalization(TrainerHookBase):
     registers at ``process_optim_batch`` and must come after the sampler that makes the
     minibatch (register it after :class:`EpochPartitionSampler`). ``per="batch"`` registers at
     ``pre_epoch`` and must come after the value estimator (``ValueEstimatorHook``).
+
+    Args:
+        key (NestedKey): the advantage entry (default ``"advantage"``).
+
+    Keyword Args:
+        mask_key (NestedKey, optional): a boolean entry selecting the valid samples.
+        per (str): ``"minibatch"`` or ``"batch"``.
+        group (optional): the process group (default: the world).
+
+    Raises:
+        ValueError: ``per`` is neither.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> hook = GlobalAdvantageNormalization(per="batch")
+        >>> out = hook(TensorDict(advantage=torch.tensor([1.0, 2.0, 3.0, 6.0]), batch_size=[4]))
+        >>> round(out["advantage"].mean().item(), 6), round(out["advantage"].std().item(), 6)
+        (0.0, 1.0)
     """
 
     def __init__(self, key: NestedKey = "advantage", *, mask_key: NestedKey | None = None,
@@ -209,7 +247,34 @@ class GlobalMeanLoss(nn.Module):
     ``mask_key`` names a boolean entry of the batch to weigh samples by (for losses that do not
     mask themselves); entries must then have the batch's leading shape. Non-loss entries are
     reduced to their local mean for logging. The reported loss values are per-rank shares
-    (their mean over ranks is the global mean). Build the learner on this wrapper.
+    (their mean over ranks is the global mean). Build the learner on this wrapper; attributes
+    not found on it are looked up on the wrapped loss.
+
+    Args:
+        loss_module (nn.Module): a torchrl loss built with ``reduction="none"``.
+
+    Keyword Args:
+        mask_key (NestedKey, optional): a boolean batch entry weighing the samples.
+        group (optional): the process group (default: the world).
+
+    Raises:
+        ValueError: (on call) with ``mask_key``, a loss entry that does not keep the batch's
+            leading shape.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> loss = GlobalMeanLoss(DQNLoss(torch.nn.Linear(4, 2), action_space="categorical",
+        ...                               delay_value=False, reduction="none"), mask_key="valid")
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     valid=torch.arange(8) < 6,
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> per_sample = loss.loss_module(batch)["loss"]
+        >>> torch.allclose(loss(batch)["loss"], per_sample[:6].mean())
+        True
     """
 
     def __init__(self, loss_module: nn.Module, *, mask_key: NestedKey | None = None, group: Any = None) -> None:
@@ -264,6 +329,28 @@ def partition_indices(n: int, minibatch_size: int, *, generator: torch.Generator
 
     The last ``n % minibatch_size`` indices of the permutation are dropped (every minibatch has
     the same size), or all beyond ``num_minibatches * minibatch_size`` when that is given.
+    Draws one ``torch.randperm(n, generator=generator)``: the order
+    :class:`EpochPartitionSampler` samples in with the same generator.
+
+    Args:
+        n (int): the number of samples.
+        minibatch_size (int): samples per minibatch.
+
+    Keyword Args:
+        generator (torch.Generator, optional): the generator to draw from (default: torch's global one).
+        num_minibatches (int, optional): take this many minibatches only.
+
+    Returns:
+        A list of index tensors, each of ``minibatch_size`` distinct indices, disjoint.
+
+    Raises:
+        ValueError: ``minibatch_size < 1``, or more minibatches asked than ``n`` samples make.
+
+    Examples:
+        >>> import torch
+        >>> parts = partition_indices(10, 4, generator=torch.Generator().manual_seed(0))
+        >>> [len(p) for p in parts], len(set(torch.cat(parts).tolist()))
+        ([4, 4], 8)
     """
     if minibatch_size < 1:
         raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}.")
