@@ -93,7 +93,17 @@ class FabricLearnerConfig(LocalLearnerConfig):
 
 
 def register_configs(store: ConfigStore | None = None) -> None:
-    """Register ``learner: local`` and ``learner: fabric`` in Hydra's ConfigStore (done on import)."""
+    """Register ``learner: local`` and ``learner: fabric`` in Hydra's ConfigStore (done on import).
+
+    Args:
+        store (ConfigStore, optional): the store to register in (default: Hydra's instance).
+
+    Examples:
+        >>> from hydra.core.config_store import ConfigStore
+        >>> register_configs()
+        >>> sorted(ConfigStore.instance().list("learner"))
+        ['fabric.yaml', 'local.yaml']
+    """
     store = store or ConfigStore.instance()
     store.store(group="learner", name="local", node=LocalLearnerConfig)
     store.store(group="learner", name="fabric", node=FabricLearnerConfig)

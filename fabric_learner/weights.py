@@ -97,7 +97,8 @@ def publish_to_collector(learner, collector) -> bool:
         >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
         >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
         >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
-        >>> collector = Collector(GymEnv("Pendulum-v1"), copy.deepcopy(actor), frames_per_batch=4, total_frames=8)
+        >>> collector = Collector(GymEnv("Pendulum-v1"), copy.deepcopy(actor), frames_per_batch=4, total_frames=8,
+        ...                       auto_register_policy_transforms=False)
         >>> with torch.no_grad():
         ...     _ = actor.module.weight.add_(1.0)  # as an update would
         >>> publish_to_collector(learner, collector)
@@ -158,7 +159,8 @@ class PublishWeights(TrainerHookBase):
         >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
         >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
         >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
-        >>> collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8)
+        >>> collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8,
+        ...                       auto_register_policy_transforms=False)
         >>> hook = PublishWeights(learner, collector)
         >>> hook()  # the collector runs the trained module itself: nothing to copy
         >>> hook.counter, hook.copies
