@@ -29,6 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import torchrl.trainers.algorithms.configs  # noqa: F401  (registers torchrl's configs)
 
+from fabric_learner._launch import DEFAULT_TIMEOUT
+
 __all__ = ["FabricLearnerConfig", "LocalLearnerConfig", "instantiate_trainer", "register_configs"]
 
 
@@ -88,7 +90,7 @@ class FabricLearnerConfig(LocalLearnerConfig):
     devices: Any = "auto"
     num_nodes: int = 1
     precision: str = "32-true"
-    timeout: float | None = 300.0
+    timeout: float | None = DEFAULT_TIMEOUT.total_seconds()
     _target_: str = "fabric_learner.FabricLearner"
 
 
