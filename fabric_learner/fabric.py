@@ -86,7 +86,8 @@ class FabricLearner(Learner):
         ...                    accelerator="cpu", devices=1) as learner:
         ...     batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
         ...         next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                         done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...                         done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                         terminated=torch.zeros(8, 1, dtype=torch.bool)),
         ...         batch_size=[8])
         ...     out = learner.update(batch)
         >>> sorted(out.keys()), learner.world_size, learner.capabilities.sharded

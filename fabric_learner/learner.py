@@ -153,7 +153,8 @@ class Learner(nn.Module):
         ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
         ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
         ...     batch_size=[8])
         >>> out = learner.update(batch)
         >>> sorted(out.keys()), learner.num_updates
@@ -441,7 +442,8 @@ class Learner(nn.Module):
         ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
         ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
         ...     batch_size=[8])
         >>> weights = learner.get_weights()
         >>> sorted(weights.keys())
@@ -474,7 +476,8 @@ class Learner(nn.Module):
         ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
         ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
         ...     batch_size=[8])
         >>> _ = learner.update(batch)
         >>> state = learner.checkpoint()
@@ -608,7 +611,8 @@ class Learner(nn.Module):
         ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
         ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
         ...     batch_size=[8])
         >>> import os, tempfile
         >>> _ = learner.update(batch)
@@ -642,7 +646,8 @@ class Learner(nn.Module):
         ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
         ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
         ...     batch_size=[8])
         >>> import os, tempfile
         >>> _ = learner.update(batch)

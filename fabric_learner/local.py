@@ -52,7 +52,8 @@ class LocalLearner(Learner):
         ...                        clip_grad_norm=1.0)
         >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
         ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
         ...     batch_size=[8])
         >>> sorted(learner.update(batch).keys())
         ['grad_norm', 'loss']

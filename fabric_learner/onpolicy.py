@@ -270,7 +270,8 @@ class GlobalMeanLoss(nn.Module):
         >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
         ...     valid=torch.arange(8) < 6,
         ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
         ...     batch_size=[8])
         >>> per_sample = loss.loss_module(batch)["loss"]
         >>> torch.allclose(loss(batch)["loss"], per_sample[:6].mean())

@@ -123,7 +123,8 @@ class Trainer(_TorchRLTrainer):
         ...                   progress_bar=False)
         >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
         ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool), terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
         ...     batch_size=[8])
         >>> trainer.optim_steps(batch)
         >>> learner.num_updates, trainer.loss_module is learner.loss_module
