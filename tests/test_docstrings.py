@@ -60,8 +60,7 @@ def test_the_example_runs(name):
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     test = _examples(name, obj)
     failures = []
-    runner.run(test, out=failures.append)
-    result = runner.summarize(verbose=False)
+    result = runner.run(test, out=failures.append)
     assert result.failed == 0, "".join(failures)
     assert result.attempted > 0, f"{name}'s examples are all skipped"
 
