@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fabric_learner import FabricLearner, Learner, LocalLearner, Trainer
+from fabric_learner import FabricLearner, Learner, LocalLearner, Stage, Trainer, launcher
 from fabric_learner import collectives, configs, from_torchrl, onpolicy, replay, weights
 
 PUBLIC = {
@@ -23,6 +23,8 @@ PUBLIC = {
     "Learner.save": Learner.save,
     "Learner.load": Learner.load,
     "Trainer": Trainer,
+    "Stage": Stage,
+    "launcher": launcher,
     "normalize_advantage": onpolicy.normalize_advantage,
     "GlobalAdvantageNormalization": onpolicy.GlobalAdvantageNormalization,
     "GlobalMeanLoss": onpolicy.GlobalMeanLoss,
