@@ -49,7 +49,18 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
 
 
 def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
-    """Sum of ``x`` (where ``mask``) over every rank's data; not differentiable."""
+    """Sum of ``x`` (where ``mask``) over every rank's data; not differentiable. A collective.
+
+    Args:
+        x (torch.Tensor): this rank's values.
+        mask (torch.Tensor, optional): a boolean tensor broadcastable to ``x``'s leading dims.
+        group (optional): the process group (default: the world).
+
+    Examples:
+        >>> import torch
+        >>> global_sum(torch.tensor([1.0, 2.0, 4.0]), mask=torch.tensor([True, False, True]))
+        tensor(5.)
+    """
     x = x.detach()
     if mask is not None:
         x = x * _broadcast_mask(mask, x).to(x.dtype)
@@ -57,7 +68,12 @@ def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = N
 
 
 def global_count(n: int | torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Sum over ranks of a local count (samples, valid mask entries, tokens), as float64."""
+    """Sum over ranks of a local count (samples, valid mask entries, tokens), as float64. A collective.
+
+    Examples:
+        >>> global_count(3)
+        tensor(3., dtype=torch.float64)
+    """
     return all_reduce(torch.as_tensor(n, dtype=torch.float64).reshape(()), "sum", group)
 
 
@@ -66,7 +82,20 @@ def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = 
 
     Ranks may hold different numbers of valid entries; each counts with its own weight, which
     a mean of per-rank means would not do. Not differentiable (use :class:`GlobalMeanLoss` for
-    losses).
+    losses). A collective; without a process group the local (masked) mean.
+
+    Args:
+        x (torch.Tensor): this rank's values.
+        mask (torch.Tensor, optional): a boolean tensor broadcastable to ``x``'s leading dims.
+        group (optional): the process group (default: the world).
+
+    Returns:
+        A 0-dim tensor of ``x``'s dtype, equal on every rank.
+
+    Examples:
+        >>> import torch
+        >>> global_mean(torch.tensor([1.0, 2.0, 6.0]), mask=torch.tensor([True, False, True]))
+        tensor(3.5000)
     """
     x = x.detach()
     if mask is None:

@@ -50,6 +50,52 @@ class FabricLearner(Learner):
     collective of the process group Fabric builds from a strategy name (default 5 minutes), so a
     rank that stops answering fails its peers instead of hanging them; a strategy object or a
     ``fabric`` passed in keeps its own.
+
+    Args:
+        loss_module (nn.Module): a torchrl loss, or any module returning a TensorDict whose
+            ``"loss*"`` entries are summed and backpropagated.
+        optimizer: an optimizer instance, a factory ``f(params)`` or ``None`` (Adam over the
+            loss's parameters).
+
+    Keyword Args:
+        policy (nn.Module, optional): the module the loss trains that collectors run;
+            ``get_weights`` is then laid out as ``TensorDict.from_module(policy)``.
+        clip_grad_norm (float, optional): clip the gradients' total norm before each step.
+        grad_accum_steps (int): micro-batches per optimizer step (default 1).
+        on_nonfinite (str): ``"raise"`` (default) or ``"skip"`` a step whose loss or grad norm
+            is not finite.
+        compile (bool): run the loss forward through ``torch.compile``.
+        stages (list of Stage, optional): several optimizers, each over part of the loss and
+            with its own loss method (then ``optimizer=None``).
+        accelerator, strategy, devices, num_nodes, precision: as ``lightning.fabric.Fabric``;
+            ``strategy="fsdp"`` is FSDP2.
+        fabric (Fabric, optional): a Fabric to use instead of building one from the above.
+        timeout (timedelta or float, optional): the collective timeout (see above).
+
+    Raises:
+        TypeError, ValueError: a bad argument or an unsupported combination (e.g. ``compile=True``
+            with FSDP), named with its fix, before any rank is launched.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> net = torch.nn.Linear(4, 2)
+        >>> loss = DQNLoss(net, action_space="categorical", delay_value=False)
+        >>> with FabricLearner(loss, lambda params: torch.optim.Adam(params, lr=1e-3), policy=net,
+        ...                    accelerator="cpu", devices=1) as learner:
+        ...     batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...         next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                         done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                         terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...         batch_size=[8])
+        ...     out = learner.update(batch)
+        >>> sorted(out.keys()), learner.world_size, learner.capabilities.sharded
+        (['grad_norm', 'loss'], 1, False)
+
+        Under ``torchrun`` or ``fabric run`` the same script runs on every rank; from a plain
+        ``python`` call, ``FabricLearner(loss, factory, strategy="ddp", devices=2)`` launches the
+        second rank itself.
     """
 
     def __init__(

@@ -19,8 +19,46 @@ from fabric_learner.learner import Capabilities, Learner
 class LocalLearner(Learner):
     """The Learner step in plain PyTorch: no Fabric, no process group, no device moves.
 
-    ``optimizer`` is an instance, a factory ``f(params)`` or ``None`` (Adam over
-    ``loss_module.parameters()``, fused with ``compile=True``).
+    The reference the other backends are tested against: ``FabricLearner`` on N ranks, each
+    fed its share of a batch, reaches the weights this learner reaches on the whole batch.
+
+    Args:
+        loss_module (nn.Module): a torchrl loss, or any module returning a TensorDict whose
+            ``"loss*"`` entries are summed and backpropagated.
+        optimizer: an optimizer instance, a factory ``f(params)`` or ``None`` (Adam over the
+            loss's parameters, fused with ``compile=True``).
+
+    Keyword Args:
+        policy (nn.Module, optional): the module the loss trains that collectors run;
+            ``get_weights`` is then laid out as ``TensorDict.from_module(policy)``.
+        clip_grad_norm (float, optional): clip the gradients' total norm before each step.
+        grad_accum_steps (int): micro-batches per optimizer step (default 1).
+        on_nonfinite (str): ``"raise"`` (default) or ``"skip"`` a step whose loss or grad norm
+            is not finite.
+        compile (bool): run the loss forward through ``torch.compile``.
+        stages (list of Stage, optional): several optimizers, each over part of the loss and
+            with its own loss method (then ``optimizer=None``).
+
+    Raises:
+        TypeError, ValueError: a bad argument, named with its fix, before anything is built.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> net = torch.nn.Linear(4, 2)
+        >>> loss = DQNLoss(net, action_space="categorical", delay_value=False)
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.Adam(params, lr=1e-3), policy=net,
+        ...                        clip_grad_norm=1.0)
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> sorted(learner.update(batch).keys())
+        ['grad_norm', 'loss']
+        >>> learner.num_updates, learner.world_size
+        (1, 1)
     """
 
     capabilities = Capabilities(sharded=False, distributed=False)

@@ -308,6 +308,31 @@ def test_partition_indices_cover_without_replacement():
         assert sorted(torch.cat(seen).tolist()) == list(range(12))
 
 
+def _epoch(sampler, data):
+    sampler.start_epoch(data)
+    out = []
+    with pytest.raises(StopIteration):
+        while True:
+            out.append(sampler(data)["i"].tolist())
+    return out
+
+
+@pytest.mark.parametrize("n", [12, 10])
+def test_partition_sampler_resumes_with_the_partitions_of_the_uninterrupted_run(tmp_path, n):
+    """Its state (generator and torchrl sampler) goes through a weights-only file and continues exactly."""
+    data = TensorDict({"i": torch.arange(n)}, [n])
+    whole = EpochPartitionSampler(4, seed=5)
+    expected = [_epoch(whole, data) for _ in range(3)]
+    first = EpochPartitionSampler(4, seed=5)
+    assert _epoch(first, data) == expected[0]
+    torch.save(first.state_dict(), tmp_path / "sampler.pt")
+    resumed = EpochPartitionSampler(4, seed=5)
+    resumed.load_state_dict(torch.load(tmp_path / "sampler.pt", weights_only=True))
+    assert [_epoch(resumed, data) for _ in range(2)] == expected[1:]
+    gens = torch.Generator().manual_seed(5)
+    assert expected == [[p.tolist() for p in partition_indices(n, 4, generator=gens)] for _ in range(3)]
+
+
 # ---- two ranks (DDP, then FSDP), one launch --------------------------------------------------------
 
 

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from fabric_learner.checkpoint.files import fsync_dir
+from fabric_learner.checkpoint.files import atomic_write
 
 SHARDED_FORMAT = "fabric_learner/sharded-1"
 LATEST = "LATEST"
@@ -74,12 +74,12 @@ def save_version(path: Path, version: str, tensors: dict[str, Any], meta: dict[s
     folder = path / version
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder))
     if rank == 0:
-        _write_atomic(folder / META, json.dumps({"format": SHARDED_FORMAT, **meta}).encode())
+        atomic_write(folder / META, lambda f: f.write(json.dumps({"format": SHARDED_FORMAT, **meta}).encode()))
 
 
 def publish(path: Path, version: str) -> None:
     """Rank 0, after every rank finished writing: point ``LATEST`` at ``version``, drop the rest."""
-    _write_atomic(path / LATEST, version.encode())
+    atomic_write(path / LATEST, lambda f: f.write(version.encode()))
     for child in path.iterdir():
         if child.is_dir() and child.name != version and child.name.startswith("v"):
             shutil.rmtree(child, ignore_errors=True)
@@ -365,16 +365,6 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"Refusing to load {module}.{name} from checkpoint metadata: only checkpoint metadata "
             "classes are allowed (loading never runs code from a checkpoint)."
         )
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def read_full(path: str | os.PathLike) -> dict[str, Any]:

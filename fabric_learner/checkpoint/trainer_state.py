@@ -17,6 +17,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
+from fabric_learner import _rng
+
 
 COUNTERS = ("collected_frames", "_last_save", "_optim_count")
 
@@ -48,9 +50,10 @@ def check_rng_state(rng: Any, refuse) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """The process's torch, numpy and python random states (CUDA: every device's)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "torch": torch.get_rng_state(),
+        "torch": _rng.local_state()["torch"],
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "python": random.getstate(),
