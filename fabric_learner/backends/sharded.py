@@ -474,7 +474,9 @@ class ShardedBackend:
 
     # ---- checkpoints on disk: a DCP folder (see checkpoint/sharded.py) ------------------------------------------
 
-    def save(self, learner, path: Path) -> None:
+    def save(self, learner, path: Path, blocking: bool = True):
+        """Write a sharded version of ``path`` (a collective); with ``blocking=False`` return the
+        future of its background write and publish (``sharded_files.save_version_async``)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         wrapper, rank, fabric = self.wrapper, learner.global_rank, self.fabric
@@ -506,6 +508,9 @@ class ShardedBackend:
         }
         path.mkdir(parents=True, exist_ok=True) if rank == 0 else None
         fabric.barrier()
+        if not blocking:
+            group = sharded_files.async_group(_compat.strategy_timeout(fabric.strategy))
+            return sharded_files.save_version_async(path, version, tensors, meta, rank, group)
         sharded_files.save_version(path, version, tensors, meta, rank)
         fabric.barrier()
         if rank == 0:

@@ -25,10 +25,13 @@ import re
 import shutil
 import stat
 import uuid
+from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
@@ -75,6 +78,64 @@ def save_version(path: Path, version: str, tensors: dict[str, Any], meta: dict[s
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder))
     if rank == 0:
         _write_atomic(folder / META, json.dumps({"format": SHARDED_FORMAT, **meta}).encode())
+
+
+def async_group(timeout: timedelta | None) -> dist.ProcessGroup | None:
+    """The gloo group background writes talk over, built once per default group (a collective).
+
+    Its own group, so that DCP's gathers in the writer thread never interleave with the training
+    group's collectives in the main thread. ``None`` without a process group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if _ASYNC_GROUP.get("world") is not world:
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        _ASYNC_GROUP.update(world=world, group=dist.new_group(backend="gloo", **kwargs))
+    return _ASYNC_GROUP["group"]
+
+
+_ASYNC_GROUP: dict[str, Any] = {}
+
+
+def save_version_async(path: Path, version: str, tensors: dict[str, Any], meta: dict[str, Any], rank: int,
+                       group: dist.ProcessGroup | None) -> Future:
+    """``save_version`` then ``publish`` in the background; returns once ``tensors`` are staged.
+
+    Every rank calls it. ``dcp.async_save`` copies the tensors (the copy is what gets written, so
+    training may change the live ones at once) and writes them from a thread. DCP's last step
+    gathers every rank's write result on rank 0, so rank 0's write finishing means every rank's
+    shards are on disk (fsynced); only then does rank 0 write ``meta.json`` and switch ``LATEST``,
+    and it sends the outcome to the other ranks over ``group``. The returned future completes on
+    every rank once ``LATEST`` names the new version, or fails (on every rank still alive) with
+    ``LATEST`` unchanged.
+    """
+    folder = path / version
+    done: Future = Future()
+    written = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(folder), process_group=group)
+
+    def finish(write: Future) -> None:  # in DCP's writer thread (or here, if the write already ended)
+        try:
+            write.result()
+            outcome = [None]
+            if rank == 0:
+                try:
+                    _write_atomic(folder / META, json.dumps({"format": SHARDED_FORMAT, **meta}).encode())
+                    publish(path, version)
+                except Exception as err:  # noqa: BLE001 - sent to every rank, raised by each
+                    outcome = [f"{type(err).__name__}: {err}"]
+            if group is not None:
+                dist.broadcast_object_list(outcome, src=0, group=group)
+            if outcome[0] is not None:
+                raise RuntimeError(f"Rank 0 could not publish the checkpoint version {version} at {path}: "
+                                   f"{outcome[0]}. {LATEST} still names the previous version.")
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the save
+            done.set_exception(err)
+        else:
+            done.set_result(version)
+
+    written.add_done_callback(finish)
+    return done
 
 
 def publish(path: Path, version: str) -> None:
