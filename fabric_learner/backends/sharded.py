@@ -510,7 +510,8 @@ class ShardedBackend:
         fabric.barrier()
         if not blocking:
             group = sharded_files.async_group(_compat.strategy_timeout(fabric.strategy))
-            return sharded_files.save_version_async(path, version, tensors, meta, rank, group)
+            stager = self.__dict__.setdefault("_stager", sharded_files.Stager())  # buffers kept between saves
+            return sharded_files.save_version_async(path, version, tensors, meta, rank, group, stager)
         sharded_files.save_version(path, version, tensors, meta, rank)
         fabric.barrier()
         if rank == 0:

@@ -98,12 +98,51 @@ def async_group(timeout: timedelta | None) -> dist.ProcessGroup | None:
 _ASYNC_GROUP: dict[str, Any] = {}
 
 
-def save_version_async(path: Path, version: str, tensors: dict[str, Any], meta: dict[str, Any], rank: int,
-                       group: dist.ProcessGroup | None) -> Future:
+class Stager:
+    """Copies of the tensors to save, in buffers kept from one save to the next (DCP's ``AsyncStager``).
+
+    Allocating the copy costs more than filling it (measured on the 21M-parameter learner, 2 CPU
+    ranks: 0.4-1.2 s to allocate, 0.06-0.13 s to copy into kept buffers), and the copy is the part
+    of an asynchronous save that training waits for. The price is one more copy of each rank's
+    shards held between saves. Only one save may use the buffers at a time: the learner waits for
+    a pending save before staging the next.
+    """
+
+    should_synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
+        staged = {}
+        for key, value in state_dict.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                buffer = self._buffers[key] = torch.empty_like(local, device="cpu")
+            buffer.copy_(local.detach())
+            staged[key] = DTensor.from_local(buffer, value.device_mesh, value.placements, shape=value.shape,
+                                             stride=value.stride(), run_check=False) \
+                if isinstance(value, DTensor) else buffer
+        for key in set(self._buffers) - set(state_dict):
+            del self._buffers[key]
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to do: ``stage`` copies before it returns."""
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+
+def save_version_async(path: Path, version: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any], rank: int,
+                       group: dist.ProcessGroup | None, stager: Stager) -> Future:
     """``save_version`` then ``publish`` in the background; returns once ``tensors`` are staged.
 
-    Every rank calls it. ``dcp.async_save`` copies the tensors (the copy is what gets written, so
-    training may change the live ones at once) and writes them from a thread. DCP's last step
+    Every rank calls it. ``dcp.async_save`` copies the tensors through ``stager`` (the copy is what
+    gets written, so training may change the live ones at once) and writes them from a thread. DCP's last step
     gathers every rank's write result on rank 0, so rank 0's write finishing means every rank's
     shards are on disk (fsynced); only then does rank 0 write ``meta.json`` and switch ``LATEST``,
     and it sends the outcome to the other ranks over ``group``. The returned future completes on
@@ -112,7 +151,8 @@ def save_version_async(path: Path, version: str, tensors: dict[str, Any], meta: 
     """
     folder = path / version
     done: Future = Future()
-    written = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(folder), process_group=group)
+    written = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(folder), process_group=group,
+                             async_stager=stager)
 
     def finish(write: Future) -> None:  # in DCP's writer thread (or here, if the write already ended)
         try:
