@@ -467,7 +467,7 @@ class Learner(nn.Module):
         elif isinstance(checkpoint.get("param_names"), Mapping):
             raise ValueError("The checkpoint was written by a learner with several optimizers (stages); this one "
                              "has one. Nothing was loaded: build the learner with the same stages.")
-        elif checkpoint.get("param_names") is not None:
+        elif checkpoint.get("param_names") is not None:  # index-keyed file state: see reindex_optimizer_state
             optimizer_state = reindex_optimizer_state(
                 optimizer_state, checkpoint["param_names"], self._optimizer_param_names(),
                 [len(g["params"]) for g in self.optimizer.param_groups],

@@ -439,6 +439,7 @@ class ShardedBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         wrapper = self.wrapper
+        # DCP keys by the wrapper's FQNs (flat names, scalars (1,)); checkpoints by loss names and shapes, so they reshard
         by_flat = {flat_name(n): n for n in wrapper.names}
         full = get_optimizer_state_dict(wrapper, raw, options=StateDictOptions(full_state_dict=True))
         index = {n: i for i, n in enumerate(param_names)}
@@ -460,7 +461,7 @@ class ShardedBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         wrapper = self.wrapper
-        moments = {}
+        moments = {}  # loss names -> the wrapper's FQNs DCP expects (see _optimizer_state)
         for i, fields in state["state"].items():
             param = getattr(wrapper, flat_name(param_names[int(i)]))
             moments[flat_name(param_names[int(i)])] = {

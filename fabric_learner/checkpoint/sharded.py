@@ -8,10 +8,15 @@ Layout of ``path`` (a directory)::
 
 Tensors are stored under flat keys: ``model/<loss state key>`` and
 ``optim/<loss parameter name>/<state field>``, each rank writing its own shards, so a load can
-reshard to any world size or read everything into one process. A crash mid-save leaves
+reshard to any world size or read everything into one process. (DCP's ``get_state_dict`` keys
+by the FSDP wrapper's names, flattened with scalars as ``(1,)``; the backends translate them to the
+loss's own names and shapes, so the same keys load under DDP and in one process.) A crash mid-save leaves
 ``LATEST`` naming the previous version; a version folder without ``LATEST`` pointing at it is
 never read. Loading reads ``.metadata`` with an unpickler that only accepts the checkpoint
 metadata classes, and tensors with ``weights_only``, so no code is ever unpickled.
+
+``save_version_async`` writes in the background (``FabricLearner.save(path, blocking=False)``):
+``LATEST`` still switches only after every rank's shards are on disk.
 """
 
 from __future__ import annotations
