@@ -96,6 +96,7 @@ def _at_exit() -> None:
     _state["done"] = True
     try:
         for learner in list(_open):
+            learner.wait_for_save()  # a background checkpoint write (save(blocking=False)) completes first
             close(learner)
         if dist.is_available() and dist.is_initialized():
             drain_gloo_workers()  # a group owned by the user: leave it, but never abort on it

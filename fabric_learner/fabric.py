@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,7 @@ class FabricLearner(Learner):
         """
         if self._closed:
             return
+        self.wait_for_save()
         self._closed = True
         if self.capabilities.distributed:
             _teardown.close(self)
@@ -344,15 +346,27 @@ class FabricLearner(Learner):
 
     # ---- checkpoints on disk --------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, blocking: bool = True) -> Future | None:
         """Write the learner's state; every rank must call it.
 
         Unsharded: one file through ``fabric.save``, written on rank 0 to a temporary file beside
         ``path``, flushed to disk and renamed onto it (``AtomicCheckpointIO``). Sharded: a folder
         where each rank writes its own shards (see ``checkpoint.sharded``), made current by an atomic rename of
         its ``LATEST`` file.
+
+        ``blocking=False``, sharded: returns as soon as the state is copied (staged), with a
+        future; the shards are written in the background while training goes on, and ``LATEST``
+        switches only once every rank's write completed, so a crash meanwhile leaves the previous
+        version current. The next ``save``, ``load``, ``close()`` and the exit hook wait for it;
+        ``wait_for_save()`` waits explicitly and raises if it failed. Unsharded, ``blocking=False``
+        saves synchronously (rank 0 writes one file from the live state; a background copy would
+        cost the same memory as the file) and returns a finished future.
         """
-        self._backend.save(self, Path(path))
+        self.wait_for_save()
+        if blocking or not self.capabilities.sharded:
+            self._backend.save(self, Path(path))
+            return None if blocking else self._track_save(path, None)
+        return self._track_save(path, self._backend.save(self, Path(path), blocking=False))
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner, any strategy or world size.
@@ -360,6 +374,7 @@ class FabricLearner(Learner):
         Never runs code from the file: files load ``weights_only``, sharded folders through
         ``sharded_files.SafeReader``. Everything is validated before anything changes.
         """
+        self.wait_for_save()
         with naming(path):
             if sharded_files.is_sharded_checkpoint(path):
                 return self._backend.load_folder(self, Path(path))

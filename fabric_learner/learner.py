@@ -11,6 +11,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +119,7 @@ class Learner(nn.Module):
         self._coverage_checked = stages is not None  # stages cover every trained parameter by construction
         self.stages: tuple[Stage, ...] = tuple(stages or ())
         self._window_batches: list[TensorDictBase] = []  # staged learners: the window's micro-batches
+        self._pending_save: tuple[Any, Future] | None = None  # (path, future) of a save(blocking=False)
         self.optimizer: torch.optim.Optimizer
 
     # ---- the step -----------------------------------------------------------------------
@@ -562,7 +564,7 @@ class Learner(nn.Module):
         elif isinstance(checkpoint.get("param_names"), Mapping):
             raise ValueError("The checkpoint was written by a learner with several optimizers (stages); this one "
                              "has one. Nothing was loaded: build the learner with the same stages.")
-        elif checkpoint.get("param_names") is not None:
+        elif checkpoint.get("param_names") is not None:  # index-keyed file state: see reindex_optimizer_state
             optimizer_state = reindex_optimizer_state(
                 optimizer_state, checkpoint["param_names"], self._optimizer_param_names(),
                 [len(g["params"]) for g in self.optimizer.param_groups],
@@ -589,7 +591,7 @@ class Learner(nn.Module):
         self._accum_step = 0
         self.optimizer.zero_grad(set_to_none=True)
 
-    def save(self, path) -> None:
+    def save(self, path, blocking: bool = True) -> Future | None:
         """Write :meth:`checkpoint` to ``path``, atomically: a crash leaves the previous file or the new one.
 
         A single file (``torch.save`` format) on unsharded learners; under a sharded strategy a
@@ -597,6 +599,14 @@ class Learner(nn.Module):
 
         Args:
             path (str or os.PathLike): the file (or folder) to write.
+            blocking (bool): ``False`` under a sharded strategy returns once every rank's shards are
+                staged and writes them in the background (``LATEST`` switches only when every rank's
+                write is complete); the next ``save``, ``load``, ``close()`` and exit wait for it.
+                Unsharded learners save synchronously either way.
+
+        Returns:
+            ``None`` when ``blocking``; else a ``concurrent.futures.Future`` done once the checkpoint
+            is complete and current (see :meth:`wait_for_save`).
 
         Raises:
             FileExistsError: ``path`` holds something this package did not write (nothing is written).
@@ -660,6 +670,36 @@ class Learner(nn.Module):
         (True, 1)
         """
         raise NotImplementedError
+
+    def wait_for_save(self, timeout: float | None = None) -> None:
+        """Block until the last ``save(path, blocking=False)`` is complete and current on disk.
+
+        Raises ``TimeoutError`` if it is still running after ``timeout`` seconds (it stays pending),
+        or a ``RuntimeError`` if it failed: then the checkpoint at its path is still the previous
+        one. ``save``, ``load`` and ``close`` call it first, and so does a distributed run's exit hook.
+        """
+        pending = getattr(self, "_pending_save", None)
+        if pending is None:
+            return
+        path, future = pending
+        try:
+            future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as err:
+            self._pending_save = None
+            raise RuntimeError(f"The background save to {path} failed ({type(err).__name__}: {err}); the "
+                               "checkpoint there is still the previous complete one. Save again.") from err
+        self._pending_save = None
+
+    def _track_save(self, path, future: Future | None) -> Future:
+        """The handle ``save(blocking=False)`` returns: ``future``, or a finished one for a synchronous save."""
+        if future is None:
+            future = Future()
+            future.set_result(None)
+        else:
+            self._pending_save = (path, future)
+        return future
 
 
 

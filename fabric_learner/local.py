@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -99,16 +100,18 @@ class LocalLearner(Learner):
         params = optimizer_params(optimizer or self.optimizer)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, blocking: bool = True) -> Future | None:
         """Write ``checkpoint()`` to ``path`` atomically (the same file format as FabricLearner).
 
         Replaces only a checkpoint this package wrote: any other file at ``path`` raises
-        ``FileExistsError`` before anything is written.
+        ``FileExistsError`` before anything is written. ``blocking=False`` saves synchronously
+        too (one process has no shards to write in the background) and returns a finished future.
         """
         error = overwrite_error(path)
         if error is not None:
             raise FileExistsError(error)
         atomic_torch_save(file_state(self._live_state()), path)
+        return None if blocking else self._track_save(path, None)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner; never unpickles code."""

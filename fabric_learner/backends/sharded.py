@@ -439,6 +439,7 @@ class ShardedBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         wrapper = self.wrapper
+        # DCP keys by the wrapper's FQNs (flat names, scalars (1,)); checkpoints by loss names and shapes, so they reshard
         by_flat = {flat_name(n): n for n in wrapper.names}
         full = get_optimizer_state_dict(wrapper, raw, options=StateDictOptions(full_state_dict=True))
         index = {n: i for i, n in enumerate(param_names)}
@@ -460,7 +461,7 @@ class ShardedBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         wrapper = self.wrapper
-        moments = {}
+        moments = {}  # loss names -> the wrapper's FQNs DCP expects (see _optimizer_state)
         for i, fields in state["state"].items():
             param = getattr(wrapper, flat_name(param_names[int(i)]))
             moments[flat_name(param_names[int(i)])] = {
@@ -474,7 +475,9 @@ class ShardedBackend:
 
     # ---- checkpoints on disk: a DCP folder (see checkpoint/sharded.py) ------------------------------------------
 
-    def save(self, learner, path: Path) -> None:
+    def save(self, learner, path: Path, blocking: bool = True):
+        """Write a sharded version of ``path`` (a collective); with ``blocking=False`` return the
+        future of its background write and publish (``sharded_files.save_version_async``)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         wrapper, rank, fabric = self.wrapper, learner.global_rank, self.fabric
@@ -506,6 +509,10 @@ class ShardedBackend:
         }
         path.mkdir(parents=True, exist_ok=True) if rank == 0 else None
         fabric.barrier()
+        if not blocking:
+            group = sharded_files.async_group(_compat.strategy_timeout(fabric.strategy))
+            stager = self.__dict__.setdefault("_stager", sharded_files.Stager())  # buffers kept between saves
+            return sharded_files.save_version_async(path, version, tensors, meta, rank, group, stager)
         sharded_files.save_version(path, version, tensors, meta, rank)
         fabric.barrier()
         if rank == 0:
