@@ -165,7 +165,7 @@ def save_version_async(path: Path, version: str, tensors: dict[str, torch.Tensor
             outcome = [None]
             if rank == 0:
                 try:
-                    _write_atomic(folder / META, json.dumps({"format": SHARDED_FORMAT, **meta}).encode())
+                    atomic_write(folder / META, lambda f: f.write(json.dumps({"format": SHARDED_FORMAT, **meta}).encode()))
                     publish(path, version)
                 except Exception as err:  # noqa: BLE001 - sent to every rank, raised by each
                     outcome = [f"{type(err).__name__}: {err}"]
