@@ -213,6 +213,8 @@ class LearnerValueEstimator(ValueEstimatorHook):
         ['gamma', 'lmbda']
     """
 
+    earlier_state_keys = (frozenset(),)  # trainer checkpoints from before it kept the estimator's state
+
     def __init__(self, learner, value_estimator, *, stage: str = "batch_process") -> None:
         if stage not in ("batch_process", "pre_epoch"):
             raise ValueError(f"stage must be 'batch_process' or 'pre_epoch', got {stage!r}.")
@@ -401,6 +403,8 @@ class EpochPartitionSampler(TrainerHookBase):
         ...
         StopIteration
     """
+
+    earlier_state_keys = (frozenset({"generator"}),)  # trainer checkpoints from before it used torchrl's sampler
 
     def __init__(self, minibatch_size: int, *, seed: int | None = None, group: Any = None) -> None:
         if minibatch_size < 1:

@@ -191,6 +191,35 @@ def test_dqn_example_runs_in_one_process(tmp_path):
     assert trainer._modules["replay_buffer"].replay_buffer._sampler._max_priority[0] is not None
 
 
+@pytest.mark.parametrize("entries,loads", [("earlier", True), ("unknown", False)])
+def test_trainer_checkpoints_of_the_earlier_hook_states_still_load(tmp_path, entries, loads):
+    """LearnerValueEstimator once saved no state and EpochPartitionSampler only its generator:
+    checkpoints written so still resume; any other set of entries is refused before anything changes."""
+    ex, args = _pendulum_trainer(tmp_path, frames_batches=1, minibatch=300, epochs=1)
+    learner, trainer, _ = ex.build(args, {"accelerator": "cpu", "devices": 1})
+    trainer.train()
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    rank_file = tmp_path / "ckpt" / "rank0.pt"
+    state = torch.load(rank_file, weights_only=True)
+    generator = trainer._modules["epoch_partition_sampler"].state_dict()["generator"]
+    if entries == "earlier":
+        state["modules"]["value_estimator"] = {}
+        state["modules"]["epoch_partition_sampler"] = {"generator": generator}
+    else:
+        state["modules"]["epoch_partition_sampler"] = {"generator": generator, "bogus": 1}
+    torch.save(state, rank_file)
+    fresh_learner, fresh, _ = ex.build(args, {"accelerator": "cpu", "devices": 1})
+    if loads:
+        fresh.load_from_file(tmp_path / "ckpt")
+        assert fresh_learner.num_updates == learner.num_updates
+        restored = fresh._modules["epoch_partition_sampler"].state_dict()["generator"]
+        assert (restored is None and generator is None) or torch.equal(restored, generator)
+    else:
+        with pytest.raises(ValueError, match="epoch_partition_sampler.*bogus"):
+            fresh.load_from_file(tmp_path / "ckpt")
+        assert fresh_learner.num_updates == 0
+
+
 def test_partition_sampler_with_stop_iteration_counts_only_real_steps(tmp_path):
     ex, args = _pendulum_trainer(tmp_path, frames_batches=1, minibatch=300, epochs=3)
     learner, trainer, _ = ex.build(args, {"accelerator": "cpu", "devices": 1})

@@ -457,7 +457,9 @@ class Trainer(_TorchRLTrainer):
         for name, module in self._modules.items():
             saved = modules[name]
             expected = set(module.state_dict())
-            if not isinstance(saved, dict) or set(saved) != expected:
+            # a hook whose state grew may still read what an earlier release wrote
+            earlier = [set(keys) for keys in getattr(module, "earlier_state_keys", ())]
+            if not isinstance(saved, dict) or (set(saved) != expected and set(saved) not in earlier):
                 found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
                 raise refuse(f"the state of hook {name!r} has entries {found}, expected {sorted(expected)}")
         if state.get("collector") is not None and not isinstance(state["collector"], dict):
