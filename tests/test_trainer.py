@@ -187,7 +187,7 @@ def test_in_memory_state_dict_round_trip():
     assert_same(sa["params"], sb["params"])
     assert torch.equal(sa["priorities"], sb["priorities"]) and torch.equal(sa["rng"], sb["rng"])
     b[0].train()
-    assert b[1].num_updates == 3 * tc.OPTIM_STEPS  # the 4th batch was collected, not trained on
+    assert b[1].num_updates == 4 * tc.OPTIM_STEPS
 
 
 def test_hook_stages_the_learner_cannot_honour_are_refused():
