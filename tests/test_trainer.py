@@ -88,6 +88,62 @@ def test_local_trainer_resume_equals_uninterrupted(tmp_path):
     assert torch.equal(sa["rb_obs"], sc["rb_obs"]) and torch.equal(sa["priorities"], sc["priorities"])
 
 
+class _Crash(Exception):
+    pass
+
+
+def test_a_rerun_with_the_same_save_file_resumes_from_the_last_checkpoint_like_a_restart(tmp_path):
+    """A run killed after its 3rd batch's checkpoint, built again and trained: it resumes by itself
+    (no load_from_file) and ends equal to the uninterrupted run; run once more, it has nothing left to do."""
+    total, ckpt = 6 * tc.FRAMES_PER_BATCH, tmp_path / "ckpt"
+    a = tc.build_dqn(local, total_frames=total)
+    a[0].train()
+    b = tc.build_dqn(local, total_frames=total, save_file=ckpt, save_interval=0)  # a checkpoint after every batch
+
+    def crash(batch):
+        if b[0].collected_frames == 4 * tc.FRAMES_PER_BATCH:  # during the 4th batch, before its checkpoint
+            raise _Crash
+
+    b[0].register_op("pre_steps_log", crash)
+    with pytest.raises(_Crash):
+        b[0].train()
+    assert b[1].num_updates == 3 * tc.OPTIM_STEPS  # the 4th batch was collected, not trained on
+    c = tc.build_dqn(local, total_frames=total, save_file=ckpt, save_interval=0, seed=7)  # the state comes from the checkpoint
+    batches = []
+    c[0].register_op("pre_steps_log", batches.append)
+    c[0].train()
+    assert len(batches) == 3  # the 4th batch again, then the 5th and 6th
+    sa, sc = tc.snapshot(*a), tc.snapshot(*c)
+    assert sc["num_updates"] == sa["num_updates"] == 6 * tc.OPTIM_STEPS
+    assert sa["optim_count"] == sc["optim_count"] and sa["collected_frames"] == sc["collected_frames"] == total
+    assert_same(sa["params"], sc["params"])
+    assert_same_optimizer(sa["optimizer"], sc["optimizer"])
+    assert torch.equal(sa["rb_obs"], sc["rb_obs"]) and torch.equal(sa["priorities"], sc["priorities"])
+    assert torch.equal(sa["rng"], sc["rng"])
+    done = tc.build_dqn(local, total_frames=total, save_file=ckpt, save_interval=0)
+    done[0].register_op("pre_steps_log", crash)  # a batch collected at all would be one too many
+    done[0].train()
+    assert done[1].num_updates == 6 * tc.OPTIM_STEPS and done[0].collected_frames == total
+    assert_same(tc.snapshot(*done)["params"], sa["params"])
+
+
+def test_resume_false_starts_afresh_and_load_from_file_wins(tmp_path):
+    total, ckpt = 2 * tc.FRAMES_PER_BATCH, tmp_path / "ckpt"
+    first = tc.build_dqn(local, total_frames=total, save_file=ckpt)
+    first[0].train()
+    fresh = tc.build_dqn(local, total_frames=total, save_file=ckpt, resume=False)
+    fresh[0].train()  # from zero: the same run again
+    assert fresh[1].num_updates == first[1].num_updates and fresh[0].collected_frames == total
+    assert_same(tc.snapshot(*fresh)["params"], tc.snapshot(*first)["params"])
+    other = tmp_path / "other"
+    shorter = tc.build_dqn(local, total_frames=tc.FRAMES_PER_BATCH, save_file=other)
+    shorter[0].train()
+    given = tc.build_dqn(local, total_frames=total, save_file=ckpt)
+    given[0].load_from_file(other)  # the user's choice of checkpoint is not replaced by the latest one
+    given[0].train()
+    assert given[0].collected_frames == total and given[1].num_updates == 2 * tc.OPTIM_STEPS
+
+
 def test_post_loss_priority_updates_run_unlike_stock_torchrl():
     from torchrl.trainers import Trainer as TorchRLTrainer
 

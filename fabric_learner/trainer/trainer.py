@@ -98,6 +98,9 @@ class Trainer(_TorchRLTrainer):
         target_net_updater: a torchrl ``TargetNetUpdater`` (``SoftUpdate``/``HardUpdate``),
             stepped after every optimizer step and checkpointed.
         log_throughput: register :class:`LogThroughput` (default ``True``).
+        resume: with ``save_trainer_file``, ``train()`` first loads the latest complete checkpoint
+            found there, so a restarted run (``torchrun --max-restarts``, or the same command run
+            again) continues where it was; ``False`` starts afresh (the next save overwrites it).
         **kwargs: any other torchrl ``Trainer`` argument (``num_epochs``, ``log_interval``,
             ``save_trainer_file``, ``save_trainer_interval``, ``progress_bar``, ``seed``,
             ``log_timings``, ``auto_log_optim_steps``, ...).
@@ -145,6 +148,7 @@ class Trainer(_TorchRLTrainer):
         publish_weights: bool = True,
         target_net_updater=None,
         log_throughput: bool = True,
+        resume: bool = True,
         **kwargs,
     ) -> None:
         for name in ("loss_module", "optimizer", "optimization_stepper"):
@@ -197,6 +201,8 @@ class Trainer(_TorchRLTrainer):
         if log_throughput:
             LogThroughput(self).register(self)
         self._pbar = None
+        self._resume = resume
+        self._loaded = False  # load_from_file was called: train() does not resume on its own
 
     # ---- ranks --------------------------------------------------------------------------------
 
@@ -244,6 +250,7 @@ class Trainer(_TorchRLTrainer):
     # ---- the loop -------------------------------------------------------------------------------
 
     def train(self):
+        self._resume_from_last_checkpoint()
         if self.async_collection:
             return super().train()
         if self.progress_bar:
@@ -255,7 +262,7 @@ class Trainer(_TorchRLTrainer):
         iterator = iter(self.collector)
         init_random = int(getattr(self.collector, "init_random_frames", 0) or 0)
         try:
-            while True:
+            while self.collected_frames < self.total_frames:  # a resumed run may have nothing left to do
                 batch = next(iterator, None)
                 current = 0
                 if batch is not None:
@@ -564,6 +571,7 @@ class Trainer(_TorchRLTrainer):
         self._load_rank_state(state)
         self._publish_after_load()
         trainer_state.set_rng_state(state["rng"], self._env_plan)
+        self._loaded = True
         return self
 
     def _load_resized(self, states: list[dict[str, Any]], learner_file: Path) -> Trainer:
@@ -587,7 +595,34 @@ class Trainer(_TorchRLTrainer):
         )
         reseed(self.collected_frames, self.global_rank)
         self._publish_after_load()
+        self._loaded = True
         return self
+
+    def _resume_from_last_checkpoint(self) -> None:
+        """Load the latest complete checkpoint at ``save_trainer_file``, if any (see ``resume=``).
+
+        Every rank must find the same one (on several nodes the folder must be on a shared
+        filesystem); if they do not, it raises on every rank before anything is loaded.
+        """
+        if not self._resume or self._loaded or not self.save_trainer_file:
+            return
+        path = Path(self.save_trainer_file)
+        found = next((p for p in (path, path.with_name(path.name + ".old")) if (p / _META_FILE).exists()), None)
+        seen = [-1, -1, -1]
+        if found is not None:
+            meta = read_json(found / _META_FILE, CHECKPOINT_FORMAT)
+            seen = [meta.get(k) if trainer_state.is_count(meta.get(k)) else -2
+                    for k in ("collected_frames", "optim_steps", "num_updates")]
+        if self._distributed():
+            both = all_reduce(torch.tensor(seen + [-v for v in seen], dtype=torch.int64), op="max")
+            if not torch.equal(both[:3], -both[3:]):
+                raise RuntimeError(
+                    f"Resuming from {path}: the ranks see different checkpoints there (rank {self.global_rank} sees "
+                    f"{'none' if found is None else found} with frames, optim steps, updates = {seen}); nothing was "
+                    "loaded. save_trainer_file must be on a filesystem every rank shares, or pass resume=False."
+                )
+        if found is not None:
+            self.load_from_file(path)
 
 
 def _shutdown_weight_sync(collector) -> None:
