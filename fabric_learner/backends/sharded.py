@@ -149,8 +149,8 @@ class ShardedLoss(nn.Module):
         by_id = {id(p): n for n, p in originals.items()}
         leaves, claimed, seen = [], {}, set()
         for path, module in _loss_networks(loss_module):
-            if id(module) in seen or module is loss_module:
-                continue
+            if id(module) in seen or module is loss_module or isinstance(module, TensorDictBase):
+                continue  # a TensorDictParams holds parameters but is never called: not a layer
             seen.add(id(module))
             attrs = {a: by_id[id(p)] for a, p in module._parameters.items() if p is not None and id(p) in by_id}
             attrs = {a: n for a, n in attrs.items() if n not in claimed}
@@ -330,6 +330,9 @@ def _loss_networks(loss: nn.Module):
         if isinstance(value, nn.Module) and not attr.startswith("_"):
             for path, module in value.named_modules(prefix=attr):
                 yield path, module
+    for path, module in loss.named_modules():
+        if path:
+            yield path, module
 
 
 def gather_full(params: list[torch.Tensor], into: list[torch.Tensor]) -> None:
