@@ -1,14 +1,22 @@
-"""FSDP2 for torchrl losses: shard the parameters a loss trains, not its modules.
+"""FSDP2 for torchrl losses: shard the parameters a loss trains, one FSDP2 unit per layer.
 
 ``fully_shard`` cannot wrap a ``LossModule`` (its ``named_parameters`` rejects
 ``remove_duplicate``), and sharding the networks inside a functional loss leaves the loss's
 ``TensorDictParams`` pointing at the pre-shard tensors. So ``ShardedLoss`` takes the loss's
-trainable parameters (``loss.named_parameters()``: functional params, SAC's stacked critic
-ensemble, ``log_alpha``) as its own, ``fully_shard`` shards them, and each forward swaps the
-all-gathered tensors into the loss with ``TensorDict.to_module`` for the duration of the call.
-Entry points such as ``actor.get_dist`` need no hook: the whole loss call is inside the
-unsharded window. Target networks are loss buffers and are never swapped, so target forwards
-use target weights.
+trainable parameters (``loss.named_parameters()``) as its own: those a leaf module of the loss's
+networks holds (each ``Linear``, ...) go to that layer's ``LayerUnit``, the rest (SAC's stacked,
+vmap'ed critic ensemble, ``log_alpha``) stay on the ``ShardedLoss``. ``shard_loss`` shards every
+unit, then the ``ShardedLoss``, so FSDP2 gathers one layer at a time, as hand-written per-layer
+FSDP2 does, and the largest model it trains is not bounded by what fits on one rank.
+
+The loss's own parameter objects stay in the loss as placeholders. While ``update`` runs the
+loss, a layer called with them in its slots (swapped in by a functional loss, or held by the
+network) is routed through its unit, whose FSDP2 hooks gather the layer for that forward and its
+backward; a layer called with anything else (target-network buffers) runs as it is. A placeholder
+seen detached (a critic evaluated for the actor's loss) gets the gathered weights detached. The
+``ShardedLoss``'s own parameters are gathered for the whole call and swapped into the loss with
+``TensorDict.to_module``. Entry points such as ``actor.get_dist`` need no hook: layers are routed
+wherever they are called from.
 
 Outside ``update`` the loss's own parameter objects are of two kinds:
 
@@ -62,14 +70,6 @@ def _storage(t) -> int | None:
         return None
 
 
-def _slot_store(module: nn.Module, attr: str) -> dict:
-    """The dict of ``module`` holding ``attr`` (``to_module`` may put a tensor in any of them)."""
-    for store in (module._parameters, module._buffers):
-        if attr in store:
-            return store
-    return module.__dict__
-
-
 class LayerUnit(nn.Module):
     """One FSDP unit: the loss's parameters that one leaf module of its networks holds.
 
@@ -95,7 +95,7 @@ class LayerUnit(nn.Module):
         try:
             for attr, name in self.attrs.items():
                 full = getattr(self, flat_name(name)).view(owner.shapes[name])
-                store = _slot_store(leaf, attr)
+                store = _compat.tensor_slots(leaf, attr)
                 swapped.append((store, attr, store[attr]))
                 store[attr] = full.detach() if attr in self._detached else full
             return type(leaf).forward(leaf, *args, **kwargs)
@@ -152,7 +152,7 @@ class ShardedLoss(nn.Module):
             if id(module) in seen or module is loss_module or isinstance(module, TensorDictBase):
                 continue  # a TensorDictParams holds parameters but is never called: not a layer
             seen.add(id(module))
-            attrs = {a: by_id[id(p)] for a, p in module._parameters.items() if p is not None and id(p) in by_id}
+            attrs = {a: by_id[id(p)] for a, p in module.named_parameters(recurse=False) if id(p) in by_id}
             attrs = {a: n for a, n in attrs.items() if n not in claimed}
             if attrs:
                 leaves.append((path, module, attrs))
