@@ -388,20 +388,28 @@ class _EmptiedGuard:
         )
 
 
-def shard_loss(module: nn.Module, mesh) -> nn.Module:
+#: Layers with fewer parameters than this share the ``ShardedLoss``'s unit (see ``shard_loss``).
+MIN_UNIT_NUMEL = 1 << 20
+
+
+def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL) -> nn.Module:
     """The default ``parallelize_fn``: one FSDP2 unit per layer, then one for the rest.
 
-    ``fully_shard`` on each of the ``ShardedLoss``'s layer units, then on the ``ShardedLoss``
-    itself (what no single layer holds, e.g. a vmap'ed critic ensemble): a layer's parameters
-    are gathered when the loss reaches it and freed after, as in hand-written per-layer FSDP2,
-    so no rank ever holds the whole model. Sharding only the ``ShardedLoss`` (one unit) also
-    trains correctly, gathering every parameter for the whole loss call.
+    ``fully_shard`` on each of the ``ShardedLoss``'s layer units holding at least
+    ``min_unit_numel`` parameters (1M: 4 MiB in float32), then on the ``ShardedLoss`` itself:
+    a large layer is gathered when the loss reaches it and freed after, as in hand-written
+    per-layer FSDP2, so no rank ever holds the whole model. Smaller layers (and what no single
+    layer holds, e.g. a vmap'ed critic ensemble) are gathered together for the loss call: for
+    the small networks RL often trains, one all-gather costs less than one per layer, as FSDP's
+    size-based wrapping policies trade it. ``functools.partial(shard_loss, min_unit_numel=1)``
+    gives every layer its own unit.
     """
     from torch.distributed.fsdp import fully_shard
 
     world = whole_world(mesh)
     for unit in getattr(module, "layer_units", list)():
-        fully_shard(unit, mesh=world)
+        if sum(p.numel() for p in unit.parameters()) >= min_unit_numel:
+            fully_shard(unit, mesh=world)
     fully_shard(module, mesh=world)
     return module
 

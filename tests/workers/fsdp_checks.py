@@ -36,7 +36,10 @@ def user_parallelize(module, mesh):
     return module
 
 
-def fsdp(parallelize_fn=shard_loss, **kwargs):
+EVERY_LAYER = functools.partial(shard_loss, min_unit_numel=1)  # these networks are small: unit them all
+
+
+def fsdp(parallelize_fn=EVERY_LAYER, **kwargs):
     strategy = ModelParallelStrategy(parallelize_fn=parallelize_fn, timeout=TIMEOUT)
     return FabricLearner(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
 
@@ -164,6 +167,19 @@ def per_layer(rank):
         for h in handles:
             h.remove()
         out[kind] = {"units": [u.path for u in units], "whole": list(wrapper._whole), "seen": seen,
+                     "loss_params": [n for n, _ in loss.named_parameters()],
+                     "model": learner.checkpoint()["model"], "grad_norm": norms,
+                     "at_rest_sharded": all(isinstance(p, DTensor) for u in units for p in u.parameters())}
+    # shard_loss's size threshold: layers under it share the ShardedLoss's unit
+    from torch.distributed.fsdp import FSDPModule
+
+    for kind, parallelize_fn in (("default", shard_loss), ("threshold_70", functools.partial(shard_loss, min_unit_numel=70))):
+        loss, _ = make_loss("ppo")
+        learner = fsdp(parallelize_fn=parallelize_fn, loss_module=loss, optimizer=opt(), clip_grad_norm=CLIP)
+        units = learner.sharded_module.layer_units()
+        norms = run_steps(learner, "ppo", rank, 2)
+        out[kind] = {"own_unit": {u.path: isinstance(u, FSDPModule) for u in units},
+                     "numel": {u.path: sum(p.numel() for p in u.parameters()) for u in units},
                      "loss_params": [n for n, _ in loss.named_parameters()],
                      "model": learner.checkpoint()["model"], "grad_norm": norms,
                      "at_rest_sharded": all(isinstance(p, DTensor) for u in units for p in u.parameters())}
