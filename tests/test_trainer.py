@@ -191,6 +191,35 @@ def test_dqn_example_runs_in_one_process(tmp_path):
     assert trainer._modules["replay_buffer"].replay_buffer._sampler._max_priority[0] is not None
 
 
+@pytest.mark.parametrize("entries,loads", [("earlier", True), ("unknown", False)])
+def test_trainer_checkpoints_of_the_earlier_hook_states_still_load(tmp_path, entries, loads):
+    """LearnerValueEstimator once saved no state and EpochPartitionSampler only its generator:
+    checkpoints written so still resume; any other set of entries is refused before anything changes."""
+    ex, args = _pendulum_trainer(tmp_path, frames_batches=1, minibatch=300, epochs=1)
+    learner, trainer, _ = ex.build(args, {"accelerator": "cpu", "devices": 1})
+    trainer.train()
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    rank_file = tmp_path / "ckpt" / "rank0.pt"
+    state = torch.load(rank_file, weights_only=True)
+    generator = trainer._modules["epoch_partition_sampler"].state_dict()["generator"]
+    if entries == "earlier":
+        state["modules"]["value_estimator"] = {}
+        state["modules"]["epoch_partition_sampler"] = {"generator": generator}
+    else:
+        state["modules"]["epoch_partition_sampler"] = {"generator": generator, "bogus": 1}
+    torch.save(state, rank_file)
+    fresh_learner, fresh, _ = ex.build(args, {"accelerator": "cpu", "devices": 1})
+    if loads:
+        fresh.load_from_file(tmp_path / "ckpt")
+        assert fresh_learner.num_updates == learner.num_updates
+        restored = fresh._modules["epoch_partition_sampler"].state_dict()["generator"]
+        assert (restored is None and generator is None) or torch.equal(restored, generator)
+    else:
+        with pytest.raises(ValueError, match="epoch_partition_sampler.*bogus"):
+            fresh.load_from_file(tmp_path / "ckpt")
+        assert fresh_learner.num_updates == 0
+
+
 def test_partition_sampler_with_stop_iteration_counts_only_real_steps(tmp_path):
     ex, args = _pendulum_trainer(tmp_path, frames_batches=1, minibatch=300, epochs=3)
     learner, trainer, _ = ex.build(args, {"accelerator": "cpu", "devices": 1})
@@ -306,6 +335,31 @@ def test_partition_indices_cover_without_replacement():
             while True:
                 seen.append(sampler(data)["i"])
         assert sorted(torch.cat(seen).tolist()) == list(range(12))
+
+
+def _epoch(sampler, data):
+    sampler.start_epoch(data)
+    out = []
+    with pytest.raises(StopIteration):
+        while True:
+            out.append(sampler(data)["i"].tolist())
+    return out
+
+
+@pytest.mark.parametrize("n", [12, 10])
+def test_partition_sampler_resumes_with_the_partitions_of_the_uninterrupted_run(tmp_path, n):
+    """Its state (generator and torchrl sampler) goes through a weights-only file and continues exactly."""
+    data = TensorDict({"i": torch.arange(n)}, [n])
+    whole = EpochPartitionSampler(4, seed=5)
+    expected = [_epoch(whole, data) for _ in range(3)]
+    first = EpochPartitionSampler(4, seed=5)
+    assert _epoch(first, data) == expected[0]
+    torch.save(first.state_dict(), tmp_path / "sampler.pt")
+    resumed = EpochPartitionSampler(4, seed=5)
+    resumed.load_state_dict(torch.load(tmp_path / "sampler.pt", weights_only=True))
+    assert [_epoch(resumed, data) for _ in range(2)] == expected[1:]
+    gens = torch.Generator().manual_seed(5)
+    assert expected == [[p.tolist() for p in partition_indices(n, 4, generator=gens)] for _ in range(3)]
 
 
 # ---- two ranks (DDP, then FSDP), one launch --------------------------------------------------------
