@@ -6,8 +6,9 @@
 trainable parameters (``loss.named_parameters()``) as its own: those a leaf module of the loss's
 networks holds (each ``Linear``, ...) go to that layer's ``LayerUnit``, the rest (SAC's stacked,
 vmap'ed critic ensemble, ``log_alpha``) stay on the ``ShardedLoss``. ``shard_loss`` shards every
-unit, then the ``ShardedLoss``, so FSDP2 gathers one layer at a time, as hand-written per-layer
-FSDP2 does, and the largest model it trains is not bounded by what fits on one rank.
+unit of 1M parameters or more, then the ``ShardedLoss`` (smaller layers join its unit), so FSDP2
+gathers one large layer at a time, as hand-written per-layer FSDP2 does, and the largest model
+it trains is not bounded by what fits on one rank.
 
 The loss's own parameter objects stay in the loss as placeholders. While ``update`` runs the
 loss, a layer called with them in its slots (swapped in by a functional loss, or held by the
