@@ -112,6 +112,19 @@ def erase_loss_cache(loss: nn.Module) -> None:
         erase()
 
 
+def tensor_slots(module: nn.Module, attr: str) -> dict:
+    """The dict of ``module`` that holds its tensor ``attr`` (``_parameters``, ``_buffers`` or ``__dict__``).
+
+    A layer's weights are swapped for one call by writing that dict, as ``TensorDict.to_module``
+    does: ``setattr`` refuses a plain tensor where a parameter was, and torch's public swap
+    (``torch.func.functional_call``) replaces the whole call.
+    """
+    for store in (module._parameters, module._buffers):
+        if attr in store:
+            return store
+    return module.__dict__
+
+
 #: (object, attribute) pairs the functions above rely on, for tests/test_compat.py
 def required() -> list[tuple[str, Any, str]]:
     import torch.distributed.distributed_c10d as c10d
@@ -136,6 +149,8 @@ def required() -> list[tuple[str, Any, str]]:
         ("torch DeviceMesh", DeviceMesh, "_flatten"),
         ("torch GradScaler", GradScaler("cpu"), "_per_optimizer_states"),
         ("torchrl LossModule", LossModule, "_erase_cache"),
+        ("torch nn.Module", nn.Linear(1, 1), "_parameters"),
+        ("torch nn.Module", nn.Linear(1, 1), "_buffers"),
         ("torchrl PrioritizedSampler", PrioritizedSampler, "update_priority"),
         ("fabric_learner TorchPrioritizedSampler", TorchPrioritizedSampler(8, alpha=0.5, beta=0.5), "_sum_tree"),
         ("fabric_learner TorchPrioritizedSampler", TorchPrioritizedSampler(8, alpha=0.5, beta=0.5), "_alpha"),

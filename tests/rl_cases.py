@@ -40,8 +40,11 @@ def _qvalue():
     return ValueOperator(MLP(in_features=OBS + ACT, out_features=1, num_cells=[HIDDEN]), in_keys=["observation", "action"])
 
 
-def make_loss(name: str, seed: int = 0):
-    """``(loss_module, policy)`` for a case, with weights fixed by ``seed``."""
+def make_loss(name: str, seed: int = 0, functional: bool = True):
+    """``(loss_module, policy)`` for a case, with weights fixed by ``seed``.
+
+    ``functional=False`` (PPO only) keeps the parameters in the networks, not in the loss.
+    """
     torch.manual_seed(seed)
     if name == "dqn":
         policy = QValueActor(
@@ -57,7 +60,7 @@ def make_loss(name: str, seed: int = 0):
     if name == "ppo":
         policy = _gaussian_actor(IndependentNormal)
         critic = ValueOperator(MLP(in_features=OBS, out_features=1, num_cells=[HIDDEN]), in_keys=["observation"])
-        loss = ClipPPOLoss(policy, critic, entropy_coeff=0.01, normalize_advantage=False)
+        loss = ClipPPOLoss(policy, critic, entropy_coeff=0.01, normalize_advantage=False, functional=functional)
         return loss, policy
     if name == "ddpg":
         policy = _det_actor()

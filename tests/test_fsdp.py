@@ -242,3 +242,50 @@ def test_a_users_parallelize_fn_sharding_over_whole_world_trains_like_the_defaul
     """The nonfinite and unequal-count checks above ran with such a function (fsdp_checks.user_parallelize)."""
     for r in fsdp["ranks"]:
         assert r["user_sharded"] == [("ShardedLoss", 2), ("ShardedLoss", 2)]
+
+
+def test_each_layer_is_its_own_fsdp_unit_gathered_only_while_it_runs(fsdp):
+    """Per-layer units: while one layer runs (forward, inside the loss), every other layer is sharded."""
+    for rank in fsdp["ranks"]:
+        for kind in ("ppo", "ppo_nonfunctional", "dqn", "sac"):  # every layer its own unit
+            got = rank["per_layer"][kind]
+            assert got["at_rest_sharded"], kind
+            linears = {"ppo": 4, "ppo_nonfunctional": 4, "dqn": 2, "sac": 2}[kind]  # 2 per MLP it unitizes
+            assert len(got["units"]) == linears, (kind, got["units"])
+            called = {path for path, _ in got["seen"]}
+            assert called == set(got["units"]), kind  # every layer went through its unit
+            for path, full in got["seen"]:
+                assert full == [path], (kind, path, full)
+    sac = fsdp["ranks"][0]["per_layer"]["sac"]
+    # SAC's critic ensemble is called under vmap with stacked weights: gathered for the whole call
+    assert all(n == "log_alpha" or n.startswith("qvalue_network_params.") for n in sac["whole"]), sac["whole"]
+    assert all(u.startswith("actor_network.") for u in sac["units"])
+    assert fsdp["ranks"][0]["per_layer"]["dqn"]["whole"] == []
+
+
+def test_layers_under_the_size_threshold_share_the_loss_unit_and_train_the_same(fsdp):
+    for rank in fsdp["ranks"]:
+        default, seventy = rank["per_layer"]["default"], rank["per_layer"]["threshold_70"]
+        assert not any(default["own_unit"].values())  # 16-unit layers: far under MIN_UNIT_NUMEL
+        assert seventy["own_unit"] == {p: n >= 70 for p, n in seventy["numel"].items()}
+        assert any(seventy["own_unit"].values()) and not all(seventy["own_unit"].values())
+    loss, _ = make_loss("ppo")
+    learner = LocalLearner(loss, opt(), clip_grad_norm=CLIP)
+    norms = run_steps(learner, "ppo")
+    for kind in ("default", "threshold_70"):
+        got = fsdp["ranks"][0]["per_layer"][kind]
+        assert_equal_states(got["model"], fsdp["ranks"][1]["per_layer"][kind]["model"])
+        torch.testing.assert_close(got["grad_norm"], norms, atol=1e-5, rtol=1e-5)
+        assert_equal_states(got["model"], learner.checkpoint()["model"], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "ppo_nonfunctional", "dqn"])
+def test_per_layer_units_train_like_one_process(fsdp, kind):
+    r0, r1 = (r["per_layer"][kind] for r in fsdp["ranks"])
+    assert_equal_states(r0["model"], r1["model"])
+    loss, _ = make_loss("ppo" if kind.startswith("ppo") else kind, functional=kind != "ppo_nonfunctional")
+    assert r0["loss_params"] == [n for n, _ in loss.named_parameters()]
+    learner = LocalLearner(loss, opt(), clip_grad_norm=CLIP)
+    norms = run_steps(learner, "ppo" if kind.startswith("ppo") else kind)
+    torch.testing.assert_close(r0["grad_norm"], norms, atol=1e-5, rtol=1e-5)
+    assert_equal_states(r0["model"], learner.checkpoint()["model"], atol=1e-5)

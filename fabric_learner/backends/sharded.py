@@ -1,14 +1,23 @@
-"""FSDP2 for torchrl losses: shard the parameters a loss trains, not its modules.
+"""FSDP2 for torchrl losses: shard the parameters a loss trains, one FSDP2 unit per layer.
 
 ``fully_shard`` cannot wrap a ``LossModule`` (its ``named_parameters`` rejects
 ``remove_duplicate``), and sharding the networks inside a functional loss leaves the loss's
 ``TensorDictParams`` pointing at the pre-shard tensors. So ``ShardedLoss`` takes the loss's
-trainable parameters (``loss.named_parameters()``: functional params, SAC's stacked critic
-ensemble, ``log_alpha``) as its own, ``fully_shard`` shards them, and each forward swaps the
-all-gathered tensors into the loss with ``TensorDict.to_module`` for the duration of the call.
-Entry points such as ``actor.get_dist`` need no hook: the whole loss call is inside the
-unsharded window. Target networks are loss buffers and are never swapped, so target forwards
-use target weights.
+trainable parameters (``loss.named_parameters()``) as its own: those a leaf module of the loss's
+networks holds (each ``Linear``, ...) go to that layer's ``LayerUnit``, the rest (SAC's stacked,
+vmap'ed critic ensemble, ``log_alpha``) stay on the ``ShardedLoss``. ``shard_loss`` shards every
+unit of 1M parameters or more, then the ``ShardedLoss`` (smaller layers join its unit), so FSDP2
+gathers one large layer at a time, as hand-written per-layer FSDP2 does, and the largest model
+it trains is not bounded by what fits on one rank.
+
+The loss's own parameter objects stay in the loss as placeholders. While ``update`` runs the
+loss, a layer called with them in its slots (swapped in by a functional loss, or held by the
+network) is routed through its unit, whose FSDP2 hooks gather the layer for that forward and its
+backward; a layer called with anything else (target-network buffers) runs as it is. A placeholder
+seen detached (a critic evaluated for the actor's loss) gets the gathered weights detached. The
+``ShardedLoss``'s own parameters are gathered for the whole call and swapped into the loss with
+``TensorDict.to_module``. Entry points such as ``actor.get_dist`` need no hook: layers are routed
+wherever they are called from.
 
 Outside ``update`` the loss's own parameter objects are of two kinds:
 
@@ -24,7 +33,9 @@ Outside ``update`` the loss's own parameter objects are of two kinds:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import types
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +57,82 @@ def flat_name(name: str) -> str:
     return name.replace(".", "__")
 
 
-class ShardedLoss(nn.Module):
-    """Owns ``loss``'s trainable parameters under flat names, so FSDP2 can shard them.
+def _marker(param: torch.Tensor) -> torch.Tensor:
+    """An empty tensor with a storage of its own, so a loss slot holding it (or a detached view
+    of it) can be traced back to its parameter by storage while holding no weights."""
+    return torch.empty(1, dtype=param.dtype, device=param.device)[:0]
 
+
+def _storage(t) -> int | None:
+    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # functorch wrappers (vmap) have no storage
+        return None
+
+
+class LayerUnit(nn.Module):
+    """One FSDP unit: the loss's parameters that one leaf module of its networks holds.
+
+    While the loss runs in ``update``, a call of that leaf with the loss's own parameters in
+    its slots is routed through this module, so FSDP2's hooks gather these parameters just for
+    that call (and again for its backward) and free them after. Calls with other tensors in
+    the slots (target networks) run the leaf untouched.
+    """
+
+    def __init__(self, owner: ShardedLoss, path: str, leaf: nn.Module, attrs: dict[str, str]) -> None:
+        super().__init__()
+        self.__dict__["owner"] = owner
+        self.__dict__["path"] = path
+        self.__dict__["leaf"] = leaf
+        self.__dict__["attrs"] = attrs  # leaf attribute -> loss parameter name
+        self.__dict__["_detached"] = ()
+
+    def forward(self, *args, **kwargs):
+        # FSDP2's pre-forward hook (when this unit is sharded on its own) has gathered the
+        # parameters; otherwise they are full because the root's window is open.
+        leaf, owner = self.leaf, self.owner
+        swapped = []
+        try:
+            for attr, name in self.attrs.items():
+                full = getattr(self, flat_name(name)).view(owner.shapes[name])
+                store = _compat.tensor_slots(leaf, attr)
+                swapped.append((store, attr, store[attr]))
+                store[attr] = full.detach() if attr in self._detached else full
+            return type(leaf).forward(leaf, *args, **kwargs)
+        finally:
+            for store, attr, old in reversed(swapped):
+                store[attr] = old
+
+
+def _route(unit: LayerUnit, leaf: nn.Module, *args, **kwargs):
+    """``leaf.forward`` while a ``ShardedLoss`` owns its parameters (see ``LayerUnit``).
+
+    Bound with ``types.MethodType``, so ``copy.deepcopy(leaf)`` binds the copy, which runs plain.
+    """
+    owner = unit.owner
+    if owner._updating and leaf is unit.leaf:
+        online = owner._online
+        detached = []
+        for attr, name in unit.attrs.items():
+            held = getattr(leaf, attr, None)
+            if online.get(_storage(held)) != name:
+                break
+            if not held.requires_grad:
+                detached.append(attr)  # e.g. a critic run with detached weights for the actor's loss
+        else:
+            unit.__dict__["_detached"] = tuple(detached)
+            return unit(*args, **kwargs)
+    return type(leaf).forward(leaf, *args, **kwargs)
+
+
+class ShardedLoss(nn.Module):
+    """Owns ``loss``'s trainable parameters, so FSDP2 can shard them, in one unit per layer.
+
+    Each leaf module of the loss's networks that holds loss parameters gets a ``LayerUnit``
+    (under ``layers``) owning them; what no single leaf holds (SAC's vmap'ed critic ensemble,
+    ``log_alpha``) is owned here under flat names and swapped into the loss for the whole call.
     Scalars are stored with shape ``(1,)`` (FSDP2 shards along dim 0); ``shapes`` keeps the
     loss's own shapes. The loss is not a submodule: its parameters are replaced here.
     ``serve`` lists modules whose parameters stay full outside ``update`` (see the module doc).
@@ -61,31 +145,69 @@ class ShardedLoss(nn.Module):
         self.__dict__["_convert"] = convert
         names, shapes, originals = [], {}, {}
         for name, param in loss_module.named_parameters():
-            data = param.detach()  # shares storage until fully_shard gives the shard its own
-            self.register_parameter(
-                flat_name(name), nn.Parameter(data.reshape(1) if data.ndim == 0 else data, param.requires_grad)
-            )
             names.append(name)
             shapes[name] = param.shape
             originals[name] = param
+        by_id = {id(p): n for n, p in originals.items()}
+        leaves, claimed, seen = [], {}, set()
+        for path, module in _loss_networks(loss_module):
+            if id(module) in seen or module is loss_module or isinstance(module, TensorDictBase):
+                continue  # a TensorDictParams holds parameters but is never called: not a layer
+            seen.add(id(module))
+            attrs = {a: by_id[id(p)] for a, p in module.named_parameters(recurse=False) if id(p) in by_id}
+            attrs = {a: n for a, n in attrs.items() if n not in claimed}
+            if attrs:
+                leaves.append((path, module, attrs))
+                claimed.update({n: path for n in attrs.values()})
+        self.layers = nn.ModuleDict()
+        fqns = {}
+        for path, module, attrs in leaves:
+            unit = LayerUnit(self, path, module, attrs)
+            key = flat_name(path)
+            for name in attrs.values():
+                unit.register_parameter(flat_name(name), _as_parameter(originals[name]))
+                fqns[name] = f"layers.{key}.{flat_name(name)}"
+            self.layers[key] = unit
+        whole = [n for n in names if n not in claimed]
+        for name in whole:
+            self.register_parameter(flat_name(name), _as_parameter(originals[name]))
+            fqns[name] = flat_name(name)
         self.__dict__["names"] = names
         self.__dict__["shapes"] = shapes
         self.__dict__["_originals"] = originals
+        self.__dict__["_fqns"] = fqns
+        self.__dict__["_whole"] = whole  # gathered for the whole loss call
         self.__dict__["_served"] = set()
         self.__dict__["_inside"] = 0  # > 0 while the loss's parameters hold full tensors
+        self.__dict__["_updating"] = 0  # > 0 while update() runs the loss: leaves route to their units
+        self.__dict__["_online"] = {}
         self.__dict__["_guards"] = []
         # SAC's ensemble params live under a batch-sized TensorDictParams; the swap needs that shape.
         self.__dict__["_skeleton"] = TensorDict.from_module(loss_module, as_module=False).select(
-            *[tuple(n.split(".")) for n in names]
-        )
+            *[tuple(n.split(".")) for n in whole]
+        ) if whole else None
         self._served.update(self._names_of(serve))
         with torch.no_grad():
             for name, param in originals.items():
                 if name in self._served:
                     param.data = param.data.clone()  # its own storage: the shard will not alias it
                 else:
-                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                    param.data = _marker(param)
+        for unit in self.layers.values():
+            unit.leaf.forward = types.MethodType(functools.partial(_route, unit), unit.leaf)
         self._guard_emptied_modules()
+
+    def layer_units(self) -> list[LayerUnit]:
+        """The per-layer units, in the loss's order: ``fully_shard`` each, then this module."""
+        return list(self.layers.values())
+
+    def fqn(self, name: str) -> str:
+        """The name torch's state-dict API gives the loss's parameter ``name`` here."""
+        return self._fqns[name]
+
+    def param(self, name: str) -> torch.Tensor:
+        """The (sharded) parameter holding the loss's parameter ``name``."""
+        return self.get_parameter(self._fqns[name])
 
     def _names_of(self, modules) -> set[str]:
         ids = {id(p) for m in modules for p in m.parameters()}
@@ -94,26 +216,29 @@ class ShardedLoss(nn.Module):
     def named_loss_parameters(self):
         """``(loss name, sharded parameter)`` pairs, in the loss's parameter order."""
         for name in self.names:
-            yield name, getattr(self, flat_name(name))
+            yield name, self.param(name)
 
     def _params(self) -> TensorDict:
         td = self._skeleton.clone(False)
-        for name in self.names:
-            t = getattr(self, flat_name(name))
-            td.set(tuple(name.split(".")), t.view(self.shapes[name]))
+        for name in self._whole:
+            td.set(tuple(name.split(".")), self.param(name).view(self.shapes[name]))
         return td
 
     def forward(self, carrier: Carrier):
-        # FSDP2's pre-forward hook has all-gathered the parameters: they are plain tensors here.
+        # FSDP2's pre-forward hook has gathered the parameters owned here (not the layers'):
+        # they are plain tensors now. Each layer gathers its own when the loss reaches it.
         loss = self.loss_module
         _compat.erase_loss_cache(loss)
+        self.__dict__["_online"] = {_storage(p): n for n, p in self._originals.items()}
         self.__dict__["_inside"] += 1
+        self.__dict__["_updating"] += 1
         try:
-            with self._params().to_module(loss):
+            with self._params().to_module(loss) if self._whole else contextlib.nullcontext():
                 call = loss if carrier.method is None else getattr(loss, carrier.method)
                 output = run_loss(call, carrier.value, self._device, self._convert)
         finally:
             self.__dict__["_inside"] -= 1
+            self.__dict__["_updating"] -= 1
             _compat.erase_loss_cache(loss)
         # FSDP2 hooks the backward through the tensors it finds in the output; a TensorDict
         # hides them, so the leaves travel beside the carried output.
@@ -144,7 +269,7 @@ class ShardedLoss(nn.Module):
         if not names:
             return
         with torch.no_grad():
-            gather_full([getattr(self, flat_name(n)) for n in names],
+            gather_full([self.param(n) for n in names],
                         into=[self._originals[n].data.view(-1) for n in names])
 
     def served_parameters(self) -> set[int]:
@@ -161,7 +286,7 @@ class ShardedLoss(nn.Module):
             for name in self.names:
                 if name in self._served:
                     continue  # already full and current
-                t = getattr(self, flat_name(name))
+                t = self.param(name)
                 full = t.full_tensor() if isinstance(t, DTensor) else t
                 self._originals[name].data = full.detach().clone().view(self.shapes[name])
         _compat.erase_loss_cache(self.loss_module)
@@ -174,7 +299,7 @@ class ShardedLoss(nn.Module):
             with torch.no_grad():
                 for name, original in self._originals.items():
                     if name not in self._served:
-                        original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+                        original.data = _marker(original)
             _compat.erase_loss_cache(self.loss_module)
 
     def _guard_emptied_modules(self) -> None:
@@ -190,6 +315,11 @@ class ShardedLoss(nn.Module):
                 self._guards.append(module.register_forward_pre_hook(_EmptiedGuard(self, path, module)))
 
 
+def _as_parameter(param: torch.Tensor) -> nn.Parameter:
+    data = param.detach()  # shares storage until fully_shard gives the shard its own
+    return nn.Parameter(data.reshape(1) if data.ndim == 0 else data, param.requires_grad)
+
+
 def _loss_networks(loss: nn.Module):
     """``(path, module)`` for the loss and every network it holds, registered or not.
 
@@ -202,6 +332,9 @@ def _loss_networks(loss: nn.Module):
         if isinstance(value, nn.Module) and not attr.startswith("_"):
             for path, module in value.named_modules(prefix=attr):
                 yield path, module
+    for path, module in loss.named_modules():
+        if path:
+            yield path, module
 
 
 def gather_full(params: list[torch.Tensor], into: list[torch.Tensor]) -> None:
@@ -257,15 +390,29 @@ class _EmptiedGuard:
         )
 
 
-def shard_loss(module: nn.Module, mesh) -> nn.Module:
-    """The default ``parallelize_fn``: one FSDP2 group over all the loss's trainable parameters.
+#: Layers with fewer parameters than this share the ``ShardedLoss``'s unit (see ``shard_loss``).
+MIN_UNIT_NUMEL = 1 << 20
 
-    The loss needs all of them at once (actor and critics enter one objective), so finer
-    groups would not lower the peak; gradients and optimizer state are sharded either way.
+
+def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL) -> nn.Module:
+    """The default ``parallelize_fn``: one FSDP2 unit per layer, then one for the rest.
+
+    ``fully_shard`` on each of the ``ShardedLoss``'s layer units holding at least
+    ``min_unit_numel`` parameters (1M: 4 MiB in float32), then on the ``ShardedLoss`` itself:
+    a large layer is gathered when the loss reaches it and freed after, as in hand-written
+    per-layer FSDP2, so no rank ever holds the whole model. Smaller layers (and what no single
+    layer holds, e.g. a vmap'ed critic ensemble) are gathered together for the loss call: for
+    the small networks RL often trains, one all-gather costs less than one per layer, as FSDP's
+    size-based wrapping policies trade it. ``functools.partial(shard_loss, min_unit_numel=1)``
+    gives every layer its own unit.
     """
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(module, mesh=whole_world(mesh))
+    world = whole_world(mesh)
+    for unit in getattr(module, "layer_units", list)():
+        if sum(p.numel() for p in unit.parameters()) >= min_unit_numel:
+            fully_shard(unit, mesh=world)
+    fully_shard(module, mesh=world)
     return module
 
 
@@ -288,7 +435,7 @@ def check_sharded(module: ShardedLoss, world_size: int) -> None:
     if narrow:
         raise RuntimeError(
             f"The strategy's parallelize_fn sharded {narrow[:4]} over a mesh of "
-            f"{getattr(module, flat_name(narrow[0])).device_mesh.size()} ranks, but {world_size} ranks run: every "
+            f"{module.param(narrow[0]).device_mesh.size()} ranks, but {world_size} ranks run: every "
             "rank feeds its own batch, so gradients must be averaged over all of them. Shard over the "
             "whole world (fabric_learner.whole_world(mesh)), or use strategy='fsdp'."
         )
@@ -346,7 +493,9 @@ class ShardedBackend:
             wrapped = wrapped if isinstance(wrapped, (tuple, list)) else (wrapped,)
             self.optimizer = StageOptimizers(dict(zip(built, wrapped)))
         else:
-            self.optimizer = fabric.setup_optimizers(build_optimizer(optimizer, self.module.parameters()))
+            # the loss's order, as a one-process learner lists them
+            params = [p for _, p in self.wrapper.named_loss_parameters()]
+            self.optimizer = fabric.setup_optimizers(build_optimizer(optimizer, params))
 
     @property
     def sharded_module(self) -> ShardedLoss:
@@ -382,7 +531,7 @@ class ShardedBackend:
         state = get_model_state_dict(wrapper, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
         if not state:
             return {}
-        return {n: state[flat_name(n)].detach().reshape(wrapper.shapes[n]).clone() for n in wrapper.names}
+        return {n: state[wrapper.fqn(n)].detach().reshape(wrapper.shapes[n]).clone() for n in wrapper.names}
 
     def get_weights(self, policy: nn.Module | None, cpu_offload: bool) -> TensorDictBase:
         full = self.full_weights(cpu_offload)
@@ -422,7 +571,7 @@ class ShardedBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         wrapper = self.wrapper
-        params = {flat_name(n): state[n].reshape(getattr(wrapper, flat_name(n)).shape) for n in wrapper.names}
+        params = {wrapper.fqn(n): state[n].reshape(wrapper.param(n).shape) for n in wrapper.names}
         set_model_state_dict(wrapper, params, options=StateDictOptions(full_state_dict=True, strict=False))
         with torch.no_grad():
             for k, buffer in self.loss_buffers().items():
@@ -439,8 +588,9 @@ class ShardedBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         wrapper = self.wrapper
-        # DCP keys by the wrapper's FQNs (flat names, scalars (1,)); checkpoints by loss names and shapes, so they reshard
-        by_flat = {flat_name(n): n for n in wrapper.names}
+        # torch's state-dict API keys by the wrapper's FQNs (scalars (1,)); checkpoints by loss names and
+        # shapes, so they reshard
+        by_flat = {wrapper.fqn(n): n for n in wrapper.names}
         full = get_optimizer_state_dict(wrapper, raw, options=StateDictOptions(full_state_dict=True))
         index = {n: i for i, n in enumerate(param_names)}
         state = {}
@@ -463,13 +613,13 @@ class ShardedBackend:
         wrapper = self.wrapper
         moments = {}  # loss names -> the wrapper's FQNs DCP expects (see _optimizer_state)
         for i, fields in state["state"].items():
-            param = getattr(wrapper, flat_name(param_names[int(i)]))
-            moments[flat_name(param_names[int(i)])] = {
+            param = wrapper.param(param_names[int(i)])
+            moments[wrapper.fqn(param_names[int(i)])] = {
                 f: v.reshape(param.shape) if isinstance(v, torch.Tensor) and v.shape != param.shape
                 and v.numel() == param.numel() else v
                 for f, v in fields.items()
             }
-        groups = [dict(g, params=[flat_name(param_names[i]) for i in g["params"]]) for g in state["param_groups"]]
+        groups = [dict(g, params=[wrapper.fqn(param_names[i]) for i in g["params"]]) for g in state["param_groups"]]
         set_optimizer_state_dict(wrapper, raw, {"state": moments, "param_groups": groups},
                                  options=StateDictOptions(full_state_dict=True))
 
@@ -486,10 +636,10 @@ class ShardedBackend:
         fabric.barrier()
         version = fabric.broadcast(sharded_files.new_version_name(learner.num_updates) if rank == 0 else None, src=0)
         model = get_model_state_dict(wrapper)
-        tensors = {f"model/{n}": model[flat_name(n)] for n in wrapper.names}
+        tensors = {f"model/{n}": model[wrapper.fqn(n)] for n in wrapper.names}
         tensors.update({f"model/{k}": v.detach() for k, v in self.loss_buffers().items()})
         optim = get_optimizer_state_dict(wrapper, self.raw_optimizer())
-        by_flat = {flat_name(n): n for n in wrapper.names}
+        by_flat = {wrapper.fqn(n): n for n in wrapper.names}
         scalars: dict[str, dict[str, Any]] = {}
         for fqn, fields in optim["state"].items():
             for field, value in fields.items():
@@ -538,17 +688,17 @@ class ShardedBackend:
         _rng.check(rng)
         # Fresh targets of the same sharding: a read that fails mid-way leaves live state untouched.
         model = get_model_state_dict(wrapper)
-        tensors = {f"model/{n}": torch.empty_like(model[flat_name(n)]) for n in wrapper.names}
+        tensors = {f"model/{n}": torch.empty_like(model[wrapper.fqn(n)]) for n in wrapper.names}
         buffers = {k: torch.empty_like(v) for k, v in self.loss_buffers().items()}
         tensors.update({f"model/{k}": v for k, v in buffers.items()})
         optim = get_optimizer_state_dict(wrapper, self.raw_optimizer())
-        by_flat = {flat_name(n): n for n in wrapper.names}
+        by_flat = {wrapper.fqn(n): n for n in wrapper.names}
         for fqn, fields in optim["state"].items():
             for field, value in fields.items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"optim/{by_flat[fqn]}/{field}"] = torch.empty_like(value)
         sharded_files.load_into(tensors, folder, distributed=True)
-        set_model_state_dict(wrapper, {flat_name(n): tensors[f"model/{n}"] for n in wrapper.names},
+        set_model_state_dict(wrapper, {wrapper.fqn(n): tensors[f"model/{n}"] for n in wrapper.names},
                              options=StateDictOptions(strict=False))
         with torch.no_grad():
             for k, buffer in self.loss_buffers().items():

@@ -36,7 +36,10 @@ def user_parallelize(module, mesh):
     return module
 
 
-def fsdp(parallelize_fn=shard_loss, **kwargs):
+EVERY_LAYER = functools.partial(shard_loss, min_unit_numel=1)  # these networks are small: unit them all
+
+
+def fsdp(parallelize_fn=EVERY_LAYER, **kwargs):
     strategy = ModelParallelStrategy(parallelize_fn=parallelize_fn, timeout=TIMEOUT)
     return FabricLearner(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
 
@@ -140,6 +143,49 @@ def served(rank):
     return out
 
 
+def per_layer(rank):
+    """Which layers hold full weights while each layer runs: functional and non-functional PPO, DQN
+    (target network), SAC (vmap'ed critic ensemble). Each probe runs just after FSDP2 gathered the
+    layer's unit, inside the loss's forward."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for kind, case, functional in (("ppo", "ppo", True), ("ppo_nonfunctional", "ppo", False),
+                                   ("dqn", "dqn", True), ("sac", "sac", True)):
+        loss, _ = make_loss(case, functional=functional)
+        learner = fsdp(loss_module=loss, optimizer=opt(), clip_grad_norm=CLIP)
+        wrapper = learner.sharded_module
+        units = wrapper.layer_units()
+        seen = []
+
+        def probe(unit, args):
+            full = [u.path for u in units if not any(isinstance(p, DTensor) for p in u.parameters())]
+            seen.append((unit.path, full))
+
+        handles = [u.register_forward_pre_hook(probe) for u in units]
+        norms = run_steps(learner, case, rank, 2)
+        for h in handles:
+            h.remove()
+        out[kind] = {"units": [u.path for u in units], "whole": list(wrapper._whole), "seen": seen,
+                     "loss_params": [n for n, _ in loss.named_parameters()],
+                     "model": learner.checkpoint()["model"], "grad_norm": norms,
+                     "at_rest_sharded": all(isinstance(p, DTensor) for u in units for p in u.parameters())}
+    # shard_loss's size threshold: layers under it share the ShardedLoss's unit
+    from torch.distributed.fsdp import FSDPModule
+
+    for kind, parallelize_fn in (("default", shard_loss), ("threshold_70", functools.partial(shard_loss, min_unit_numel=70))):
+        loss, _ = make_loss("ppo")
+        learner = fsdp(parallelize_fn=parallelize_fn, loss_module=loss, optimizer=opt(), clip_grad_norm=CLIP)
+        units = learner.sharded_module.layer_units()
+        norms = run_steps(learner, "ppo", rank, 2)
+        out[kind] = {"own_unit": {u.path: isinstance(u, FSDPModule) for u in units},
+                     "numel": {u.path: sum(p.numel() for p in u.parameters()) for u in units},
+                     "loss_params": [n for n, _ in loss.named_parameters()],
+                     "model": learner.checkpoint()["model"], "grad_norm": norms,
+                     "at_rest_sharded": all(isinstance(p, DTensor) for u in units for p in u.parameters())}
+    return out
+
+
 def tampered(out_dir, rank):
     """Damaged copies of real checkpoints (prepared by the test, see tests/tamper.py), loaded on 2 ranks.
 
@@ -209,6 +255,7 @@ def main(out_dir):
     results["resume"] = resume(out_dir, rank)
     results["tampered"] = tampered(out_dir, rank)
     results["served"] = served(rank)
+    results["per_layer"] = per_layer(rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     learner.fabric.barrier()
     torch.distributed.destroy_process_group()

@@ -1,0 +1,174 @@
+"""A model that does not fit a per-process memory cap unsharded, trained under that cap by FSDP on 2 ranks.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_capped.py      # ~3 min on 2 busy cores
+
+The model is PPO with an actor MLP of 6 layers of ``--width`` (4096: 84.0M parameters, 321 MiB
+a copy). Unsharded, its parameters, gradients and Adam's two moments are 4 copies. Every
+process gets the same cap on its address space (``RLIMIT_AS``), set just before it builds the
+model: its address space then (``VmSize``, imports done) plus ``--cap-copies`` copies of the
+model (3.5 by default, below the 4 copies one process needs for the training state alone).
+
+- ``one_process``: ``LocalLearner`` trains the model under the cap: expected to fail to allocate.
+- ``fsdp_2_ranks``: ``FabricLearner(strategy="fsdp")`` on 2 gloo ranks, each under the same cap:
+  expected to train its updates (each rank builds the full model once, then holds half of
+  the training state and one layer gathered at a time).
+- ``fsdp_2_ranks_one_unit``: the same, but with a ``parallelize_fn`` that shards the learner's
+  ``ShardedLoss`` as one FSDP2 unit (``fully_shard(module, mesh=whole_world(mesh))``): every
+  parameter is gathered for the whole loss call, so each rank holds the full model and its full
+  gradients at once (what ``strategy="fsdp"`` did before per-layer units).
+
+``MALLOC_ARENA_MAX=1``: glibc otherwise reserves a 64 MiB arena of address space per thread
+that allocates (gloo's threads too), which counts against ``RLIMIT_AS`` without being used.
+Writes ``benchmarks/results/fsdp_capped.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+KINDS = ("one_process", "fsdp_2_ranks", "fsdp_2_ranks_one_unit")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> None:
+    sys.path.insert(0, HERE)
+    import functools
+    import resource
+    from datetime import timedelta
+
+    import torch
+
+    import common
+    from fabric_learner import FabricLearner, LocalLearner
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", 0))
+    cells = (width,) * 6
+    baseline = status_mib("VmSize")
+    result = {"kind": kind, "rank": rank, "baseline_vmsize_mib": baseline}
+    try:
+        # the exact size before the cap: the same MLPs on the meta device cost no memory
+        from torchrl.modules import MLP
+
+        with torch.device("meta"):
+            nets = [MLP(in_features=common.OBS, out_features=2 * common.ACT, num_cells=list(cells)),
+                    MLP(in_features=common.OBS, out_features=1, num_cells=[64, 64])]
+        n_params = sum(p.numel() for net in nets for p in net.parameters())
+        copy_mib = n_params * 4 / 2**20
+        cap = int((baseline + cap_copies * copy_mib) * 2**20)
+        if cap_copies > 0:
+            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        result.update(n_params=n_params, copy_mib=copy_mib, cap_over_baseline_mib=cap_copies * copy_mib)
+        loss, _ = common.make_loss("ppo_big_actor", cells=cells)
+        opt = functools.partial(torch.optim.Adam, lr=1e-4)
+        if kind == "one_process":
+            learner = LocalLearner(loss, opt)
+        else:
+            strategy = "fsdp"
+            if kind == "fsdp_2_ranks_one_unit":
+                from lightning.fabric.strategies import ModelParallelStrategy
+
+                strategy = ModelParallelStrategy(parallelize_fn=one_unit, timeout=timedelta(minutes=5))
+            learner = FabricLearner(loss, opt, accelerator="cpu", devices=2, strategy=strategy,
+                                    timeout=None if kind == "fsdp_2_ranks_one_unit" else timedelta(minutes=5))
+        done = 0
+        for step in range(updates):
+            out_td = learner.update(common.make_batch("ppo_big_actor", n=64, seed=step + 10 * rank))
+            done += 1
+        result.update(trained_updates=done, last_loss=float(sum(v for k, v in out_td.items() if k.startswith("loss_"))),
+                      error=None)
+    except (RuntimeError, MemoryError) as err:  # the allocation the cap refuses
+        result.update(trained_updates=locals().get("done", 0), error=f"{type(err).__name__}: {str(err)[:300]}")
+    result["vmpeak_over_baseline_mib"] = status_mib("VmPeak") - baseline
+    result["rss_peak_mib"] = status_mib("VmHWM")
+    if kind == "one_process":
+        with open(out, "w") as f:
+            json.dump([result], f)
+        return
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    learner.close()
+
+
+def one_unit(module, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    from fabric_learner import whole_world
+
+    fully_shard(module, mesh=whole_world(mesh))
+    return module
+
+
+def launch(kind: str, args, out: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RL_WARNINGS="False", MALLOC_ARENA_MAX="1")
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    tail = [__file__, "--worker", kind, "--width", str(args.width), "--cap-copies", str(args.cap_copies),
+            "--updates", str(args.updates), "--out", out]
+    cmd = [sys.executable, *tail] if kind == "one_process" else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *tail]
+    start = time.monotonic()
+    if os.path.exists(out):
+        os.remove(out)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if not os.path.exists(out):
+        return {"kind": kind, "returncode": proc.returncode, "ranks": [],
+                "output_tail": (proc.stdout + proc.stderr)[-2000:]}
+    with open(out) as f:
+        ranks = json.load(f)
+    return {"kind": kind, "returncode": proc.returncode, "seconds": time.monotonic() - start, "ranks": ranks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", choices=KINDS)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--cap-copies", type=float, default=3.5, help="0: no cap (to calibrate)")
+    parser.add_argument("--updates", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "fsdp_capped.json"))
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.width, args.cap_copies, args.updates, args.out)
+    tmp = args.out + ".rank.json"
+    runs = [launch(kind, args, tmp) for kind in KINDS]
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    verdict = {r["kind"]: bool(r["ranks"]) and all(x["error"] is None and x["trained_updates"] == args.updates
+                                                   for x in r["ranks"]) for r in runs}
+    result = {"what": f"RLIMIT_AS = VmSize before the model + {args.cap_copies} model copies, per process",
+              "width": args.width, "cap_copies": args.cap_copies, "updates": args.updates,
+              "trained_under_cap": verdict, "runs": runs}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for r in runs:
+        for x in r["ranks"]:
+            print(f"{r['kind']:21s} rank {x['rank']}: {x.get('n_params', 0) / 1e6:.1f}M params, cap "
+                  f"+{x.get('cap_over_baseline_mib', 0):.0f} MiB, trained {x['trained_updates']}/{args.updates}, "
+                  f"VmPeak +{x['vmpeak_over_baseline_mib']:.0f} MiB, error: {x['error']}")
+        if not r["ranks"]:
+            print(f"{r['kind']}: no result (exit {r['returncode']}):\n{r['output_tail']}")
+    print("trained under the cap:", verdict)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Peak memory per rank of one PPO training run: learner FSDP vs hand-written per-layer FSDP2 vs learner DDP.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_peak.py            # ~3 min on 2 busy cores (--repeats 2: ~6 min)
+    .venv/bin/python benchmarks/fsdp_peak.py --width 1024 --repeats 1      # a quick smoke
+
+Each contender is its own 2-rank ``torchrun`` launch (gloo, CPU), so each process's high-water
+mark belongs to it alone; contenders take turns, ``--repeats`` times, in a rotated order. A rank
+records its resident memory just before it builds the model, trains two Adam updates on its own
+64-sample batch, and reports its peak resident memory (``VmHWM``) over that baseline; a launch
+counts its worst rank. The model is the issue's: ``ClipPPOLoss`` whose actor is a 6-layer,
+``--width``-wide MLP (4096: 84.0M parameters, 320 MiB a copy), critic MLP [64, 64].
+
+- ``learner_fsdp``: ``FabricLearner(strategy="fsdp")`` (per-layer FSDP2 units, see docs/fsdp.md).
+- ``hand_fsdp2``: what a user writes with FSDP2 by hand: ``fully_shard`` on each ``Linear``, then
+  on each network's ``nn.Sequential``, ``ClipPPOLoss(..., functional=False)``, Adam built after
+  sharding over the sharded parameters, ``loss`` keys summed, ``backward``, ``step``.
+- ``learner_ddp``: ``FabricLearner(strategy="ddp")``.
+
+Writes ``benchmarks/results/fsdp_peak.json``: every launch's per-rank figures, medians per
+contender, and the ratios ``learner_fsdp / hand_fsdp2`` (goal <= 1.1) and
+``learner_fsdp / learner_ddp`` (goal <= 0.55).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONTENDERS = ("learner_fsdp", "hand_fsdp2", "learner_ddp")
+
+
+def rss_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def worker(kind: str, width: int, out: str) -> None:
+    sys.path.insert(0, HERE)
+    import functools
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import common
+    from fabric_learner import FabricLearner  # every contender imports the same before its baseline
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+    from torchrl.objectives import ClipPPOLoss  # noqa: F401
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    baseline = rss_mib("VmRSS")  # imports done, model not built yet
+    cells = (width,) * 6
+    batches = [common.make_batch("ppo_big_actor", n=64, seed=step + 10 * rank) for step in range(2)]
+    if kind == "hand_fsdp2":
+        loss, n_params = hand_fsdp2(cells, timedelta(minutes=5))
+        opt = torch.optim.Adam([p for p in loss.parameters() if p.requires_grad], lr=1e-4)
+        for batch in batches:
+            losses = loss(batch)
+            total = sum(v for k, v in losses.items() if k.startswith("loss_"))
+            total.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        done = dist
+    else:
+        loss, _ = common.make_loss("ppo_big_actor", cells=cells)
+        n_params = sum(p.numel() for p in loss.parameters())
+        learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-4), accelerator="cpu", devices=2,
+                                strategy="fsdp" if kind == "learner_fsdp" else "ddp", timeout=timedelta(minutes=5))
+        for batch in batches:
+            learner.update(batch)
+        done = learner
+    result = {"rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": rss_mib("VmHWM") - baseline,
+              "n_params": n_params}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    if done is dist:
+        dist.barrier()
+        dist.destroy_process_group()
+    else:
+        done.close()
+
+
+def hand_fsdp2(cells, timeout):
+    """ClipPPOLoss over networks sharded by hand, one FSDP2 unit per Linear, then per network."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torchrl.objectives import ClipPPOLoss
+
+    import common
+
+    torch.manual_seed(0)
+    functional, _ = common.make_loss("ppo_big_actor", cells=cells)  # the same networks and weights
+    policy, critic = functional.actor_network, functional.critic_network
+    n_params = sum(p.numel() for p in functional.parameters())
+    # a functional loss keeps the weights in its TensorDictParams: hand them back to the networks
+    functional.actor_network_params.to_module(policy)
+    functional.critic_network_params.to_module(critic)
+    del functional
+    dist.init_process_group("gloo", timeout=timeout)
+    for network in (policy, critic):
+        sequentials = [m for m in network.modules() if isinstance(m, torch.nn.Sequential)
+                       and any(isinstance(c, torch.nn.Linear) for c in m.children())]
+        for seq in sequentials:
+            for layer in seq:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            fully_shard(seq)
+    loss = ClipPPOLoss(policy, critic, entropy_coeff=0.01, normalize_advantage=False, functional=False)
+    from torch.distributed.tensor import DTensor
+
+    assert all(isinstance(p, DTensor) for p in loss.parameters()), "hand FSDP2: unsharded parameters left"
+    return loss, n_params
+
+
+def launch(kind: str, width: int, out: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RL_WARNINGS="False")
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           "--worker", kind, "--width", str(width), "--out", out]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        ranks = json.load(f)
+    return {"kind": kind, "seconds": time.monotonic() - start, "ranks": ranks,
+            "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks), "n_params": ranks[0]["n_params"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", choices=CONTENDERS)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "fsdp_peak.json"))
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.width, args.out)
+    runs = []
+    tmp = args.out + ".rank.json"
+    for rep in range(args.repeats):
+        order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]
+        for kind in order:
+            runs.append(launch(kind, args.width, tmp))
+            print(f"{kind:13s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
+                  f"({runs[-1]['seconds']:.0f} s)", flush=True)
+    os.remove(tmp)
+    median = {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in CONTENDERS}
+    n_params = runs[0]["n_params"]
+    copy_mib = n_params * 4 / 2**20
+    result = {
+        "what": "peak resident memory over the pre-model baseline, worst of 2 CPU ranks, 2 PPO updates",
+        "width": args.width, "n_params": n_params, "copy_mib": copy_mib, "repeats": args.repeats,
+        "median_peak_mib": median, "copies": {k: v / copy_mib for k, v in median.items()},
+        "fsdp_vs_hand_fsdp2": median["learner_fsdp"] / median["hand_fsdp2"],
+        "fsdp_vs_ddp": median["learner_fsdp"] / median["learner_ddp"],
+        "goals": {"fsdp_vs_hand_fsdp2": 1.1, "fsdp_vs_ddp": 0.55}, "runs": runs,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{n_params / 1e6:.1f}M parameters, {copy_mib:.0f} MiB a copy")
+    for k in CONTENDERS:
+        print(f"  {k:13s} {median[k]:8.1f} MiB  ({median[k] / copy_mib:.1f} copies)")
+    print(f"learner fsdp / hand FSDP2 = {result['fsdp_vs_hand_fsdp2']:.2f} (goal <= 1.1); "
+          f"learner fsdp / ddp = {result['fsdp_vs_ddp']:.2f} (goal <= 0.55)")
+
+
+if __name__ == "__main__":
+    main()
