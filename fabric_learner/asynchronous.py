@@ -141,10 +141,13 @@ class _Feeder(threading.Thread):
         self.error: BaseException | None = None
         self.exhausted = False
         self.high_water = 0  # the most batches ever waiting in the queue
+        self.yielded = 0  # batches the collector has handed over
+        self.delivered = threading.Event()  # set once a batch (or the end, or an error) has come
 
     def run(self) -> None:
         try:
             for batch in self.collector:
+                self.yielded += 1
                 while not self.stop_event.is_set():
                     try:
                         self.queue.put(batch, timeout=0.05)
@@ -152,11 +155,14 @@ class _Feeder(threading.Thread):
                     except queue.Full:
                         continue
                 self.high_water = max(self.high_water, self.queue.qsize())
+                self.delivered.set()
                 if self.stop_event.is_set():
                     return
             self.exhausted = True
         except BaseException as err:  # reported by the learner's thread
             self.error = err
+        finally:
+            self.delivered.set()
 
     def take(self, wait_s: float) -> list[TensorDictBase]:
         """Every batch waiting; waits up to ``wait_s`` for the first one when none is."""
@@ -197,6 +203,7 @@ class _State:
         self.max_lag_seen = 0  # this rank, over admitted frames
         self.batches = 0  # this rank
         self.high_water = 0
+        self.max_backlog = 0
 
 
 def admit(batch: TensorDictBase, version_now: int, cfg: AsyncCollection) -> tuple[TensorDictBase, int, int, int, int]:
@@ -215,7 +222,7 @@ def admit(batch: TensorDictBase, version_now: int, cfg: AsyncCollection) -> tupl
     return batch, collected, admitted, collected - admitted, max_lag
 
 
-def _round_collective(trainer, values: list[int], round_: int) -> list[int]:
+def _round_collective(trainer, values: list[int], round_) -> list[int]:
     """Sum ``values`` over ranks; a failure names this rank and the round."""
     if not trainer._distributed():
         return list(values)
@@ -255,8 +262,20 @@ def train(trainer, cfg: AsyncCollection) -> None:
     feeder.start()
     template: TensorDictBase | None = None
     try:
+        # Every rank's collector delivers its first batch before any rank takes one: a fast rank would
+        # otherwise spend the frame budget while a slow one is still starting its workers.
+        warmup = 0
+        while True:
+            feeder.delivered.wait(cfg.poll_s)
+            if feeder.error is not None:
+                raise RuntimeError(f"The collector failed in its feeder thread: {feeder.error!r}") from feeder.error
+            warmup += 1
+            if _round_collective(trainer, [int(not feeder.delivered.is_set())], f"0 (warm-up poll {warmup})")[0] == 0:
+                break
         while True:
             state.rounds += 1
+            # collected but not yet taken by the learner: the queue plus the one the feeder holds
+            state.max_backlog = max(state.max_backlog, feeder.yielded - state.batches)
             raw = feeder.take(cfg.poll_s)
             version_now = trainer.learner.num_updates
             admitted_batches, collected = [], 0
@@ -282,9 +301,9 @@ def train(trainer, cfg: AsyncCollection) -> None:
             state.global_dropped_frames += g_dropped
             if g_exhausted:
                 break
-            if g_batches == 0 and not g_stop:
-                continue  # a poll: no rank has anything new
             trainer.collected_frames += g_collected * trainer.frame_skip
+            if (g_batches == 0 or g_not_ready) and not g_stop and trainer.collected_frames < trainer.total_frames:
+                continue  # a poll (no rank has anything new), or a rank still waits for its first admitted batch
             # Ranks without a new batch this round log an empty one (the log hooks may be collectives).
             if len(admitted_batches) > 1:
                 batch = torch.cat(admitted_batches, 0)
@@ -292,14 +311,18 @@ def train(trainer, cfg: AsyncCollection) -> None:
                 batch = admitted_batches[0]
             else:
                 batch = template[:0] if template is not None else None
-            trainer._pre_steps_log_hook(batch)
+            if g_not_ready:  # stopping before every rank admitted a batch: no hook may see a missing batch
+                batch = None
+            else:
+                trainer._pre_steps_log_hook(batch)
             if g_not_ready == 0 and trainer.collected_frames >= g_init and g_batches:
                 repeats = math.ceil(g_batches / trainer.world_size)
                 for _ in range(repeats):
                     trainer.optim_steps(batch)
                 publish(trainer, trainer.learner.num_updates)
             trainer._post_steps_hook()
-            trainer._post_steps_log_hook(batch)
+            if batch is not None:
+                trainer._post_steps_log_hook(batch)
             if g_stop:
                 if not trainer._stop_training:
                     trainer.request_stop("another rank requested a stop")
@@ -324,7 +347,8 @@ def stats(trainer) -> dict[str, Any]:
     s = trainer._async_state
     return {"rounds": s.rounds, "batches": s.batches, "admitted_frames": s.admitted_frames,
             "dropped_frames": s.dropped_frames, "global_dropped_frames": s.global_dropped_frames,
-            "max_admitted_lag": s.max_lag_seen, "queue_high_water": s.high_water}
+            "max_admitted_lag": s.max_lag_seen, "queue_high_water": s.high_water,
+            "max_backlog": s.max_backlog}
 
 
 def warn_discarded(meta_async: dict[str, Any] | None) -> None:
