@@ -82,12 +82,15 @@ def resume(out_dir: str, rank: int) -> dict:
 
 
 def stops(rank: int) -> None:
-    """Rank 1 raises after its third round; rank 0 must fail in the round's collective, not hang."""
-    trainer, learner, _, _ = ac.build(factory("ddp", timeout=5), total_frames=10**6, delay=delay_for(rank))
+    """Rank 1 ends its program after its third round (its collector shut down first, so no process
+    outlives it); rank 0 must fail in the next round's collective, naming itself and the round."""
+    trainer, learner, _, _ = ac.build(factory("ddp"), total_frames=10**6, delay=delay_for(rank))
 
     def leave():
         if rank == 1 and trainer.async_stats["rounds"] >= 3:
-            raise SystemExit(3)
+            print("rank 1 ends its program", flush=True)
+            trainer.collector.shutdown()
+            os._exit(0)
     trainer.register_op("post_steps", leave)
     trainer.train()
 
