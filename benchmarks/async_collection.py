@@ -12,7 +12,9 @@ optimizer steps per batch:
 - ``async``: each rank's ``torchrl.collectors.AsyncCollector`` steps CartPole in another process
   while the rank trains; ``AsyncCollection(max_policy_lag=LAG)``.
 
-Reported per contender (medians over repeats): global frames/s and updates/s over ``train()``,
+Reported per contender (medians over repeats): global frames/s and updates/s in steady state
+(from the first round to the last; the whole ``train()`` too, whose start includes the
+asynchronous collector's worker start-up),
 the final return (rank 0: mean over greedy episodes after training), frames dropped as stale,
 and rank 0's resident memory at the first and last quarter of training (backpressure: it must
 not grow with the run's length).
@@ -97,17 +99,22 @@ def worker(mode: str, frames: int, out: str) -> None:
                       **extra)
     ReplayBufferTrainer(rb, flatten_tensordicts=True).register(trainer)
     samples = []
-    trainer.register_op("post_steps", lambda: samples.append((trainer.collected_frames, rss_mb())))
+    trainer.register_op("post_steps", lambda: samples.append(
+        (time.perf_counter(), trainer.collected_frames, learner.num_updates, rss_mb())))
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
     if rank == 0:
         quarter = max(1, len(samples) // 4)
+        (t_a, f_a, u_a, _), (t_b, f_b, u_b, _) = samples[0], samples[-1]
         result = {"mode": mode, "seconds": seconds, "frames": trainer.collected_frames,
-                  "updates": learner.num_updates, "fps": trainer.collected_frames / seconds,
-                  "updates_per_s": learner.num_updates / seconds, "final_return": evaluate(qnet),
-                  "rss_first_quarter_mb": max(r for _, r in samples[:quarter]),
-                  "rss_last_quarter_mb": max(r for _, r in samples[-quarter:]),
+                  "updates": learner.num_updates,
+                  # steady state: from the end of the first batch's round to the end of the last
+                  "fps": (f_b - f_a) / (t_b - t_a), "updates_per_s": (u_b - u_a) / (t_b - t_a),
+                  "first_round_s": t_a - t0,  # includes an asynchronous collector's worker start-up
+                  "fps_whole_train": trainer.collected_frames / seconds, "final_return": evaluate(qnet),
+                  "rss_first_quarter_mb": max(s[3] for s in samples[:quarter]),
+                  "rss_last_quarter_mb": max(s[3] for s in samples[-quarter:]),
                   "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "async": trainer.async_stats if mode == "async" else None}
         with open(out, "w") as f:
@@ -134,14 +141,16 @@ def main() -> None:
                 runs[mode].append(json.load(f))
             os.remove(tmp)
             print(mode, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[mode][-1].items()}, flush=True)
-    keys = ("fps", "updates_per_s", "final_return", "seconds", "rss_first_quarter_mb", "rss_last_quarter_mb")
+    keys = ("fps", "updates_per_s", "final_return", "seconds", "first_round_s", "fps_whole_train",
+            "rss_first_quarter_mb", "rss_last_quarter_mb")
     medians = {m: {k: statistics.median(r[k] for r in rs) for k in keys} for m, rs in runs.items()}
     summary = {
         "what": "2 DDP ranks (gloo, CPU, 1 thread each), DQN MLP [64,64] on CartPole-v1, same total frames",
         "settings": {"total_frames": args.frames, "frames_per_batch": FRAMES_PER_BATCH, "optim_steps_per_batch": OPTIM_STEPS,
                      "batch_size": RB_BATCH, "lr": LR, "max_policy_lag": LAG, "epsilon": EPS, "repeats": args.repeats},
         "medians": medians,
-        "async_over_sync": {k: medians["async"][k] / medians["sync"][k] for k in ("fps", "updates_per_s")},
+        "async_over_sync": {k: medians["async"][k] / medians["sync"][k] for k in ("fps", "updates_per_s",
+                                                                                   "fps_whole_train")},
         "runs": runs,
         "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version()},
         "git_head": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),

@@ -148,7 +148,10 @@ class Trainer(_TorchRLTrainer):
         if isinstance(async_cfg, AsyncCollection):
             if collector is None:
                 raise ValueError("async_collection needs a collector: pass this rank's collector=.")
-            versioned_policy(collector)  # raises, naming the fix, unless the policy stamps versions
+            stamp = versioned_policy(collector)  # raises, naming the fix, unless the policy stamps versions
+            if stamp.key != async_cfg.key:
+                raise ValueError(f"The collector's VersionedPolicy writes {stamp.key!r} but AsyncCollection reads "
+                                 f"{async_cfg.key!r}; give both the same key.")
             if learner.policy is None:
                 raise ValueError("async_collection publishes the learner's policy weights to the collector: build the "
                                  "learner with policy=<the policy module the loss trains>.")
