@@ -38,6 +38,11 @@ What changes against torchrl's Trainer, and why:
   uninterrupted run would (exactly so for stateless environments such as torchrl's
   ``PendulumEnv``, whose in-flight observation is restored too). What is saved of the
   environment is decided once, at construction (see ``checkpoint.trainer_state.EnvPlan``).
+- ``async_collection=AsyncCollection(...)`` (or ``True`` on several ranks) runs the asynchronous
+  loop of :mod:`fabric_learner.asynchronous` instead, on any number of ranks: collection in
+  other processes, policy versions on every frame, stale frames dropped and counted, a bounded
+  queue, ranks in step; its checkpoints discard in-flight work. ``True`` on one rank keeps
+  torchrl's own asynchronous mode.
 - At the end of ``train()`` the collector's state is read, then the collector is shut down
   (env, worker processes, weight-sync schemes), also when training fails, so no worker
   process outlives the run.
