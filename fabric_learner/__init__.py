@@ -1,6 +1,7 @@
 """Train torchrl losses on one CPU, one GPU, or many GPUs under DDP or FSDP, unchanged."""
 
 from fabric_learner._launch import launcher
+from fabric_learner.asynchronous import AsyncCollection, VersionedPolicy
 from fabric_learner.fabric import FabricLearner
 from fabric_learner.learner import Capabilities, Learner
 from fabric_learner.backends.sharded import ShardedLoss, shard_loss, whole_world
@@ -9,6 +10,6 @@ from fabric_learner._stages import Stage
 from fabric_learner.replay import TorchPrioritizedSampler
 from fabric_learner.trainer import Trainer
 
-__all__ = ["Capabilities", "FabricLearner", "Learner", "LocalLearner", "ShardedLoss", "Stage", "TorchPrioritizedSampler",
-           "Trainer", "launcher", "shard_loss", "whole_world"]
+__all__ = ["AsyncCollection", "Capabilities", "FabricLearner", "Learner", "LocalLearner", "ShardedLoss", "Stage", "TorchPrioritizedSampler",
+           "Trainer", "VersionedPolicy", "launcher", "shard_loss", "whole_world"]
 __version__ = "0.1.0"

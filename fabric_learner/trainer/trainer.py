@@ -38,6 +38,11 @@ What changes against torchrl's Trainer, and why:
   uninterrupted run would (exactly so for stateless environments such as torchrl's
   ``PendulumEnv``, whose in-flight observation is restored too). What is saved of the
   environment is decided once, at construction (see ``checkpoint.trainer_state.EnvPlan``).
+- ``async_collection=AsyncCollection(...)`` (or ``True`` on several ranks) runs the asynchronous
+  loop of :mod:`fabric_learner.asynchronous` instead, on any number of ranks: collection in
+  other processes, policy versions on every frame, stale frames dropped and counted, a bounded
+  queue, ranks in step; its checkpoints discard in-flight work. ``True`` on one rank keeps
+  torchrl's own asynchronous mode.
 - At the end of ``train()`` the collector's state is read, then the collector is shut down
   (env, worker processes, weight-sync schemes), also when training fails, so no worker
   process outlives the run.
@@ -61,6 +66,8 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.trainers import ReplayBufferTrainer
 from torchrl.trainers import Trainer as _TorchRLTrainer
 
+from fabric_learner import asynchronous
+from fabric_learner.asynchronous import AsyncCollection, versioned_policy
 from fabric_learner.checkpoint import trainer_state
 from fabric_learner.checkpoint.files import weights_only_load
 from fabric_learner.checkpoint.resize import fill_replay, replay_share, reseed
@@ -170,8 +177,28 @@ class Trainer(_TorchRLTrainer):
             raise TypeError(f"learner must be a fabric_learner Learner, got {type(learner).__name__}.")
         self.learner = learner
         self._world_size = learner.world_size
-        if kwargs.get("async_collection") and self._world_size > 1:
-            raise NotImplementedError("async_collection is not supported with more than one rank yet.")
+        # AsyncCollection (or True on several ranks): fabric_learner's asynchronous loop on every rank;
+        # True on one rank keeps torchrl's own asynchronous mode.
+        async_cfg = kwargs.pop("async_collection", False)
+        if async_cfg is True and self._world_size > 1:
+            async_cfg = AsyncCollection()
+        if isinstance(async_cfg, AsyncCollection):
+            if collector is None:
+                raise ValueError("async_collection needs a collector: pass this rank's collector=.")
+            stamp = versioned_policy(collector)  # raises, naming the fix, unless the policy stamps versions
+            if stamp.key != async_cfg.key:
+                raise ValueError(f"The collector's VersionedPolicy writes {stamp.key!r} but AsyncCollection reads "
+                                 f"{async_cfg.key!r}; give both the same key.")
+            if learner.policy is None:
+                raise ValueError("async_collection publishes the learner's policy weights to the collector: build the "
+                                 "learner with policy=<the policy module the loss trains>.")
+        elif async_cfg not in (False, None, True):
+            raise TypeError(f"async_collection must be a fabric_learner.AsyncCollection or a bool, got {async_cfg!r}.")
+        else:
+            kwargs["async_collection"] = bool(async_cfg)
+        self._async = async_cfg if isinstance(async_cfg, AsyncCollection) else None
+        self._async_state = asynchronous._State()
+        self._async_feeder = None
         super().__init__(
             collector=collector,
             total_frames=total_frames,
@@ -195,7 +222,7 @@ class Trainer(_TorchRLTrainer):
             self.set_seed()
         if target_net_updater is not None:
             _TargetNetUpdate(target_net_updater, learner).register(self)
-        if publish_weights and collector is not None:
+        if publish_weights and collector is not None and self._async is None:  # async: publish() each round
             serve_collector_policy(learner, collector)
             PublishWeights(learner, collector).register(self)
         if log_throughput:
@@ -251,6 +278,8 @@ class Trainer(_TorchRLTrainer):
 
     def train(self):
         self._resume_from_last_checkpoint()
+        if self._async is not None:
+            return self._train_async()
         if self.async_collection:
             return super().train()
         if self.progress_bar:
@@ -298,6 +327,29 @@ class Trainer(_TorchRLTrainer):
         self._shutdown_hook()
         self._collector_state_at_end = self._collector_state()  # read while the collector is alive
         self._close_collector(raise_on_error=True)
+
+    def _train_async(self) -> None:
+        if self.progress_bar:
+            from tqdm import tqdm
+
+            self._pbar = tqdm(total=self.total_frames, initial=min(self.collected_frames, self.total_frames))
+            self._pbar_str = {}
+        try:
+            asynchronous.train(self, self._async)
+        except BaseException:
+            if self._async_feeder is not None:
+                self._async_feeder.stop_event.set()
+            self._close_collector(raise_on_error=False)
+            raise
+        finally:
+            if self._pbar is not None:
+                self._pbar.close()
+
+    @property
+    def async_stats(self) -> dict[str, Any]:
+        """This rank's asynchronous-collection counters: rounds, batches, admitted and dropped frames
+        (``global_dropped_frames``: over all ranks), the largest admitted lag, the queue's high water."""
+        return asynchronous.stats(self)
 
     def _close_collector(self, *, raise_on_error: bool) -> None:
         """Shut the collector down once (closing its env and worker processes)."""
@@ -403,8 +455,8 @@ class Trainer(_TorchRLTrainer):
 
     def _collector_state(self) -> dict[str, Any]:
         collector = self.collector
-        if collector is None:
-            return {"collector": None, "carrier": None, "env_rng": []}
+        if collector is None or self._async is not None:  # async: in-flight work is not saved
+            return dict(asynchronous.NO_COLLECTOR_STATE)
         if self._collector_state_at_end is not None:
             return self._collector_state_at_end  # train() ended and shut the collector down
         if self._collector_closed:
@@ -428,6 +480,8 @@ class Trainer(_TorchRLTrainer):
             "carrier": collector["carrier"],
             "modules": {name: module.state_dict() for name, module in self._modules.items()},
             "rng": rng,
+            **({"async": {"queued_frames": self._async_feeder.queued_frames() if self._async_feeder else 0,
+                          **asynchronous.stats(self)}} if self._async is not None else {}),
         }
 
     def _check_rank_state(self, state: Any, source: str = "the trainer state", resizing: bool = False) -> None:
@@ -527,6 +581,8 @@ class Trainer(_TorchRLTrainer):
         if rank == 0:
             meta = {"format": CHECKPOINT_FORMAT, "world_size": self._world_size, "collected_frames": self.collected_frames,
                     "optim_steps": self._optim_count, "num_updates": self.learner.num_updates}
+            if self._async is not None:
+                meta["in_flight"] = "discarded"  # queued batches and rollouts in progress are not saved
             (partial / _META_FILE).write_text(json.dumps(meta))
             if old.exists():
                 shutil.rmtree(old)
@@ -572,6 +628,8 @@ class Trainer(_TorchRLTrainer):
         self._publish_after_load()
         trainer_state.set_rng_state(state["rng"], self._env_plan)
         self._loaded = True
+        if self._async is not None:
+            asynchronous.warn_discarded(state.get("async") or {"queued_frames": 0})
         return self
 
     def _load_resized(self, states: list[dict[str, Any]], learner_file: Path) -> Trainer:

@@ -1,0 +1,168 @@
+"""Asynchronous against synchronous collection on 2 DDP ranks: DQN on CartPole, same total frames.
+
+    python benchmarks/async_collection.py [--repeats 3] [--frames 6000] [--out benchmarks/results/async_collection.json]
+
+Each repeat launches both contenders one after the other (interleaved: sync, async, sync, ...),
+each a fresh 2-rank run (``FabricLearner(devices=2)`` from plain python, gloo, one thread per
+process) of ``fabric_learner.Trainer`` with the same DQN, replay buffer, frames per batch and
+optimizer steps per batch:
+
+- ``sync``: each rank's ``torchrl.collectors.Collector`` steps CartPole in the rank's process,
+  then the rank trains on the batch (the default path).
+- ``async``: each rank's ``torchrl.collectors.AsyncCollector`` steps CartPole in another process
+  while the rank trains; ``AsyncCollection(max_policy_lag=LAG)``.
+
+Reported per contender (medians over repeats): global frames/s and updates/s in steady state
+(from the first round to the last; the whole ``train()`` too, whose start includes the
+asynchronous collector's worker start-up),
+the final return (rank 0: mean over greedy episodes after training), frames dropped as stale,
+and rank 0's resident memory at the first and last quarter of training (backpressure: it must
+not grow with the run's length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FRAMES_PER_BATCH, OPTIM_STEPS, RB_BATCH, LR, LAG, EPS = 50, 10, 128, 1e-3, 20, 0.1
+
+
+def make_env():
+    from torchrl.envs import GymEnv, StepCounter, TransformedEnv
+
+    return TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def evaluate(qnet, episodes: int = 5) -> float:
+    import torch
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+    env = make_env()
+    env.set_seed(12345)
+    returns = []
+    with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
+        for _ in range(episodes):
+            td = env.rollout(500, qnet)
+            returns.append(float(td["next", "reward"].sum()))
+    env.close()
+    return statistics.mean(returns)
+
+
+def worker(mode: str, frames: int, out: str) -> None:
+    import torch
+    from lightning.fabric.strategies import DDPStrategy
+    from datetime import timedelta
+    from tensordict.nn import TensorDictSequential
+    from torchrl.collectors import AsyncCollector, Collector
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+    from torchrl.modules import MLP, EGreedyModule, QValueActor
+    from torchrl.objectives import DQNLoss, SoftUpdate
+    from torchrl.trainers import ReplayBufferTrainer
+
+    from fabric_learner import AsyncCollection, FabricLearner, Trainer, VersionedPolicy
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    spec = make_env().action_spec
+    qnet = QValueActor(MLP(in_features=4, out_features=2, num_cells=[64, 64]), in_keys=["observation"], spec=spec)
+    loss = DQNLoss(qnet, action_space=spec, delay_value=True)
+    explore = TensorDictSequential(qnet, EGreedyModule(spec, eps_init=EPS, eps_end=EPS))
+    acting = copy.deepcopy(explore)
+    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=LR), policy=explore, accelerator="cpu",
+                            devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=120)), clip_grad_norm=10.0)
+    rank = learner.global_rank
+    if mode == "async":
+        collector = AsyncCollector(make_env, VersionedPolicy(acting), frames_per_batch=FRAMES_PER_BATCH, total_frames=-1)
+        extra = {"async_collection": AsyncCollection(max_policy_lag=LAG)}
+    else:
+        collector = Collector(make_env(), explore, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1)
+        extra = {}
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100_000), batch_size=RB_BATCH)
+    trainer = Trainer(learner=learner, collector=collector, total_frames=frames, optim_steps_per_batch=OPTIM_STEPS,
+                      target_net_updater=SoftUpdate(loss, tau=0.02), seed=1, progress_bar=False, log_interval=0,
+                      **extra)
+    ReplayBufferTrainer(rb, flatten_tensordicts=True).register(trainer)
+    samples = []
+    trainer.register_op("post_steps", lambda: samples.append(
+        (time.perf_counter(), trainer.collected_frames, learner.num_updates, rss_mb())))
+    t0 = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t0
+    if rank == 0:
+        quarter = max(1, len(samples) // 4)
+        (t_a, f_a, u_a, _), (t_b, f_b, u_b, _) = samples[0], samples[-1]
+        result = {"mode": mode, "seconds": seconds, "frames": trainer.collected_frames,
+                  "updates": learner.num_updates,
+                  # steady state: from the end of the first batch's round to the end of the last
+                  "fps": (f_b - f_a) / (t_b - t_a), "updates_per_s": (u_b - u_a) / (t_b - t_a),
+                  "first_round_s": t_a - t0,  # includes an asynchronous collector's worker start-up
+                  "fps_whole_train": trainer.collected_frames / seconds, "final_return": evaluate(qnet),
+                  "rss_first_quarter_mb": max(s[3] for s in samples[:quarter]),
+                  "rss_last_quarter_mb": max(s[3] for s in samples[-quarter:]),
+                  "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "async": trainer.async_stats if mode == "async" else None}
+        with open(out, "w") as f:
+            json.dump(result, f)
+    learner.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--frames", type=int, default=6000, help="total frames over both ranks")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "async_collection.json"))
+    args = parser.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RL_WARNINGS": "False", "PYTHONPATH": ROOT}
+    runs = {"sync": [], "async": []}
+    tmp = args.out + ".run.json"
+    for rep in range(args.repeats):
+        for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
+            proc = subprocess.run([sys.executable, __file__, "--worker", mode, str(args.frames), tmp], env=env,
+                                  cwd=ROOT, capture_output=True, text=True, timeout=1200)
+            if proc.returncode != 0:
+                raise SystemExit(f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            with open(tmp) as f:
+                runs[mode].append(json.load(f))
+            os.remove(tmp)
+            print(mode, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[mode][-1].items()}, flush=True)
+    keys = ("fps", "updates_per_s", "final_return", "seconds", "first_round_s", "fps_whole_train",
+            "rss_first_quarter_mb", "rss_last_quarter_mb")
+    medians = {m: {k: statistics.median(r[k] for r in rs) for k in keys} for m, rs in runs.items()}
+    summary = {
+        "what": "2 DDP ranks (gloo, CPU, 1 thread each), DQN MLP [64,64] on CartPole-v1, same total frames",
+        "settings": {"total_frames": args.frames, "frames_per_batch": FRAMES_PER_BATCH, "optim_steps_per_batch": OPTIM_STEPS,
+                     "batch_size": RB_BATCH, "lr": LR, "max_policy_lag": LAG, "epsilon": EPS, "repeats": args.repeats},
+        "medians": medians,
+        "async_over_sync": {k: medians["async"][k] / medians["sync"][k] for k in ("fps", "updates_per_s",
+                                                                                   "fps_whole_train")},
+        "runs": runs,
+        "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version()},
+        "git_head": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps({"medians": medians, "async_over_sync": summary["async_over_sync"]}, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    else:
+        main()
