@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from rl_cases import CASES, CLIP, LR, halves, make_batch, make_loss, run_steps  # noqa: E402
+from rl_cases import CASES, CLIP, LR, group_timeouts, halves, make_batch, make_loss, run_steps  # noqa: E402
 
 from fabric_learner import FabricLearner, LocalLearner, shard_loss  # noqa: E402
 
@@ -185,6 +185,7 @@ def main(out_dir):
         learner, res = train(case, rank)
         results["cases"][case] = res
         results["world_size"] = learner.world_size
+        results.setdefault("group_timeouts", group_timeouts())  # ModelParallelStrategy(timeout=90 s), kept
         results["sharded"] = learner.capabilities.sharded
         results.setdefault("shard_fraction", {})[case] = shard_fraction(learner)
     for case in ("dqn", "ppo", "ddpg"):
