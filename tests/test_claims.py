@@ -91,3 +91,13 @@ def test_every_test_the_claims_table_names_exists():
         if not (any(n.startswith(name[:-3]) for n in names) if name.endswith("...") else name in names):
             missing.append(f"{path}::{name}")
     assert not missing, f"docs/claims.md cites tests that do not exist: {missing}"
+
+
+def test_the_tampering_counts_checkpoints_md_quotes_are_the_cases_tested():
+    import tamper
+
+    text = open(os.path.join(ROOT, "docs", "checkpoints.md")).read()
+    quoted = re.search(r"one process: (\d+) damaged sharded folders, (\d+) damaged\s+files of each single-file kind, "
+                       r"(\d+) damaged trainer folders", text)
+    assert quoted, "docs/checkpoints.md no longer quotes the tampering counts this test checks"
+    assert tuple(map(int, quoted.groups())) == (len(tamper.SHARDED), len(tamper.FILE), len(tamper.TRAINER))

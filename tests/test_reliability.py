@@ -215,6 +215,8 @@ def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strateg
     # 5 s collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
     proc = run(cmd, timeout=150)
     assert proc.returncode != 0 and proc.leftovers == 0, proc.stdout[-4000:]
+    # the bound torch's group really has (timeout=5, or the fabric= strategy's 5 s over the learner's 1 h)
+    assert "rank 0 group timeouts [5.0]" in proc.stdout, proc.stdout[-4000:]
     failing_call = 2 if scenario == "dies" else 3  # rank 1 dies before its second update
     assert f"rank 0 finished update {failing_call - 1}" in proc.stdout
     assert f"rank 0 finished update {failing_call}" not in proc.stdout
@@ -554,3 +556,21 @@ def test_fsdp_refuses_an_optimizer_instance_and_asks_for_a_factory():
     loss, _ = make_loss("dqn")
     with pytest.raises(ValueError, match=r"needs a factory, not an instance.*functools.partial"):
         FabricLearner(loss, torch.optim.Adam(loss.parameters()), accelerator="cpu", strategy="fsdp", devices=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a batch on another device needs a second device (CUDA)")
+def test_a_batch_on_another_device_is_moved_for_the_forward_and_keeps_its_device():
+    """docs/reliability.md: a CPU batch fed to a learner on a GPU; what DQN writes (td_error) comes back
+    to the CPU, equal to one CPU process on the same batch."""
+    from fabric_learner import FabricLearner
+
+    reference = LocalLearner(make_loss("dqn")[0])
+    learner = FabricLearner(make_loss("dqn")[0], accelerator="cuda", devices=1)
+    expected, batch = make_batch("dqn", n=16, seed=5), make_batch("dqn", n=16, seed=5)
+    reference.update(expected)
+    learner.update(batch)
+    assert batch["observation"].device == torch.device("cpu")
+    assert batch["td_error"].device == torch.device("cpu")
+    torch.testing.assert_close(batch["td_error"], expected["td_error"], atol=1e-5, rtol=1e-5)
+    for k, v in flat_params(reference.loss_module).items():
+        torch.testing.assert_close(flat_params(learner.loss_module)[k].cpu(), v, atol=1e-5, rtol=1e-5, msg=k)

@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from rl_cases import halves, make_batch, make_loss  # noqa: E402
+from rl_cases import group_timeouts, halves, make_batch, make_loss  # noqa: E402
 
 from fabric_learner import FabricLearner  # noqa: E402
 
@@ -33,6 +33,7 @@ def main(scenario, strategy):
     else:
         learner = FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=2, strategy=strategy, timeout=5)
     rank = learner.global_rank
+    print(f"rank {rank} group timeouts {group_timeouts()}", flush=True)
     calls = 3 if rank == 0 else 2
     for step in range(calls):
         if rank == 1 and scenario == "dies" and step == 1:
