@@ -60,6 +60,16 @@ def test_parameters_are_sharded(fsdp):
             assert 0.4 <= fraction <= 0.65, (case, fraction)  # about 1/2; small tensors pad
 
 
+def test_gradients_and_optimizer_state_are_sharded(fsdp):
+    """docs/fsdp.md: each rank holds about 1/N of gradients (counted at the optimizer step) and of
+    Adam's moments, as of parameters."""
+    for rank in fsdp["ranks"]:
+        for case, held in rank["held_fraction"].items():
+            assert held.keys() == {"gradients", "optimizer_state"}, (case, held)
+            for what, fraction in held.items():
+                assert 0.4 <= fraction <= 0.65, (case, what, fraction)
+
+
 @pytest.mark.parametrize("case", [c for c, det in CASES.items() if det])
 def test_deterministic_losses_equal_local_full_batch(fsdp, case):
     r0, r1 = (r["cases"][case] for r in fsdp["ranks"])

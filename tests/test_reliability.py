@@ -177,14 +177,14 @@ def test_over_approximate_in_keys_are_not_required():
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("timeout,expected", [(None, timedelta(minutes=5)), (42, timedelta(seconds=42)),
+@pytest.mark.parametrize("timeout,expected", [("omitted", timedelta(minutes=5)), (42, timedelta(seconds=42)),
                                               (timedelta(hours=1), timedelta(hours=1))])
 def test_strategies_built_from_names_carry_the_timeout(strategy, timeout, expected):
     """The group starts with at least the default (the rendezvous); collectives get ``timeout``."""
     from fabric_learner._launch import DEFAULT_TIMEOUT, as_timeout, build_fabric
 
     fabric, owns = build_fabric(accelerator="cpu", strategy=strategy, devices=2, num_nodes=1, precision="32-true",
-                                timeout=as_timeout(DEFAULT_TIMEOUT if timeout is None else timeout))
+                                timeout=as_timeout(DEFAULT_TIMEOUT if timeout == "omitted" else timeout))
     assert fabric.strategy._timeout == max(expected, DEFAULT_TIMEOUT) and owns
 
 
@@ -459,7 +459,8 @@ def test_saving_a_sharded_checkpoint_onto_a_foreign_folder_or_file_raises_file_e
 
 
 def test_timeout_none_leaves_the_strategy_at_torchs_default():
-    """``timeout=None``: the learner does not touch the group's timeout (torch's 30 minutes for gloo)."""
+    """``timeout=None``: the learner does not touch the strategy's timeout (torch's 30 minutes for gloo).
+    The real group's timeout is read in tests/test_launch.py (runs with FL_TIMEOUT=none)."""
     import torch.distributed as dist
 
     from fabric_learner._launch import as_timeout, build_fabric

@@ -61,6 +61,31 @@ def shard_fraction(learner):
     return local / total
 
 
+def local_fraction(tensors):
+    """Elements this rank holds over the elements of the full tensors (DTensors: their local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [t for t in tensors if t is not None and t.dim() > 0]
+    local = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for t in tensors)
+    return local / sum(t.numel() for t in tensors)
+
+
+def held_fractions(learner, case, rank):
+    """docs/fsdp.md: gradients (at the optimizer step, the only time they are all alive) and Adam
+    state per rank, as fractions of the full tensors, over one more update."""
+    params = learner.optimizer.param_groups[0]["params"]
+    seen = {}
+    torch_optimizer = getattr(learner.optimizer, "optimizer", learner.optimizer)
+    hook = torch_optimizer.register_step_pre_hook(
+        lambda *_: seen.update(gradients=local_fraction([p.grad for p in params])))
+    rng = torch.get_rng_state()
+    learner.update(halves(make_batch(case, n=16, seed=99), rank))
+    torch.set_rng_state(rng)
+    hook.remove()
+    state = [t for s in learner.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {**seen, "optimizer_state": local_fraction(state)}
+
+
 def round_trip(out_dir, rank):
     """FSDP -> DDP -> one process -> FSDP, one DQN step in each, from checkpoints on disk."""
     def batch(step):
@@ -188,6 +213,7 @@ def main(out_dir):
         results.setdefault("group_timeouts", group_timeouts())  # ModelParallelStrategy(timeout=90 s), kept
         results["sharded"] = learner.capabilities.sharded
         results.setdefault("shard_fraction", {})[case] = shard_fraction(learner)
+        results.setdefault("held_fraction", {})[case] = held_fractions(learner, case, rank)
     for case in ("dqn", "ppo", "ddpg"):
         results["accum"][case] = train(case, rank, grad_accum_steps=2)[1]
     # the DDP launch's checks, under FSDP, with a user's parallelize_fn (README, FSDP and Reliability)
