@@ -246,6 +246,11 @@ def test_unequal_per_rank_sample_counts_are_warned_under_fsdp(fsdp):
     for r in fsdp["ranks"]:
         seen = r["unequal_first_step"]
         assert len(seen) == 1 and "different numbers of samples (from 6 to 10 per step)" in seen[0], seen
+        # as under DDP: unequal steps 2-3 are reported at the comparison of step 101, once
+        seen = r["unequal"]
+        assert seen["step 1"] == [] and seen["step 100"] == [], seen
+        assert len(seen["step 101"]) == 1 and "(from 6 to 10 per step)" in seen["step 101"][0], seen
+        assert "up to step 101" in seen["step 101"][0], seen
 
 
 def test_a_users_parallelize_fn_sharding_over_whole_world_trains_like_the_default(fsdp):

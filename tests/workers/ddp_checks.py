@@ -123,7 +123,7 @@ def unequal_first_step(rank, build=None):
     return [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
 
 
-def unequal_samples(rank):
+def unequal_samples(rank, build=None):
     """Ranks compare counts on step 1 and every 100th after (``_samples.CHECK_EVERY``).
 
     Step 1: 8 samples each; steps 2-3: 10 on rank 0, 6 on rank 1; steps 4-101: 8 each. The
@@ -134,7 +134,7 @@ def unequal_samples(rank):
 
     from fabric_learner._samples import CHECK_EVERY
 
-    learner = ddp(loss_module=make_loss("dqn")[0])
+    learner = (build or ddp)(loss_module=make_loss("dqn")[0])
     batch = make_batch("dqn", n=16, seed=40)
     seen = {}
 

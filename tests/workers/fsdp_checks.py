@@ -222,6 +222,7 @@ def main(out_dir):
     user_fsdp = functools.partial(fsdp, parallelize_fn=user_parallelize)
     results["nonfinite"] = ddp_checks.nonfinite_on_one_rank(rank, build=user_fsdp)
     results["unequal_first_step"] = ddp_checks.unequal_first_step(rank, build=user_fsdp)
+    results["unequal"] = ddp_checks.unequal_samples(rank, build=fsdp)
     results["user_sharded"] = list(USER_SHARDED)
     learner, _ = train("sac", rank, policy=True)
     results["weights_offload"] = learner.get_weights(cpu_offload=True)
