@@ -16,7 +16,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from multiproc import WORKERS, fabric_run, python, run, torchrun
+from multiproc import WORKERS, elastic_exit_codes, fabric_run, python, run, torchrun
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
 # `make test`: each launcher, strategy order and close mode once; `make test-stress` (FL_STRESS=1): ten runs,
@@ -106,3 +106,6 @@ def test_a_failing_rank_ends_every_process_promptly(mode, fail_rank):
     if mode == "python":  # ... and under plain python rank 0 names rank 1's end (it waited for it, or killed it)
         assert re.search(r"fabric_learner: rank 1 (exited with status 1|was still running and was killed)",
                          proc.stdout), proc.stdout[-3000:]
+    else:  # the launcher's failure summary: every rank's status, the failing one's 1, none 0
+        codes = elastic_exit_codes(proc.stdout)
+        assert codes.keys() == {0, 1} and codes[fail_rank] == 1 and codes[1 - fail_rank] != 0, (codes, proc.stdout[-3000:])
