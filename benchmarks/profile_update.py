@@ -122,7 +122,7 @@ def _stage_steps(name: str):
     fabric_learner; see learner.py), so their sum is the update minus its bookkeeping.
     """
     from fabric_learner._loss import total_loss
-    from fabric_learner._optim import optimizer_params
+    from fabric_learner.optim import optimizer_params
     from fabric_learner.learner import _backward_seed, _reported_norm
 
     def hand_torchrl():
@@ -272,8 +272,8 @@ def part_pieces(workloads) -> None:
             ("optimizer_params(optimizer)", lambda: [p for g in opt.param_groups for p in g["params"]]),
             ("tuple(output.values(leaves))  [LossForwarder]",
              lambda: tuple(out.values(include_nested=True, leaves_only=True))),
-            ("_batch._on_device(batch, cpu)  [LossForwarder]",
-             lambda: __import__("fabric_learner._batch", fromlist=["_on_device"])._on_device(batch, torch.device("cpu"))),
+            ("_carrier._on_device(batch, cpu)  [LossForwarder]",
+             lambda: __import__("fabric_learner._carrier", fromlist=["_on_device"])._on_device(batch, torch.device("cpu"))),
             ("isinstance(batch, TensorDictBase)", lambda: isinstance(batch, TensorDictBase)),
             ("clip_grad_norm_(params, 1.0)  [both; for scale]", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)),
             ("clip_grad_norm_(..., foreach=True)  [LocalLearner]",
@@ -300,7 +300,7 @@ def _fabric_wrapper_cost(name: str) -> None:
     """What ``_FabricModule.forward`` adds around ``LossForwarder``, with a near-free loss."""
     import time
 
-    from fabric_learner._batch import Carrier
+    from fabric_learner._carrier import Carrier
 
     real, out, batch = real_output(name)
     null = NullLoss(real, out)
@@ -329,7 +329,7 @@ def _overwrite_check_cost() -> None:
     import zipfile
     from pathlib import Path
 
-    from fabric_learner import _checkpoint
+    from fabric_learner.checkpoint import files as _checkpoint
 
     if not hasattr(_checkpoint, "_is_checkpoint_file"):
         return

@@ -227,5 +227,30 @@ def launch(fabric: Fabric) -> None:
     ``fabric.launch()`` is a no-op on a second call and, in the process that spawned the other
     ranks, does not spawn again, so a program may build several learners.
     """
+    check_elastic_restarts()
     if not using_fabric_cli():
         fabric.launch()
+
+
+def check_elastic_restarts() -> None:
+    """Refuse, before any group starts, a torchrun whose restarts could never rejoin.
+
+    Under ``torchrun --max-restarts=N`` (N > 0) the agent's own store is shared with the workers by
+    default, and it outlives them: the restarted workers' process group reads the dead workers'
+    addresses from it under the same keys and fails to connect ("Connection refused", then a
+    timeout), on every restart (pytorch/pytorch#135712, #167288). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    makes every rendezvous round start a fresh store on a fresh port.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return  # the script made the group itself
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts.isdigit() and int(restarts) > 0:
+        raise RuntimeError(
+            f"torchrun was started with --max-restarts={restarts} and shares its store with the workers "
+            "(TORCHELASTIC_USE_AGENT_STORE=True): restarted ranks would read the dead ranks' addresses from it "
+            "and never connect. Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment and "
+            "the c10d rendezvous (--standalone on one node, --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT on "
+            "several), or without --max-restarts."
+        )

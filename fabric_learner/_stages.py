@@ -19,7 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from fabric_learner._loss import loss_keys
-from fabric_learner._optim import build_optimizer
+from fabric_learner.optim import build_optimizer
 
 OptimizerFactory = Union[Callable[[list[nn.Parameter]], torch.optim.Optimizer], None]
 

@@ -20,7 +20,6 @@ optimizers; they are refused until learners take several.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import torchrl.trainers.algorithms.configs  # noqa: F401  (registers torchrl's configs)
+
+from fabric_learner._launch import DEFAULT_TIMEOUT
 
 __all__ = ["FabricLearnerConfig", "LocalLearnerConfig", "instantiate_trainer", "register_configs"]
 
@@ -89,12 +90,22 @@ class FabricLearnerConfig(LocalLearnerConfig):
     devices: Any = "auto"
     num_nodes: int = 1
     precision: str = "32-true"
-    timeout: float | None = 300.0
+    timeout: float | None = DEFAULT_TIMEOUT.total_seconds()
     _target_: str = "fabric_learner.FabricLearner"
 
 
 def register_configs(store: ConfigStore | None = None) -> None:
-    """Register ``learner: local`` and ``learner: fabric`` in Hydra's ConfigStore (done on import)."""
+    """Register ``learner: local`` and ``learner: fabric`` in Hydra's ConfigStore (done on import).
+
+    Args:
+        store (ConfigStore, optional): the store to register in (default: Hydra's instance).
+
+    Examples:
+        >>> from hydra.core.config_store import ConfigStore
+        >>> register_configs()
+        >>> sorted(ConfigStore.instance().list("learner"))
+        ['fabric.yaml', 'local.yaml']
+    """
     store = store or ConfigStore.instance()
     store.store(group="learner", name="local", node=LocalLearnerConfig)
     store.store(group="learner", name="fabric", node=FabricLearnerConfig)

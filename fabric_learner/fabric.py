@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,14 @@ from tensordict import TensorDictBase
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _dcp, _lifecycle, _rng
-from fabric_learner._batch import Carrier, run_loss
-from fabric_learner._checkpoint import naming, read_learner_file
+from fabric_learner import _rng, _teardown
+from fabric_learner.checkpoint import sharded as sharded_files
+from fabric_learner._carrier import Carrier, run_loss
+from fabric_learner.checkpoint.files import naming, read_learner_file
 from fabric_learner._compat import allow_unused_parameters, fabric_callbacks, scaler_unscaled_this_step, strategy_timeout, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
-from fabric_learner._optim import OptimizerLike, optimizer_params
-from fabric_learner._samples import SampleTrace
+from fabric_learner.optim import OptimizerLike, optimizer_params
+from fabric_learner._sample_counts import SampleTrace
 from fabric_learner.backends import ReplicatedBackend, ShardedBackend, is_sharded_strategy
 from fabric_learner.backends.sharded import ShardedLoss
 from fabric_learner._stages import Stage
@@ -49,6 +51,52 @@ class FabricLearner(Learner):
     collective of the process group Fabric builds from a strategy name (default 5 minutes), so a
     rank that stops answering fails its peers instead of hanging them; a strategy object or a
     ``fabric`` passed in keeps its own.
+
+    Args:
+        loss_module (nn.Module): a torchrl loss, or any module returning a TensorDict whose
+            ``"loss*"`` entries are summed and backpropagated.
+        optimizer: an optimizer instance, a factory ``f(params)`` or ``None`` (Adam over the
+            loss's parameters).
+
+    Keyword Args:
+        policy (nn.Module, optional): the module the loss trains that collectors run;
+            ``get_weights`` is then laid out as ``TensorDict.from_module(policy)``.
+        clip_grad_norm (float, optional): clip the gradients' total norm before each step.
+        grad_accum_steps (int): micro-batches per optimizer step (default 1).
+        on_nonfinite (str): ``"raise"`` (default) or ``"skip"`` a step whose loss or grad norm
+            is not finite.
+        compile (bool): run the loss forward through ``torch.compile``.
+        stages (list of Stage, optional): several optimizers, each over part of the loss and
+            with its own loss method (then ``optimizer=None``).
+        accelerator, strategy, devices, num_nodes, precision: as ``lightning.fabric.Fabric``;
+            ``strategy="fsdp"`` is FSDP2.
+        fabric (Fabric, optional): a Fabric to use instead of building one from the above.
+        timeout (timedelta or float, optional): the collective timeout (see above).
+
+    Raises:
+        TypeError, ValueError: a bad argument or an unsupported combination (e.g. ``compile=True``
+            with FSDP), named with its fix, before any rank is launched.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> net = torch.nn.Linear(4, 2)
+        >>> loss = DQNLoss(net, action_space="categorical", delay_value=False)
+        >>> with FabricLearner(loss, lambda params: torch.optim.Adam(params, lr=1e-3), policy=net,
+        ...                    accelerator="cpu", devices=1) as learner:
+        ...     batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...         next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                         done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                         terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...         batch_size=[8])
+        ...     out = learner.update(batch)
+        >>> sorted(out.keys()), learner.world_size, learner.capabilities.sharded
+        (['grad_norm', 'loss'], 1, False)
+
+        Under ``torchrun`` or ``fabric run`` the same script runs on every rank; from a plain
+        ``python`` call, ``FabricLearner(loss, factory, strategy="ddp", devices=2)`` launches the
+        second rank itself.
     """
 
     def __init__(
@@ -123,7 +171,7 @@ class FabricLearner(Learner):
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
         self._samples = SampleTrace()
         if fabric.world_size > 1:
-            _lifecycle.register(self, group_existed)
+            _teardown.register(self, group_existed)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -131,21 +179,15 @@ class FabricLearner(Learner):
         """Release the learner's distributed state; idempotent.
 
         Closing the last learner of a process group this package started ends the group in a
-        safe order (see ``_lifecycle``), so every rank must close it, as every rank built it.
+        safe order (see ``_teardown``), so every rank must close it, as every rank built it.
         A script that just returns gets the same teardown from an exit hook.
         """
         if self._closed:
             return
+        self.wait_for_save()
         self._closed = True
         if self.capabilities.distributed:
-            _lifecycle.close(self)
-
-    def __enter__(self) -> "FabricLearner":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is None:  # on an error, the exit hook ends this rank without waiting for peers
-            self.close()
+            _teardown.close(self)
 
     # ---- the step, through Fabric ---------------------------------------------------------
 
@@ -304,24 +346,37 @@ class FabricLearner(Learner):
 
     # ---- checkpoints on disk --------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, blocking: bool = True) -> Future | None:
         """Write the learner's state; every rank must call it.
 
         Unsharded: one file through ``fabric.save``, written on rank 0 to a temporary file beside
         ``path``, flushed to disk and renamed onto it (``AtomicCheckpointIO``). Sharded: a folder
-        where each rank writes its own shards (see ``_dcp``), made current by an atomic rename of
+        where each rank writes its own shards (see ``checkpoint.sharded``), made current by an atomic rename of
         its ``LATEST`` file.
+
+        ``blocking=False``, sharded: returns as soon as the state is copied (staged), with a
+        future; the shards are written in the background while training goes on, and ``LATEST``
+        switches only once every rank's write completed, so a crash meanwhile leaves the previous
+        version current. The next ``save``, ``load``, ``close()`` and the exit hook wait for it;
+        ``wait_for_save()`` waits explicitly and raises if it failed. Unsharded, ``blocking=False``
+        saves synchronously (rank 0 writes one file from the live state; a background copy would
+        cost the same memory as the file) and returns a finished future.
         """
-        self._backend.save(self, Path(path))
+        self.wait_for_save()
+        if blocking or not self.capabilities.sharded:
+            self._backend.save(self, Path(path))
+            return None if blocking else self._track_save(path, None)
+        return self._track_save(path, self._backend.save(self, Path(path), blocking=False))
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner, any strategy or world size.
 
         Never runs code from the file: files load ``weights_only``, sharded folders through
-        ``_dcp.SafeReader``. Everything is validated before anything changes.
+        ``sharded_files.SafeReader``. Everything is validated before anything changes.
         """
+        self.wait_for_save()
         with naming(path):
-            if _dcp.is_sharded_checkpoint(path):
+            if sharded_files.is_sharded_checkpoint(path):
                 return self._backend.load_folder(self, Path(path))
             if Path(path).is_dir():
                 raise FileNotFoundError(f"{path} is a folder but holds no fabric_learner checkpoint (no LATEST file).")

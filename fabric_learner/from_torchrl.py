@@ -125,11 +125,28 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
     Returns:
         the trainer to ``train()``; the learner is its ``.learner``.
 
+    Raises:
+        NotImplementedError: the trainer uses something a learner cannot take over (a
+            learning-rate scheduler bound to its optimizer, gradient clipping by value, ...);
+            the message names it.
+
     Examples:
-        >>> from hydra.utils import instantiate
-        >>> trainer = learner_trainer(instantiate(cfg.trainer),  # doctest: +SKIP
-        ...                           functools.partial(FabricLearner, strategy="ddp", devices=2))
-        >>> trainer.train()  # doctest: +SKIP
+        >>> import torch
+        >>> from torchrl.objectives import DQNLoss
+        >>> from torchrl.trainers import Trainer as TorchRLTrainer
+        >>> from fabric_learner import LocalLearner
+        >>> loss = DQNLoss(torch.nn.Linear(4, 2), action_space="categorical", delay_value=False)
+        >>> original = TorchRLTrainer(collector=None, total_frames=0, frame_skip=1, optim_steps_per_batch=2,
+        ...                           loss_module=loss, optimizer=torch.optim.Adam(loss.parameters(), lr=1e-3),
+        ...                           progress_bar=False)
+        >>> trainer = learner_trainer(original, LocalLearner)
+        >>> type(trainer.learner).__name__, trainer.learner.loss_module is loss
+        ('LocalLearner', True)
+        >>> trainer.learner.optimizer.param_groups[0]["lr"]  # an optimizer like the trainer's
+        0.001
+
+        From a Hydra config, ``learner_trainer(instantiate(cfg.trainer),
+        functools.partial(FabricLearner, strategy="ddp", devices=2)).train()``.
     """
     stages = stages_of(trainer)
     if stages is None and trainer.optimizer is None:

@@ -11,6 +11,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +22,9 @@ from torch import nn
 from fabric_learner import _rng
 from fabric_learner._compile import CompiledLoss
 from fabric_learner._loss import loss_keys, total_loss
-from fabric_learner._optim import coverage_error, optimizer_params, uncovered_with_grad
+from fabric_learner.optim import coverage_error, optimizer_params, uncovered_with_grad
 from fabric_learner._stages import Stage, as_output, check_stages, groups
-from fabric_learner._state import (
+from fabric_learner.checkpoint.validate import (
     check_checkpoint,
     check_optimizer_state,
     check_optimizer_structure,
@@ -118,12 +119,51 @@ class Learner(nn.Module):
         self._coverage_checked = stages is not None  # stages cover every trained parameter by construction
         self.stages: tuple[Stage, ...] = tuple(stages or ())
         self._window_batches: list[TensorDictBase] = []  # staged learners: the window's micro-batches
+        self._pending_save: tuple[Any, Future] | None = None  # (path, future) of a save(blocking=False)
         self.optimizer: torch.optim.Optimizer
 
     # ---- the step -----------------------------------------------------------------------
 
     def update(self, batch: TensorDictBase) -> TensorDictBase:
-        """Take one micro-step on ``batch``; step the optimizer at the end of each window."""
+        """Take one micro-step on ``batch``; step the optimizer at the end of each window.
+
+        Runs the loss on ``batch``, backpropagates the sum of its ``"loss*"`` entries (divided by
+        ``grad_accum_steps``) and, on every ``grad_accum_steps``-th call, clips and steps the
+        optimizer. Under DDP/FSDP every rank calls it with its own batch and the step equals one
+        process's on the union of the ranks' batches (gradients are averaged over ranks).
+
+        Args:
+            batch (TensorDictBase): the loss's input, with a non-empty batch size.
+
+        Returns:
+            The loss output, detached; on calls that step the optimizer also ``"grad_norm"``
+            (the norm before clipping over the optimizer's parameters).
+
+        Raises:
+            FloatingPointError: a non-finite loss or grad norm with ``on_nonfinite="raise"``
+                (the step is not taken, gradients are zeroed, ``num_updates`` is unchanged).
+            KeyError: the batch lacks an entry the loss reads (the message names it).
+            ValueError: the optimizer misses a parameter that received a gradient.
+
+        Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> from fabric_learner import LocalLearner
+        >>> net = torch.nn.Linear(4, 2)
+        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
+        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> out = learner.update(batch)
+        >>> sorted(out.keys()), learner.num_updates
+        (['grad_norm', 'loss'], 1)
+        >>> out["loss"].requires_grad
+        False
+        """
         if self.stages:
             return self._update_staged(batch)
         _check_batch(batch)
@@ -374,7 +414,7 @@ class Learner(nn.Module):
         return self
 
     def __exit__(self, kind, value, tb) -> None:
-        if kind is None:
+        if kind is None:  # on an error, the exit hook ends a distributed rank without waiting for peers
             self.close()
 
     # ---- weights ----------------------------------------------------------------------------
@@ -383,14 +423,73 @@ class Learner(nn.Module):
         """Plain, detached tensors independent of the live parameters.
 
         Laid out as ``TensorDict.from_module(policy)`` when a policy was given, else as the loss
-        module's trainable parameters. Needs no communication on unsharded backends.
+        module's trainable parameters. Needs no communication on unsharded backends; on sharded
+        ones it is a collective (every rank calls it) and, with ``cpu_offload=True``, only rank 0
+        receives the full tensors.
+
+        Keyword Args:
+            cpu_offload (bool): return CPU tensors (default ``True``); ``False`` keeps them on the
+                learner's device (and gives every rank the full tensors under FSDP).
+
+        Returns:
+            A TensorDict of weights that later updates do not change.
+
+        Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> from fabric_learner import LocalLearner
+        >>> net = torch.nn.Linear(4, 2)
+        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
+        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> weights = learner.get_weights()
+        >>> sorted(weights.keys())
+        ['bias', 'weight']
+        >>> _ = learner.update(batch)
+        >>> torch.equal(weights["weight"], net.weight)
+        False
         """
         return plain_weights(self.loss_module, self.policy, cpu_offload)
 
     # ---- checkpoints -------------------------------------------------------------------------
 
     def checkpoint(self) -> dict[str, Any]:
-        """The learner's state in memory: every tensor cloned, nothing aliasing live state."""
+        """The learner's state in memory: every tensor cloned, nothing aliasing live state.
+
+        Holds the loss's ``state_dict`` (``"model"``), the optimizer's state with the parameter
+        names it pairs with, the update counters and every rank's random state; restore it with
+        :meth:`load_checkpoint` into a learner of any backend. A collective on sharded learners.
+
+        Returns:
+            A dict of tensors and plain containers (weights-only loadable).
+
+        Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> from fabric_learner import LocalLearner
+        >>> net = torch.nn.Linear(4, 2)
+        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
+        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> _ = learner.update(batch)
+        >>> state = learner.checkpoint()
+        >>> sorted(state)
+        ['accum_step', 'model', 'num_updates', 'optimizer', 'param_names', 'rng']
+        >>> _ = learner.update(batch)
+        >>> learner.load_checkpoint(state)
+        >>> learner.num_updates
+        1
+        """
         return clone_state(self._live_state())
 
     def _live_state(self) -> dict[str, Any]:
@@ -465,7 +564,7 @@ class Learner(nn.Module):
         elif isinstance(checkpoint.get("param_names"), Mapping):
             raise ValueError("The checkpoint was written by a learner with several optimizers (stages); this one "
                              "has one. Nothing was loaded: build the learner with the same stages.")
-        elif checkpoint.get("param_names") is not None:
+        elif checkpoint.get("param_names") is not None:  # index-keyed file state: see reindex_optimizer_state
             optimizer_state = reindex_optimizer_state(
                 optimizer_state, checkpoint["param_names"], self._optimizer_param_names(),
                 [len(g["params"]) for g in self.optimizer.param_groups],
@@ -492,11 +591,115 @@ class Learner(nn.Module):
         self._accum_step = 0
         self.optimizer.zero_grad(set_to_none=True)
 
-    def save(self, path) -> None:
+    def save(self, path, blocking: bool = True) -> Future | None:
+        """Write :meth:`checkpoint` to ``path``, atomically: a crash leaves the previous file or the new one.
+
+        A single file (``torch.save`` format) on unsharded learners; under a sharded strategy a
+        folder of shards written by every rank (a collective). Any learner can :meth:`load` it.
+
+        Args:
+            path (str or os.PathLike): the file (or folder) to write.
+            blocking (bool): ``False`` under a sharded strategy returns once every rank's shards are
+                staged and writes them in the background (``LATEST`` switches only when every rank's
+                write is complete); the next ``save``, ``load``, ``close()`` and exit wait for it.
+                Unsharded learners save synchronously either way.
+
+        Returns:
+            ``None`` when ``blocking``; else a ``concurrent.futures.Future`` done once the checkpoint
+            is complete and current (see :meth:`wait_for_save`).
+
+        Raises:
+            FileExistsError: ``path`` holds something this package did not write (nothing is written).
+
+        Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> from fabric_learner import LocalLearner
+        >>> net = torch.nn.Linear(4, 2)
+        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
+        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> import os, tempfile
+        >>> _ = learner.update(batch)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     learner.save(os.path.join(folder, "learner.ckpt"))
+        ...     os.listdir(folder)
+        ['learner.ckpt']
+        """
         raise NotImplementedError
 
     def load(self, path) -> None:
+        """Restore a checkpoint that :meth:`save` wrote, from any backend, strategy or world size.
+
+        Everything is validated before anything changes, and loading never unpickles code (a
+        file holding anything but tensors and plain containers is refused).
+
+        Args:
+            path (str or os.PathLike): a checkpoint file or sharded checkpoint folder.
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            ValueError: the checkpoint does not fit this learner (the message names the mismatch).
+
+        Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> from fabric_learner import LocalLearner
+        >>> net = torch.nn.Linear(4, 2)
+        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
+        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> import os, tempfile
+        >>> _ = learner.update(batch)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     learner.save(os.path.join(folder, "learner.ckpt"))
+        ...     saved = net.weight.detach().clone()
+        ...     _ = learner.update(batch)
+        ...     learner.load(os.path.join(folder, "learner.ckpt"))
+        >>> torch.equal(net.weight, saved), learner.num_updates
+        (True, 1)
+        """
         raise NotImplementedError
+
+    def wait_for_save(self, timeout: float | None = None) -> None:
+        """Block until the last ``save(path, blocking=False)`` is complete and current on disk.
+
+        Raises ``TimeoutError`` if it is still running after ``timeout`` seconds (it stays pending),
+        or a ``RuntimeError`` if it failed: then the checkpoint at its path is still the previous
+        one. ``save``, ``load`` and ``close`` call it first, and so does a distributed run's exit hook.
+        """
+        pending = getattr(self, "_pending_save", None)
+        if pending is None:
+            return
+        path, future = pending
+        try:
+            future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as err:
+            self._pending_save = None
+            raise RuntimeError(f"The background save to {path} failed ({type(err).__name__}: {err}); the "
+                               "checkpoint there is still the previous complete one. Save again.") from err
+        self._pending_save = None
+
+    def _track_save(self, path, future: Future | None) -> Future:
+        """The handle ``save(blocking=False)`` returns: ``future``, or a finished one for a synchronous save."""
+        if future is None:
+            future = Future()
+            future.set_result(None)
+        else:
+            self._pending_save = (path, future)
+        return future
 
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 from torch import nn
 
-from fabric_learner._dcp import is_sharded_checkpoint, read_full
-from fabric_learner._checkpoint import atomic_torch_save, file_state, naming, overwrite_error, read_learner_file
+from fabric_learner.checkpoint.sharded import is_sharded_checkpoint, read_full
+from fabric_learner.checkpoint.files import atomic_torch_save, file_state, naming, overwrite_error, read_learner_file
 from fabric_learner._compile import fused_adam
-from fabric_learner._optim import OptimizerLike, build_optimizer, optimizer_params
+from fabric_learner.optim import OptimizerLike, build_optimizer, optimizer_params
 from fabric_learner._stages import Stage, StageOptimizers, build_stage_optimizers
 from fabric_learner.learner import Capabilities, Learner
 
@@ -19,8 +20,46 @@ from fabric_learner.learner import Capabilities, Learner
 class LocalLearner(Learner):
     """The Learner step in plain PyTorch: no Fabric, no process group, no device moves.
 
-    ``optimizer`` is an instance, a factory ``f(params)`` or ``None`` (Adam over
-    ``loss_module.parameters()``, fused with ``compile=True``).
+    The reference the other backends are tested against: ``FabricLearner`` on N ranks, each
+    fed its share of a batch, reaches the weights this learner reaches on the whole batch.
+
+    Args:
+        loss_module (nn.Module): a torchrl loss, or any module returning a TensorDict whose
+            ``"loss*"`` entries are summed and backpropagated.
+        optimizer: an optimizer instance, a factory ``f(params)`` or ``None`` (Adam over the
+            loss's parameters, fused with ``compile=True``).
+
+    Keyword Args:
+        policy (nn.Module, optional): the module the loss trains that collectors run;
+            ``get_weights`` is then laid out as ``TensorDict.from_module(policy)``.
+        clip_grad_norm (float, optional): clip the gradients' total norm before each step.
+        grad_accum_steps (int): micro-batches per optimizer step (default 1).
+        on_nonfinite (str): ``"raise"`` (default) or ``"skip"`` a step whose loss or grad norm
+            is not finite.
+        compile (bool): run the loss forward through ``torch.compile``.
+        stages (list of Stage, optional): several optimizers, each over part of the loss and
+            with its own loss method (then ``optimizer=None``).
+
+    Raises:
+        TypeError, ValueError: a bad argument, named with its fix, before anything is built.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> net = torch.nn.Linear(4, 2)
+        >>> loss = DQNLoss(net, action_space="categorical", delay_value=False)
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.Adam(params, lr=1e-3), policy=net,
+        ...                        clip_grad_norm=1.0)
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> sorted(learner.update(batch).keys())
+        ['grad_norm', 'loss']
+        >>> learner.num_updates, learner.world_size
+        (1, 1)
     """
 
     capabilities = Capabilities(sharded=False, distributed=False)
@@ -61,16 +100,18 @@ class LocalLearner(Learner):
         params = optimizer_params(optimizer or self.optimizer)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, blocking: bool = True) -> Future | None:
         """Write ``checkpoint()`` to ``path`` atomically (the same file format as FabricLearner).
 
         Replaces only a checkpoint this package wrote: any other file at ``path`` raises
-        ``FileExistsError`` before anything is written.
+        ``FileExistsError`` before anything is written. ``blocking=False`` saves synchronously
+        too (one process has no shards to write in the background) and returns a finished future.
         """
         error = overwrite_error(path)
         if error is not None:
             raise FileExistsError(error)
         atomic_torch_save(file_state(self._live_state()), path)
+        return None if blocking else self._track_save(path, None)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner; never unpickles code."""

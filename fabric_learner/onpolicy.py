@@ -11,7 +11,8 @@ learn exactly as one process on the whole batch:
   computes, but over every rank's minibatch rather than the local one);
 - :class:`GlobalMeanLoss`: wraps a torchrl loss built with ``reduction="none"`` and divides
   each loss entry's local *sum* by the global *count* (variable samples, masks, tokens);
-- :func:`global_sum`, :func:`global_mean`, :func:`global_count`: the reductions themselves;
+- :func:`global_sum`, :func:`global_mean`, :func:`global_count`: the reductions themselves
+  (from :mod:`fabric_learner.collectives`, re-exported here);
 - :func:`partition_indices` / :class:`EpochPartitionSampler`: PPO minibatches that partition
   the rank's batch without replacement each epoch, with the same number of minibatches on
   every rank (a rank that stepped once more than another would hang the others);
@@ -34,7 +35,19 @@ import torch
 import torch.distributed as dist
 from tensordict import NestedKey, TensorDictBase
 from torch import nn
-from torchrl.trainers import TrainerHookBase
+from torchrl.data import SamplerWithoutReplacement
+from torchrl.trainers import TrainerHookBase, ValueEstimatorHook
+
+from fabric_learner._loss import loss_keys
+from fabric_learner.collectives import (  # re-exported: part of this module's public API
+    _broadcast_mask,
+    _mask_like,
+    all_reduce,
+    distributed_world_size,
+    global_count,
+    global_mean,
+    global_sum,
+)
 
 __all__ = [
     "EpochPartitionSampler",
@@ -49,95 +62,6 @@ __all__ = [
     "normalize_advantage",
     "partition_indices",
 ]
-
-
-# ---- collectives ------------------------------------------------------------------------------
-
-
-def distributed_world_size(group: Any = None) -> int:
-    """Ranks in ``group`` (the default world when ``None``); 1 without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def _collective_device(group: Any = None) -> torch.device:
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
-    """All-reduce a detached copy of ``tensor`` (``op``: ``"sum"``, ``"max"``, ``"min"``).
-
-    Returns a new tensor on ``tensor``'s device and dtype; ``tensor`` itself is not modified.
-    Without a process group (or with one rank) it returns a copy. NCCL groups get the
-    tensor on the current CUDA device, gloo on CPU.
-    """
-    out = tensor.detach().clone()
-    if distributed_world_size(group) == 1:
-        return out
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    if op not in ops:
-        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}.")
-    device = _collective_device(group)
-    buf = out.to(device)
-    dist.all_reduce(buf, op=ops[op], group=group)
-    return buf.to(tensor.device)
-
-
-def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
-    """Sum of ``x`` (where ``mask``) over every rank's data; not differentiable."""
-    x = x.detach()
-    if mask is not None:
-        x = x * _broadcast_mask(mask, x).to(x.dtype)
-    return all_reduce(x.sum(), "sum", group)
-
-
-def global_count(n: int | torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Sum over ranks of a local count (samples, valid mask entries, tokens), as float64."""
-    return all_reduce(torch.as_tensor(n, dtype=torch.float64).reshape(()), "sum", group)
-
-
-def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
-    """Mean of ``x`` (where ``mask``) over the union of every rank's data: global sum / global count.
-
-    Ranks may hold different numbers of valid entries; each counts with its own weight, which
-    a mean of per-rank means would not do. Not differentiable (use :class:`GlobalMeanLoss` for
-    losses).
-    """
-    x = x.detach()
-    if mask is None:
-        count = torch.tensor(float(x.numel()), dtype=torch.float64)
-        total = x.sum().to(torch.float64)
-    else:
-        m = _broadcast_mask(mask, x)
-        count = m.sum().to(torch.float64)
-        total = (x * m.to(x.dtype)).sum().to(torch.float64)
-    both = all_reduce(torch.stack([total, count]), "sum", group)
-    return (both[0] / both[1].clamp_min(1)).to(x.dtype)
-
-
-def _mask_like(mask: torch.Tensor, value: torch.Tensor, key: str) -> torch.Tensor:
-    mask = mask.to(torch.bool)
-    if mask.ndim > value.ndim and mask.numel() == value.numel():
-        mask = mask.reshape(value.shape)
-    try:
-        return _broadcast_mask(mask, value)
-    except RuntimeError as err:
-        raise ValueError(
-            f"Cannot apply a mask of shape {tuple(mask.shape)} to loss entry {key!r} of shape "
-            f"{tuple(value.shape)}: with mask_key, loss entries must keep the batch's leading shape "
-            "(build the loss with reduction='none' and no mask of its own)."
-        ) from err
-
-
-def _broadcast_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(torch.bool)
-    while mask.ndim < like.ndim:
-        mask = mask.unsqueeze(-1)
-    return mask.expand_as(like)
 
 
 # ---- advantage normalisation ------------------------------------------------------------------
@@ -159,7 +83,26 @@ def normalize_advantage(
     ``("collector", "mask")``) the masked mean and the biased masked std clamped at ``1e-4``
     (masked-out entries are normalised with the same statistics but do not contribute).
     Build the loss with ``normalize_advantage=False`` so it does not normalise again locally.
-    Writes to ``out_key`` (default: ``key``) and returns ``batch``. A collective.
+    A collective (one all-reduce, in float64).
+
+    Args:
+        batch (TensorDictBase): this rank's data.
+        key (NestedKey): the entry to standardise (default ``"advantage"``).
+
+    Keyword Args:
+        out_key (NestedKey, optional): where to write the result (default: ``key``).
+        mask_key (NestedKey, optional): a boolean entry selecting the valid samples.
+        group (optional): the process group (default: the world).
+
+    Returns:
+        ``batch``, written in place.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> batch = TensorDict(advantage=torch.tensor([1.0, 2.0, 3.0, 6.0]), batch_size=[4])
+        >>> normalize_advantage(batch)["advantage"]
+        tensor([-0.9258, -0.4629,  0.0000,  1.3887])
     """
     adv = batch.get(key)
     mask = batch.get(mask_key) if mask_key is not None else None
@@ -187,6 +130,25 @@ class GlobalAdvantageNormalization(TrainerHookBase):
     registers at ``process_optim_batch`` and must come after the sampler that makes the
     minibatch (register it after :class:`EpochPartitionSampler`). ``per="batch"`` registers at
     ``pre_epoch`` and must come after the value estimator (``ValueEstimatorHook``).
+
+    Args:
+        key (NestedKey): the advantage entry (default ``"advantage"``).
+
+    Keyword Args:
+        mask_key (NestedKey, optional): a boolean entry selecting the valid samples.
+        per (str): ``"minibatch"`` or ``"batch"``.
+        group (optional): the process group (default: the world).
+
+    Raises:
+        ValueError: ``per`` is neither.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> hook = GlobalAdvantageNormalization(per="batch")
+        >>> out = hook(TensorDict(advantage=torch.tensor([1.0, 2.0, 3.0, 6.0]), batch_size=[4]))
+        >>> round(out["advantage"].mean().item(), 6), round(out["advantage"].std().item(), 6)
+        (0.0, 1.0)
     """
 
     def __init__(self, key: NestedKey = "advantage", *, mask_key: NestedKey | None = None,
@@ -214,34 +176,57 @@ class GlobalAdvantageNormalization(TrainerHookBase):
 # ---- value estimates with the learner's weights -------------------------------------------------
 
 
-class LearnerValueEstimator(TrainerHookBase):
-    """Trainer hook: a value estimator (e.g. torchrl's ``GAE``) run on each collected batch.
+class LearnerValueEstimator(ValueEstimatorHook):
+    """torchrl's ``ValueEstimatorHook`` run with the learner's full weights and without gradients.
 
-    Like torchrl's ``ValueEstimatorHook``, but the estimator runs inside
-    ``learner.full_parameters()`` and without gradients: under a sharded learner the loss's
-    critic holds no weights outside ``update``, and this gathers them for the call (a
-    collective: every rank runs it, as every rank runs the same hooks). Unsharded it is the
-    plain call. ``stage="batch_process"`` (default) computes advantages once per batch;
-    ``"pre_epoch"`` recomputes them before every epoch, with the critic as it is then.
+    Under a sharded learner the loss's critic holds no whole weights outside ``update``; this
+    hook gathers them for the call (a collective: every rank runs it, as every rank runs the
+    same hooks). Unsharded it is the plain call. The estimator's state (e.g. ``GAE``'s
+    ``gamma`` and ``lmbda``) is checkpointed with the trainer, as torchrl's hook does.
+
+    Args:
+        learner (Learner): the learner whose loss holds the critic the estimator reads.
+        value_estimator (Callable[[TensorDictBase], TensorDictBase]): e.g. torchrl's ``GAE``.
+
+    Keyword Args:
+        stage (str): ``"batch_process"`` (default) computes advantages once per collected
+            batch; ``"pre_epoch"`` recomputes them before every epoch, with the critic as it is then.
+
+    Raises:
+        ValueError: ``stage`` is neither of the two.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.objectives.value import GAE
+        >>> from fabric_learner import LocalLearner
+        >>> critic = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["state_value"])
+        >>> learner = LocalLearner(critic)
+        >>> hook = LearnerValueEstimator(learner, GAE(gamma=0.99, lmbda=0.95, value_network=critic))
+        >>> batch = TensorDict({"observation": torch.randn(5, 3), "next": {"observation": torch.randn(5, 3),
+        ...     "reward": torch.ones(5, 1), "done": torch.zeros(5, 1, dtype=torch.bool),
+        ...     "terminated": torch.zeros(5, 1, dtype=torch.bool)}}, [5])
+        >>> hook(batch)["advantage"].shape
+        torch.Size([5, 1])
+        >>> sorted(hook.state_dict()["value_estimator"])
+        ['gamma', 'lmbda']
     """
+
+    earlier_state_keys = (frozenset(),)  # trainer checkpoints from before it kept the estimator's state
 
     def __init__(self, learner, value_estimator, *, stage: str = "batch_process") -> None:
         if stage not in ("batch_process", "pre_epoch"):
             raise ValueError(f"stage must be 'batch_process' or 'pre_epoch', got {stage!r}.")
-        self.learner, self.value_estimator, self.stage = learner, value_estimator, stage
+        super().__init__(value_estimator)
+        self.learner, self.stage = learner, stage
 
-    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
+    def __call__(self, batch: TensorDictBase | None) -> TensorDictBase | None:
         if batch is None:
             return batch
         full = self.learner.full_parameters() if self.learner.capabilities.sharded else contextlib.nullcontext()
         with full, torch.no_grad():
-            return self.value_estimator(batch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        return
+            return super().__call__(batch)
 
     def register(self, trainer, name: str = "value_estimator") -> None:
         trainer.register_op(self.stage, self)
@@ -264,7 +249,35 @@ class GlobalMeanLoss(nn.Module):
     ``mask_key`` names a boolean entry of the batch to weigh samples by (for losses that do not
     mask themselves); entries must then have the batch's leading shape. Non-loss entries are
     reduced to their local mean for logging. The reported loss values are per-rank shares
-    (their mean over ranks is the global mean). Build the learner on this wrapper.
+    (their mean over ranks is the global mean). Build the learner on this wrapper; attributes
+    not found on it are looked up on the wrapped loss.
+
+    Args:
+        loss_module (nn.Module): a torchrl loss built with ``reduction="none"``.
+
+    Keyword Args:
+        mask_key (NestedKey, optional): a boolean batch entry weighing the samples.
+        group (optional): the process group (default: the world).
+
+    Raises:
+        ValueError: (on call) with ``mask_key``, a loss entry that does not keep the batch's
+            leading shape.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> loss = GlobalMeanLoss(DQNLoss(torch.nn.Linear(4, 2), action_space="categorical",
+        ...                               delay_value=False, reduction="none"), mask_key="valid")
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     valid=torch.arange(8) < 6,
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> per_sample = loss.loss_module(batch)["loss"]
+        >>> torch.allclose(loss(batch)["loss"], per_sample[:6].mean())
+        True
     """
 
     def __init__(self, loss_module: nn.Module, *, mask_key: NestedKey | None = None, group: Any = None) -> None:
@@ -284,7 +297,7 @@ class GlobalMeanLoss(nn.Module):
     def forward(self, batch: TensorDictBase) -> TensorDictBase:
         out = self.loss_module(batch)
         mask = batch.get(self.mask_key) if self.mask_key is not None else None
-        keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss")]
+        keys = loss_keys(out)
         sums, counts = [], []
         for key in keys:
             value = out.get(key)
@@ -319,6 +332,28 @@ def partition_indices(n: int, minibatch_size: int, *, generator: torch.Generator
 
     The last ``n % minibatch_size`` indices of the permutation are dropped (every minibatch has
     the same size), or all beyond ``num_minibatches * minibatch_size`` when that is given.
+    Draws one ``torch.randperm(n, generator=generator)``: the order
+    :class:`EpochPartitionSampler` samples in with the same generator.
+
+    Args:
+        n (int): the number of samples.
+        minibatch_size (int): samples per minibatch.
+
+    Keyword Args:
+        generator (torch.Generator, optional): the generator to draw from (default: torch's global one).
+        num_minibatches (int, optional): take this many minibatches only.
+
+    Returns:
+        A list of index tensors, each of ``minibatch_size`` distinct indices, disjoint.
+
+    Raises:
+        ValueError: ``minibatch_size < 1``, or more minibatches asked than ``n`` samples make.
+
+    Examples:
+        >>> import torch
+        >>> parts = partition_indices(10, 4, generator=torch.Generator().manual_seed(0))
+        >>> [len(p) for p in parts], len(set(torch.cat(parts).tolist()))
+        ([4, 4], 8)
     """
     if minibatch_size < 1:
         raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}.")
@@ -330,19 +365,46 @@ def partition_indices(n: int, minibatch_size: int, *, generator: torch.Generator
 
 
 class EpochPartitionSampler(TrainerHookBase):
-    """Trainer hook: each epoch, minibatches that partition the rank's batch without replacement.
+    """Trainer hook: each epoch, minibatches that partition the rank's batch, the same count on every rank.
 
-    Registers at ``pre_epoch`` (draws a fresh permutation of the flattened batch) and at
-    ``process_optim_batch`` (returns the next minibatch, then raises ``StopIteration``, which
-    ends torchrl's optimisation loop for the epoch). Use ``optim_steps_per_batch=None`` (or the
-    number of minibatches) and ``num_epochs=`` for PPO epochs. Register it after the value
-    estimator, so each epoch partitions the batch with fresh advantages.
+    The minibatches are torchrl's ``SamplerWithoutReplacement(drop_last=True)`` drawn over the
+    flattened batch; what this adds is the agreement between ranks: every rank takes the
+    smallest number of minibatches over ranks (one all-reduce per epoch; a rank with more data
+    drops the extra samples of that epoch, with a warning), since a rank that stepped once more
+    than another would hang the others. Each epoch starts from a fresh permutation.
 
-    Every rank takes the same number of minibatches: the smallest over ranks (an all-reduce
-    per epoch; ranks with more data drop the extra samples of that epoch, with a warning).
-    ``seed`` gives a generator seeded with ``seed + rank`` (reproducible partitions, also
-    checkpointed); without it the global torch RNG is used.
+    Registers at ``pre_epoch`` (:meth:`start_epoch`) and at ``process_optim_batch`` (returns
+    the next minibatch, then raises ``StopIteration``, which ends torchrl's optimisation loop
+    for the epoch). Use ``optim_steps_per_batch=None`` (or the number of minibatches) and
+    ``num_epochs=`` for PPO epochs, and register it after the value estimator, so each epoch
+    partitions the batch with fresh advantages.
+
+    Args:
+        minibatch_size (int): samples per minibatch.
+
+    Keyword Args:
+        seed (int, optional): seeds a generator with ``seed + rank`` (reproducible partitions,
+            checkpointed with the sampler's state); without it the global torch RNG is used.
+        group (optional): the process group the ranks agree over (default: the world).
+
+    Raises:
+        ValueError: ``minibatch_size`` is below 1.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> sampler = EpochPartitionSampler(4, seed=0)
+        >>> batch = TensorDict({"i": torch.arange(10)}, [10])
+        >>> _ = sampler.start_epoch(batch)
+        >>> [len(sampler(batch)) for _ in range(2)]
+        [4, 4]
+        >>> sampler(batch)
+        Traceback (most recent call last):
+        ...
+        StopIteration
     """
+
+    earlier_state_keys = (frozenset({"generator"}),)  # trainer checkpoints from before it used torchrl's sampler
 
     def __init__(self, minibatch_size: int, *, seed: int | None = None, group: Any = None) -> None:
         if minibatch_size < 1:
@@ -354,42 +416,77 @@ class EpochPartitionSampler(TrainerHookBase):
         if seed is not None:
             rank = dist.get_rank(group) if distributed_world_size(group) > 1 else 0
             self.generator = torch.Generator().manual_seed(seed + rank)
+        self.sampler = self._new_sampler()
+        self._fresh = True  # the sampler holds no permutation, or an untouched one
         self._flat: TensorDictBase | None = None
-        self._parts: list[torch.Tensor] = []
+        self._storage: _Positions | None = None
+        self._left = 0
         self._warned = False
 
-    def start_epoch(self, batch: TensorDictBase) -> TensorDictBase:
+    def _new_sampler(self) -> SamplerWithoutReplacement:
+        sampler = SamplerWithoutReplacement(drop_last=True)
+        sampler._rng = self.generator  # how torchrl's ReplayBuffer(generator=...) hands its sampler a generator
+        return sampler
+
+    def start_epoch(self, batch: TensorDictBase | None) -> TensorDictBase | None:
+        """Agree on this epoch's number of minibatches over ranks and start a fresh permutation (a collective)."""
         if batch is None:
             return batch
         flat = batch.reshape(-1)
-        n = flat.shape[0]
-        local = n // self.minibatch_size
+        local = flat.shape[0] // self.minibatch_size
         common = int(all_reduce(torch.tensor(local, dtype=torch.int64), "min", self.group))
         if common < local and not self._warned:
             warnings.warn(
                 f"This rank has {local} minibatches of {self.minibatch_size} but another has {common}; every rank "
                 f"takes {common} so that all step the same number of times.", stacklevel=2)
             self._warned = True
+        if not self._fresh:  # the last epoch stopped before the permutation ran out
+            self.sampler = self._new_sampler()
         self._flat = flat
-        self._parts = partition_indices(n, self.minibatch_size, generator=self.generator, num_minibatches=common)
-        self._parts.reverse()
+        self._storage = _Positions(flat.shape[0])
+        self._left = common
         return batch
 
-    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
-        if not self._parts:
+    def __call__(self, batch: TensorDictBase | None) -> TensorDictBase:
+        if self._left == 0:
             raise StopIteration
-        return self._flat[self._parts.pop()]
+        index, _ = self.sampler.sample(self._storage, self.minibatch_size)
+        self._left -= 1
+        # drop_last: torchrl draws the next permutation as soon as fewer than a minibatch remain
+        self._fresh = self.sampler.ran_out
+        return self._flat[index]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state() if self.generator is not None else None}
+        return {"generator": self.generator.get_state() if self.generator is not None else None,
+                "sampler": dict(self.sampler.state_dict()), "fresh": self._fresh}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict.get("generator")
         if state is not None and self.generator is not None:
             self.generator.set_state(state)
+        self.sampler = self._new_sampler()
+        if state_dict.get("sampler") is not None:
+            self.sampler.load_state_dict(state_dict["sampler"])
+        self._fresh = bool(state_dict.get("fresh", True))
 
     def register(self, trainer, name: str = "epoch_partition_sampler") -> None:
         trainer.register_op("pre_epoch", self.start_epoch)
         trainer.register_op("process_optim_batch", self)
         trainer.register_module(name, self)
 
+
+class _Positions:
+    """What torchrl's sampler reads of a storage: its length (one dimension, permuted on CPU).
+
+    Building a ``TensorStorage`` over the batch each epoch cost about 3 ms; the sampler needs
+    only the sample count, and the minibatch is indexed from the batch directly.
+    """
+
+    ndim = 1
+    device = torch.device("cpu")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n

@@ -55,10 +55,21 @@ def prioritized_sampler(max_capacity: int, alpha: float, beta: float, **kwargs) 
         beta: importance-sampling exponent.
         **kwargs: ``eps``, ``dtype``, ``reduction``, ``max_priority_within_buffer``, ``device``.
 
+    Returns:
+        A ``PrioritizedSampler`` (torchrl's class, or this module's subclass of it).
+
     Examples:
-        >>> sampler = prioritized_sampler(1000, alpha=0.6, beta=0.4)
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+        >>> sampler = prioritized_sampler(8, alpha=1.0, beta=1.0)
         >>> isinstance(sampler, PrioritizedSampler)
         True
+        >>> buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(8), sampler=sampler, batch_size=4)
+        >>> _ = buffer.extend(TensorDict(x=torch.arange(8), batch_size=[8]))
+        >>> buffer.update_priority(torch.arange(8), torch.tensor([0.0] * 7 + [1.0]))
+        >>> buffer.sample()["x"]  # only the sample with a priority is drawn
+        tensor([7, 7, 7, 7])
     """
     if torchrl_extension_error() is None:
         return PrioritizedSampler(max_capacity, alpha, beta, **kwargs)
@@ -111,7 +122,18 @@ class _MinTree(_FlatTree):
 class TorchPrioritizedSampler(PrioritizedSampler):
     """``PrioritizedSampler`` with pure-torch priority storage (no C++ extension needed).
 
-    Same arguments as :class:`torchrl.data.PrioritizedSampler`; CPU only.
+    Same arguments and sampling as :class:`torchrl.data.PrioritizedSampler` (its state dict
+    too, so checkpoints move between the two); priorities are kept on CPU. Use it through
+    :func:`prioritized_sampler`, which prefers torchrl's where its extension loads.
+
+    Raises:
+        ValueError: ``alpha`` or ``beta`` negative, or a ``device`` other than CPU.
+        NotImplementedError: a ``dtype`` other than float32 or float64.
+
+    Examples:
+        >>> sampler = TorchPrioritizedSampler(1000, alpha=0.6, beta=0.4)
+        >>> sampler.alpha, sampler.beta
+        (0.6, 0.4)
     """
 
     def __init__(self, max_capacity: int, alpha: float, beta: float, eps: float = 1e-8,

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch import nn
 from torchrl.trainers import TrainerHookBase
 
@@ -76,6 +75,37 @@ def publish_to_collector(learner, collector) -> bool:
     learner's parameter memory (nothing to do). For a copy the learner must have been built with
     ``policy=`` (so ``get_weights`` has the policy's layout). Under a sharded learner this is a
     collective (every rank gathers the full weights into its own collector's copy).
+
+    Args:
+        learner (Learner): the learner whose weights the collector must act with.
+        collector: a single-process torchrl collector (this rank's own).
+
+    Returns:
+        Whether weights were copied.
+
+    Raises:
+        ValueError: the collector runs a copy and the learner was built without ``policy=``.
+
+    Examples:
+        >>> import copy, torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from torchrl.modules import ValueOperator
+        >>> from torchrl.objectives import DDPGLoss
+        >>> from fabric_learner import LocalLearner
+        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
+        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> collector = Collector(GymEnv("Pendulum-v1"), copy.deepcopy(actor), frames_per_batch=4, total_frames=8,
+        ...                       auto_register_policy_transforms=False)
+        >>> with torch.no_grad():
+        ...     _ = actor.module.weight.add_(1.0)  # as an update would
+        >>> publish_to_collector(learner, collector)
+        True
+        >>> torch.equal(collector_policy(collector).module.weight, actor.module.weight)
+        True
+        >>> collector.shutdown()
     """
     if shares_policy_memory(learner, collector):
         return False
@@ -108,7 +138,34 @@ class PublishWeights(TrainerHookBase):
 
     Registered at ``post_steps`` (like torchrl's ``UpdateWeights``) every ``interval`` batches;
     a no-op when the collector shares the learner's parameter memory. ``fabric_learner.Trainer``
-    registers one by default (``publish_weights=True``).
+    registers one by default (``publish_weights=True``). Its counter is checkpointed.
+
+    Args:
+        learner (Learner): the learner to publish from.
+        collector: this rank's collector.
+        interval (int): publish every ``interval`` calls (default 1).
+
+    Raises:
+        ValueError: ``interval < 1``.
+
+    Examples:
+        >>> import copy, torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from torchrl.modules import ValueOperator
+        >>> from torchrl.objectives import DDPGLoss
+        >>> from fabric_learner import LocalLearner
+        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
+        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8,
+        ...                       auto_register_policy_transforms=False)
+        >>> hook = PublishWeights(learner, collector)
+        >>> hook()  # the collector runs the trained module itself: nothing to copy
+        >>> hook.counter, hook.copies
+        (1, 0)
+        >>> collector.shutdown()
     """
 
     def __init__(self, learner, collector, interval: int = 1) -> None:
@@ -160,7 +217,32 @@ def publish_from_rank0(learner, target: Any) -> TensorDictBase | None:
     (``update_policy_weights_``), or any callable taking the weights. The gather goes through
     ``learner.get_weights(cpu_offload=True)``: under a sharded learner every rank must take
     part and only rank 0 receives the full weights; unsharded learners gather on rank 0 only.
-    Returns the weights sent (rank 0) or ``None`` (other ranks).
+
+    Args:
+        learner (Learner): the learner to publish from.
+        target: where rank 0 sends the weights (see above).
+
+    Returns:
+        The weights sent (rank 0) or ``None`` (other ranks).
+
+    Raises:
+        TypeError: ``target`` is none of the above.
+
+    Examples:
+        >>> import copy, torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from torchrl.modules import ValueOperator
+        >>> from torchrl.objectives import DDPGLoss
+        >>> from fabric_learner import LocalLearner
+        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
+        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> received = []
+        >>> sent = publish_from_rank0(learner, received.append)
+        >>> received[0] is sent, sorted(sent.keys())
+        (True, ['module'])
     """
     if learner.capabilities.sharded:
         weights = learner.get_weights(cpu_offload=True)  # collective: full on rank 0, empty elsewhere
@@ -177,8 +259,37 @@ def publish_from_rank0(learner, target: Any) -> TensorDictBase | None:
 class PublishFromRank0(TrainerHookBase):
     """Trainer hook: :func:`publish_from_rank0` every ``interval`` collected batches (``post_steps``).
 
-    ``target`` may be a zero-argument callable returning the scheme/collector (resolved on each
-    call, so it can be built lazily on rank 0 only); on other ranks it is never called.
+    With ``lazy=True``, ``target`` is a zero-argument callable returning the scheme/collector
+    (resolved on each call, so it can be built lazily on rank 0 only); on other ranks it is
+    never called. Its counter is checkpointed.
+
+    Args:
+        learner (Learner): the learner to publish from.
+        target: as :func:`publish_from_rank0`'s, or a factory of it with ``lazy=True``.
+        interval (int): publish every ``interval`` calls (default 1).
+
+    Keyword Args:
+        lazy (bool): ``target`` is a factory.
+
+    Raises:
+        ValueError: ``interval < 1``.
+
+    Examples:
+        >>> import copy, torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from torchrl.modules import ValueOperator
+        >>> from torchrl.objectives import DDPGLoss
+        >>> from fabric_learner import LocalLearner
+        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
+        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> received = []
+        >>> hook = PublishFromRank0(learner, received.append, interval=2)
+        >>> hook(); hook(); hook()
+        >>> hook.sent, len(received)
+        (1, 1)
     """
 
     def __init__(self, learner, target: Any, interval: int = 1, *, lazy: bool = False) -> None:

@@ -19,7 +19,7 @@ from conftest import make_learner
 from rl_cases import CLIP, LR, make_batch, make_loss
 
 from fabric_learner import LocalLearner
-from fabric_learner._state import clone_state
+from fabric_learner.checkpoint.validate import clone_state
 
 REFUSALS = (pickle.UnpicklingError, ValueError, FileNotFoundError)
 

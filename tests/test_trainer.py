@@ -88,6 +88,62 @@ def test_local_trainer_resume_equals_uninterrupted(tmp_path):
     assert torch.equal(sa["rb_obs"], sc["rb_obs"]) and torch.equal(sa["priorities"], sc["priorities"])
 
 
+class _Crash(Exception):
+    pass
+
+
+def test_a_rerun_with_the_same_save_file_resumes_from_the_last_checkpoint_like_a_restart(tmp_path):
+    """A run killed after its 3rd batch's checkpoint, built again and trained: it resumes by itself
+    (no load_from_file) and ends equal to the uninterrupted run; run once more, it has nothing left to do."""
+    total, ckpt = 6 * tc.FRAMES_PER_BATCH, tmp_path / "ckpt"
+    a = tc.build_dqn(local, total_frames=total)
+    a[0].train()
+    b = tc.build_dqn(local, total_frames=total, save_file=ckpt, save_interval=0)  # a checkpoint after every batch
+
+    def crash(batch):
+        if b[0].collected_frames == 4 * tc.FRAMES_PER_BATCH:  # during the 4th batch, before its checkpoint
+            raise _Crash
+
+    b[0].register_op("pre_steps_log", crash)
+    with pytest.raises(_Crash):
+        b[0].train()
+    assert b[1].num_updates == 3 * tc.OPTIM_STEPS  # the 4th batch was collected, not trained on
+    c = tc.build_dqn(local, total_frames=total, save_file=ckpt, save_interval=0, seed=7)  # the state comes from the checkpoint
+    batches = []
+    c[0].register_op("pre_steps_log", batches.append)
+    c[0].train()
+    assert len(batches) == 3  # the 4th batch again, then the 5th and 6th
+    sa, sc = tc.snapshot(*a), tc.snapshot(*c)
+    assert sc["num_updates"] == sa["num_updates"] == 6 * tc.OPTIM_STEPS
+    assert sa["optim_count"] == sc["optim_count"] and sa["collected_frames"] == sc["collected_frames"] == total
+    assert_same(sa["params"], sc["params"])
+    assert_same_optimizer(sa["optimizer"], sc["optimizer"])
+    assert torch.equal(sa["rb_obs"], sc["rb_obs"]) and torch.equal(sa["priorities"], sc["priorities"])
+    assert torch.equal(sa["rng"], sc["rng"])
+    done = tc.build_dqn(local, total_frames=total, save_file=ckpt, save_interval=0)
+    done[0].register_op("pre_steps_log", crash)  # a batch collected at all would be one too many
+    done[0].train()
+    assert done[1].num_updates == 6 * tc.OPTIM_STEPS and done[0].collected_frames == total
+    assert_same(tc.snapshot(*done)["params"], sa["params"])
+
+
+def test_resume_false_starts_afresh_and_load_from_file_wins(tmp_path):
+    total, ckpt = 2 * tc.FRAMES_PER_BATCH, tmp_path / "ckpt"
+    first = tc.build_dqn(local, total_frames=total, save_file=ckpt)
+    first[0].train()
+    fresh = tc.build_dqn(local, total_frames=total, save_file=ckpt, resume=False)
+    fresh[0].train()  # from zero: the same run again
+    assert fresh[1].num_updates == first[1].num_updates and fresh[0].collected_frames == total
+    assert_same(tc.snapshot(*fresh)["params"], tc.snapshot(*first)["params"])
+    other = tmp_path / "other"
+    shorter = tc.build_dqn(local, total_frames=tc.FRAMES_PER_BATCH, save_file=other)
+    shorter[0].train()
+    given = tc.build_dqn(local, total_frames=total, save_file=ckpt)
+    given[0].load_from_file(other)  # the user's choice of checkpoint is not replaced by the latest one
+    given[0].train()
+    assert given[0].collected_frames == total and given[1].num_updates == 2 * tc.OPTIM_STEPS
+
+
 def test_post_loss_priority_updates_run_unlike_stock_torchrl():
     from torchrl.trainers import Trainer as TorchRLTrainer
 
@@ -189,6 +245,35 @@ def test_dqn_example_runs_in_one_process(tmp_path):
     assert learner.num_updates == (1280 // (args.envs * args.steps) - init_batches + 1) * args.updates
     assert (tmp_path / "ckpt" / "meta.json").exists()
     assert trainer._modules["replay_buffer"].replay_buffer._sampler._max_priority[0] is not None
+
+
+@pytest.mark.parametrize("entries,loads", [("earlier", True), ("unknown", False)])
+def test_trainer_checkpoints_of_the_earlier_hook_states_still_load(tmp_path, entries, loads):
+    """LearnerValueEstimator once saved no state and EpochPartitionSampler only its generator:
+    checkpoints written so still resume; any other set of entries is refused before anything changes."""
+    ex, args = _pendulum_trainer(tmp_path, frames_batches=1, minibatch=300, epochs=1)
+    learner, trainer, _ = ex.build(args, {"accelerator": "cpu", "devices": 1})
+    trainer.train()
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    rank_file = tmp_path / "ckpt" / "rank0.pt"
+    state = torch.load(rank_file, weights_only=True)
+    generator = trainer._modules["epoch_partition_sampler"].state_dict()["generator"]
+    if entries == "earlier":
+        state["modules"]["value_estimator"] = {}
+        state["modules"]["epoch_partition_sampler"] = {"generator": generator}
+    else:
+        state["modules"]["epoch_partition_sampler"] = {"generator": generator, "bogus": 1}
+    torch.save(state, rank_file)
+    fresh_learner, fresh, _ = ex.build(args, {"accelerator": "cpu", "devices": 1})
+    if loads:
+        fresh.load_from_file(tmp_path / "ckpt")
+        assert fresh_learner.num_updates == learner.num_updates
+        restored = fresh._modules["epoch_partition_sampler"].state_dict()["generator"]
+        assert (restored is None and generator is None) or torch.equal(restored, generator)
+    else:
+        with pytest.raises(ValueError, match="epoch_partition_sampler.*bogus"):
+            fresh.load_from_file(tmp_path / "ckpt")
+        assert fresh_learner.num_updates == 0
 
 
 def test_partition_sampler_with_stop_iteration_counts_only_real_steps(tmp_path):
@@ -306,6 +391,31 @@ def test_partition_indices_cover_without_replacement():
             while True:
                 seen.append(sampler(data)["i"])
         assert sorted(torch.cat(seen).tolist()) == list(range(12))
+
+
+def _epoch(sampler, data):
+    sampler.start_epoch(data)
+    out = []
+    with pytest.raises(StopIteration):
+        while True:
+            out.append(sampler(data)["i"].tolist())
+    return out
+
+
+@pytest.mark.parametrize("n", [12, 10])
+def test_partition_sampler_resumes_with_the_partitions_of_the_uninterrupted_run(tmp_path, n):
+    """Its state (generator and torchrl sampler) goes through a weights-only file and continues exactly."""
+    data = TensorDict({"i": torch.arange(n)}, [n])
+    whole = EpochPartitionSampler(4, seed=5)
+    expected = [_epoch(whole, data) for _ in range(3)]
+    first = EpochPartitionSampler(4, seed=5)
+    assert _epoch(first, data) == expected[0]
+    torch.save(first.state_dict(), tmp_path / "sampler.pt")
+    resumed = EpochPartitionSampler(4, seed=5)
+    resumed.load_state_dict(torch.load(tmp_path / "sampler.pt", weights_only=True))
+    assert [_epoch(resumed, data) for _ in range(2)] == expected[1:]
+    gens = torch.Generator().manual_seed(5)
+    assert expected == [[p.tolist() for p in partition_indices(n, 4, generator=gens)] for _ in range(3)]
 
 
 # ---- two ranks (DDP, then FSDP), one launch --------------------------------------------------------

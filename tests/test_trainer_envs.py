@@ -101,7 +101,7 @@ def test_inspecting_a_batched_env_neither_starts_it_nor_forwards_to_its_workers(
 
     from torchrl.envs import ParallelEnv, PendulumEnv, SerialEnv
 
-    from fabric_learner.trainer import _EnvPlan
+    from fabric_learner.checkpoint.trainer_state import EnvPlan as _EnvPlan
 
     for env in (ParallelEnv(2, PendulumEnv, mp_start_method="fork"), SerialEnv(2, em.gym)):
         assert env.is_closed
@@ -116,7 +116,7 @@ def test_an_env_nested_without_end_fails_with_an_error_naming_it():
 
     from torchrl.envs import EnvBase
 
-    from fabric_learner.trainer import _MAX_ENV_NODES, _EnvPlan
+    from fabric_learner.checkpoint.trainer_state import MAX_ENV_NODES as _MAX_ENV_NODES, EnvPlan as _EnvPlan
 
     class Wrapper(EnvBase):
         def __init__(self, inner=None):

@@ -2,7 +2,7 @@
 
 The loss's own parameters are the trained ones, so a collector running the policy the loss
 trains acts with the newest weights with no copy, and checkpoints are one file written by
-rank 0 through ``fabric.save`` (atomically, see ``_checkpoint.AtomicCheckpointIO``).
+rank 0 through ``fabric.save`` (atomically, see ``checkpoint.files.AtomicCheckpointIO``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from tensordict import TensorDictBase
 from torch import nn
 
-from fabric_learner import _dcp
-from fabric_learner._batch import LossForwarder
-from fabric_learner._checkpoint import FORMAT, AtomicCheckpointIO, overwrite_error
+from fabric_learner.checkpoint import sharded as sharded_files
+from fabric_learner._carrier import LossForwarder
+from fabric_learner.checkpoint.files import FORMAT, AtomicCheckpointIO, overwrite_error
 from fabric_learner._compile import fused_adam
-from fabric_learner._optim import build_optimizer
+from fabric_learner.optim import build_optimizer
 from fabric_learner._stages import StageOptimizers, build_stage_optimizers
 from fabric_learner.learner import plain_weights
 
@@ -98,4 +98,4 @@ class ReplicatedBackend:
 
     def load_folder(self, learner, path: Path) -> None:
         """A sharded checkpoint, read whole into this process (every rank reads it)."""
-        learner.load_checkpoint(_dcp.read_full(path))
+        learner.load_checkpoint(sharded_files.read_full(path))

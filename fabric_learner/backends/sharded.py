@@ -33,9 +33,10 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _compat, _dcp
-from fabric_learner._batch import Carrier, output_leaves, run_loss
-from fabric_learner._optim import build_optimizer
+from fabric_learner import _compat
+from fabric_learner.checkpoint import sharded as sharded_files
+from fabric_learner._carrier import Carrier, output_leaves, run_loss
+from fabric_learner.optim import build_optimizer
 from fabric_learner._stages import StageOptimizers, build_stage_optimizers
 
 __all__ = ["ShardedLoss", "shard_loss", "whole_world"]
@@ -438,13 +439,14 @@ class ShardedBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         wrapper = self.wrapper
+        # DCP keys by the wrapper's FQNs (flat names, scalars (1,)); checkpoints by loss names and shapes, so they reshard
         by_flat = {flat_name(n): n for n in wrapper.names}
         full = get_optimizer_state_dict(wrapper, raw, options=StateDictOptions(full_state_dict=True))
         index = {n: i for i, n in enumerate(param_names)}
         state = {}
         for fqn, fields in full["state"].items():
             name = by_flat[fqn]
-            state[index[name]] = {f: _dcp.as_param_shape(v, wrapper.shapes[name]) for f, v in fields.items()}
+            state[index[name]] = {f: sharded_files.as_param_shape(v, wrapper.shapes[name]) for f, v in fields.items()}
         groups = [dict(g, params=[index[by_flat[p]] for p in g["params"]]) for g in full["param_groups"]]
         return {"state": state, "param_groups": groups}
 
@@ -459,7 +461,7 @@ class ShardedBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         wrapper = self.wrapper
-        moments = {}
+        moments = {}  # loss names -> the wrapper's FQNs DCP expects (see _optimizer_state)
         for i, fields in state["state"].items():
             param = getattr(wrapper, flat_name(param_names[int(i)]))
             moments[flat_name(param_names[int(i)])] = {
@@ -471,16 +473,18 @@ class ShardedBackend:
         set_optimizer_state_dict(wrapper, raw, {"state": moments, "param_groups": groups},
                                  options=StateDictOptions(full_state_dict=True))
 
-    # ---- checkpoints on disk: a DCP folder (see _dcp) ------------------------------------------
+    # ---- checkpoints on disk: a DCP folder (see checkpoint/sharded.py) ------------------------------------------
 
-    def save(self, learner, path: Path) -> None:
+    def save(self, learner, path: Path, blocking: bool = True):
+        """Write a sharded version of ``path`` (a collective); with ``blocking=False`` return the
+        future of its background write and publish (``sharded_files.save_version_async``)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         wrapper, rank, fabric = self.wrapper, learner.global_rank, self.fabric
         if rank == 0:
-            _dcp.check_target(path)
+            sharded_files.check_target(path)
         fabric.barrier()
-        version = fabric.broadcast(_dcp.new_version_name(learner.num_updates) if rank == 0 else None, src=0)
+        version = fabric.broadcast(sharded_files.new_version_name(learner.num_updates) if rank == 0 else None, src=0)
         model = get_model_state_dict(wrapper)
         tensors = {f"model/{n}": model[flat_name(n)] for n in wrapper.names}
         tensors.update({f"model/{k}": v.detach() for k, v in self.loss_buffers().items()})
@@ -494,7 +498,7 @@ class ShardedBackend:
                 else:
                     scalars.setdefault(by_flat[fqn], {})[field] = value
         groups = [{**_jsonable(g), "params": [by_flat[p] for p in g["params"]]} for g in optim["param_groups"]]
-        tensors.update(_dcp.rng_tensors(learner._rng_states()))
+        tensors.update(sharded_files.rng_tensors(learner._rng_states()))
         meta = {
             "num_updates": learner.num_updates, "accum_step": learner._accum_step,
             "model_keys": list(self.loss_module.state_dict(keep_vars=True)),
@@ -505,10 +509,14 @@ class ShardedBackend:
         }
         path.mkdir(parents=True, exist_ok=True) if rank == 0 else None
         fabric.barrier()
-        _dcp.save_version(path, version, tensors, meta, rank)
+        if not blocking:
+            group = sharded_files.async_group(_compat.strategy_timeout(fabric.strategy))
+            stager = self.__dict__.setdefault("_stager", sharded_files.Stager())  # buffers kept between saves
+            return sharded_files.save_version_async(path, version, tensors, meta, rank, group, stager)
+        sharded_files.save_version(path, version, tensors, meta, rank)
         fabric.barrier()
         if rank == 0:
-            _dcp.publish(path, version)
+            sharded_files.publish(path, version)
         fabric.barrier()
 
     def load_folder(self, learner, path: Path) -> None:
@@ -522,11 +530,11 @@ class ShardedBackend:
         )
         from fabric_learner import _rng
 
-        folder = _dcp.latest_version(path)
-        meta = _dcp.read_meta(folder)  # checked against the stored tensors
+        folder = sharded_files.latest_version(path)
+        meta = sharded_files.read_meta(folder)  # checked against the stored tensors
         wrapper = self.wrapper
         self._check_meta(learner, meta, path)
-        rng = _dcp.read_rng(folder)
+        rng = sharded_files.read_rng(folder)
         _rng.check(rng)
         # Fresh targets of the same sharding: a read that fails mid-way leaves live state untouched.
         model = get_model_state_dict(wrapper)
@@ -539,7 +547,7 @@ class ShardedBackend:
             for field, value in fields.items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"optim/{by_flat[fqn]}/{field}"] = torch.empty_like(value)
-        _dcp.load_into(tensors, folder, distributed=True)
+        sharded_files.load_into(tensors, folder, distributed=True)
         set_model_state_dict(wrapper, {flat_name(n): tensors[f"model/{n}"] for n in wrapper.names},
                              options=StateDictOptions(strict=False))
         with torch.no_grad():

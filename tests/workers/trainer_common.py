@@ -87,7 +87,8 @@ class RecordingLogger:
 
 
 def build_dqn(learner_factory, *, total_frames: int, save_file=None, seed: int = 0, record=None,
-              save_interval: int = 10**9, logger=None, progress_bar: bool = False, own_policy_copy: bool = False):
+              save_interval: int = 10**9, logger=None, progress_bar: bool = False, own_policy_copy: bool = False,
+              resume: bool = True):
     """A DQN trainer: collector with epsilon-greedy exploration, prioritized replay, soft target updates.
 
     ``learner_factory(loss, optimizer_factory, policy)`` builds the learner. ``record`` (a list)
@@ -111,7 +112,8 @@ def build_dqn(learner_factory, *, total_frames: int, save_file=None, seed: int =
                                 priority_key="td_error", batch_size=RB_BATCH)
     trainer = Trainer(learner=learner, collector=collector, total_frames=total_frames, optim_steps_per_batch=OPTIM_STEPS,
                       target_net_updater=updater, seed=seed, progress_bar=progress_bar, logger=logger,
-                      save_trainer_file=save_file, save_trainer_interval=save_interval, log_interval=0)
+                      save_trainer_file=save_file, save_trainer_interval=save_interval, log_interval=0,
+                      resume=resume)
     ReplayBufferTrainer(rb, flatten_tensordicts=True).register(trainer)
     if record is not None:
         trainer.register_op("post_loss", lambda batch: record.append((batch["index"].clone(), batch["td_error"].clone())))

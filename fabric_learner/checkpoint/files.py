@@ -11,7 +11,8 @@ import pickletools
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -25,7 +26,12 @@ def file_state(learner_state: dict[str, Any]) -> dict[str, Any]:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then an atomic rename onto it.
+    """``torch.save`` to ``path`` through :func:`atomic_write`."""
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """``write(file)`` into a temporary file beside ``path``, then an atomic rename onto it.
 
     A crash at any point leaves either the previous file or the new one at ``path``, never a
     partial file.
@@ -39,7 +45,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

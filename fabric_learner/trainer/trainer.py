@@ -37,7 +37,7 @@ What changes against torchrl's Trainer, and why:
   the previous checkpoint atomically. A resume into a freshly built trainer continues as the
   uninterrupted run would (exactly so for stateless environments such as torchrl's
   ``PendulumEnv``, whose in-flight observation is restored too). What is saved of the
-  environment is decided once, at construction (see ``_EnvPlan``).
+  environment is decided once, at construction (see ``checkpoint.trainer_state.EnvPlan``).
 - At the end of ``train()`` the collector's state is read, then the collector is shut down
   (env, worker processes, weight-sync schemes), also when training fails, so no worker
   process outlives the run.
@@ -45,15 +45,10 @@ What changes against torchrl's Trainer, and why:
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import itertools
 import json
-import math
 import os
-import random
 import shutil
-import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -63,206 +58,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
-from torchrl.envs import EnvBase
-from torchrl.trainers import LogScalar, OptimizationStepper, ReplayBufferTrainer, TrainerHookBase
+from torchrl.trainers import ReplayBufferTrainer
 from torchrl.trainers import Trainer as _TorchRLTrainer
 
-from fabric_learner._checkpoint import weights_only_load
-from fabric_learner._dcp import read_json
-from fabric_learner._resize import fill_replay, replay_share, reseed
-from fabric_learner.onpolicy import all_reduce, distributed_world_size
+from fabric_learner.checkpoint import trainer_state
+from fabric_learner.checkpoint.files import weights_only_load
+from fabric_learner.checkpoint.resize import fill_replay, replay_share, reseed
+from fabric_learner.checkpoint.sharded import read_json
+from fabric_learner.collectives import all_reduce, distributed_world_size
+from fabric_learner.trainer.hooks import LearnerStepper, LogThroughput, _TargetNetUpdate
+from fabric_learner.trainer.logging import _adapt_logger
 from fabric_learner.weights import PublishWeights, serve_collector_policy
 
-__all__ = ["FabricLoggerAdapter", "GlobalLogScalar", "LearnerStepper", "LogThroughput", "Trainer"]
+__all__ = ["Trainer"]
 
 CHECKPOINT_FORMAT = "fabric_learner.trainer/1"
 _LEARNER_FILE = "learner.ckpt"
 _META_FILE = "meta.json"
-
-
-# ---- the step -----------------------------------------------------------------------------------
-
-
-class LearnerStepper(OptimizationStepper):
-    """One torchrl optimisation step = one ``learner.update(sub_batch)``, then the ``post_loss`` hooks.
-
-    The learner forwards the loss, sums its ``"loss"`` entries, backpropagates (synchronising
-    gradients across ranks), clips and steps. ``post_loss`` hooks then see the minibatch as the
-    loss left it (DQN's ``td_error`` for priority updates). Its state lives in the learner.
-    """
-
-    def __init__(self, learner) -> None:
-        self.learner = learner
-
-    def step(self, trainer, sub_batch: TensorDictBase) -> TensorDictBase:
-        out = self.learner.update(sub_batch)
-        trainer._post_loss_hook(sub_batch)
-        return out
-
-    @property
-    def optimizer_step_count(self) -> int:
-        """Optimizer steps taken (``UpdateWeights(interval_unit="optim_steps")`` reads this)."""
-        return self.learner.num_updates
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        return
-
-
-class _TargetNetUpdate(TrainerHookBase):
-    """Steps a torchrl ``TargetNetUpdater`` once per optimizer step (not per accumulation micro-step)."""
-
-    def __init__(self, updater, learner) -> None:
-        self.updater, self.learner = updater, learner
-        self._last = learner.num_updates
-
-    def __call__(self) -> None:
-        steps = self.learner.num_updates - self._last
-        if steps <= 0:
-            return
-        # A sharded learner keeps the loss's own parameter objects empty outside update(); the
-        # updater reads them, so they hold the gathered weights for the call (a collective).
-        with _full_parameters(self.learner):
-            for _ in range(steps):
-                self.updater.step()
-        self._last = self.learner.num_updates
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self.updater.state_dict() if hasattr(self.updater, "state_dict") else {}
-        return {"updater": state, "last": self._last}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if hasattr(self.updater, "load_state_dict"):
-            self.updater.load_state_dict(state_dict.get("updater", {}))
-        self._last = int(state_dict.get("last", self.learner.num_updates))
-
-    def register(self, trainer, name: str = "target_net_updater") -> None:
-        trainer.register_op("post_optim", self)
-        trainer.register_module(name, self)
-
-
-def _full_parameters(learner):
-    """Inside the block the loss's modules hold the full weights (a collective when sharded)."""
-    if not learner.capabilities.sharded:
-        return contextlib.nullcontext()
-    return learner.full_parameters()
-
-
-# ---- logging --------------------------------------------------------------------------------------
-
-
-class FabricLoggerAdapter:
-    """A Lightning Fabric logger (``log_metrics``) behind torchrl's logger calls (``log_scalar``).
-
-    ``Trainer`` wraps a ``lightning.fabric.loggers.Logger`` in it automatically, e.g.
-    ``Trainer(..., logger=TensorBoardLogger("runs", name="ppo"))``.
-    """
-
-    def __init__(self, logger) -> None:
-        self.logger = logger
-
-    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
-        if isinstance(value, torch.Tensor):
-            value = value.item()
-        self.logger.log_metrics({name: float(value)}, step=step)
-
-    def log_metrics(self, metrics, step: int | None = None, **kwargs) -> None:
-        self.logger.log_metrics({k: float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()},
-                                step=step)
-
-    def log_hparams(self, cfg) -> None:
-        self.logger.log_hyperparams(cfg)
-
-    def log_histogram(self, name: str, data, **kwargs) -> None:
-        return  # Fabric's generic logger API has no histogram call
-
-    def log_video(self, name: str, video, step: int | None = None, **kwargs) -> None:
-        return
-
-    def finalize(self, status: str = "success") -> None:
-        self.logger.finalize(status)
-
-    def __getattr__(self, name: str):
-        return getattr(self.__dict__["logger"], name)
-
-    def __repr__(self) -> str:
-        return f"FabricLoggerAdapter({self.logger!r})"
-
-
-def _adapt_logger(logger):
-    if logger is None:
-        return None
-    try:
-        from lightning.fabric.loggers import Logger as FabricLogger
-    except ImportError:  # pragma: no cover - lightning is a dependency
-        return logger
-    return FabricLoggerAdapter(logger) if isinstance(logger, FabricLogger) else logger
-
-
-class GlobalLogScalar(LogScalar):
-    """torchrl's ``LogScalar`` over every rank's batch: all-reduced sums, counts, minima, maxima.
-
-    A collective at ``pre_steps_log``: every rank must register it (they all run the same
-    program). Logs e.g. the mean reward of all ranks' rollouts, not just rank 0's.
-    """
-
-    def __call__(self, batch: TensorDictBase) -> dict:
-        tensor = batch.get(self.key)
-        if ("collector", "mask") in batch.keys(True):
-            tensor = tensor[batch.get(("collector", "mask"))]
-        t = tensor.detach().to(torch.float64)
-        if self.reduction in ("mean", "sum"):
-            stats = all_reduce(torch.stack([t.sum(), (t * t).sum(), torch.tensor(float(t.numel()), dtype=torch.float64)]))
-            total, sq, n = stats.tolist()
-            value = total / max(n, 1.0) if self.reduction == "mean" else total
-        else:
-            value = all_reduce(t.min() if self.reduction == "min" else t.max(), self.reduction).item()
-            n = 0.0
-        result = {self.logname: float(value), "log_pbar": self.log_pbar}
-        if self.include_std and self.reduction in ("mean", "sum") and n > 1:
-            mean = total / n
-            result[f"{self.logname}_std"] = math.sqrt(max(sq - n * mean * mean, 0.0) / (n - 1))
-        return result
-
-
-class LogThroughput(TrainerHookBase):
-    """Logs global frames per second and optimizer updates per second (``post_steps_log``)."""
-
-    def __init__(self, trainer, log_pbar: bool = True) -> None:
-        self.trainer, self.log_pbar = trainer, log_pbar
-        self._t0: float | None = None
-        self._frames0 = 0
-        self._updates0 = 0
-
-    def start(self) -> None:
-        self._t0 = time.perf_counter()
-        self._frames0 = self.trainer.collected_frames
-        self._updates0 = self.trainer.learner.num_updates
-
-    def __call__(self, batch=None) -> dict:
-        if self._t0 is None:
-            self.start()
-            return {}
-        now = time.perf_counter()
-        dt = max(now - self._t0, 1e-9)
-        frames, updates = self.trainer.collected_frames, self.trainer.learner.num_updates
-        out = {"fps": (frames - self._frames0) / dt, "updates_per_s": (updates - self._updates0) / dt,
-               "log_pbar": self.log_pbar}
-        self._t0, self._frames0, self._updates0 = now, frames, updates
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        return
-
-    def register(self, trainer, name: str = "log_throughput") -> None:
-        trainer.register_op("setup", self.start)
-        trainer.register_op("post_steps_log", self)
-        trainer.register_module(name, self)
 
 
 # ---- the trainer ----------------------------------------------------------------------------------
@@ -286,9 +98,40 @@ class Trainer(_TorchRLTrainer):
         target_net_updater: a torchrl ``TargetNetUpdater`` (``SoftUpdate``/``HardUpdate``),
             stepped after every optimizer step and checkpointed.
         log_throughput: register :class:`LogThroughput` (default ``True``).
+        resume: with ``save_trainer_file``, ``train()`` first loads the latest complete checkpoint
+            found there, so a restarted run (``torchrun --max-restarts``, or the same command run
+            again) continues where it was; ``False`` starts afresh (the next save overwrites it).
         **kwargs: any other torchrl ``Trainer`` argument (``num_epochs``, ``log_interval``,
             ``save_trainer_file``, ``save_trainer_interval``, ``progress_bar``, ``seed``,
             ``log_timings``, ``auto_log_optim_steps``, ...).
+
+    Raises:
+        TypeError: ``loss_module=``, ``optimizer=``, ``optimization_stepper=`` or ``clip_norm=``
+            given (they are the learner's), or ``learner`` is not a Learner.
+        ValueError, NotImplementedError: a torchrl option this trainer cannot honour on several
+            ranks (``learner_backend`` other than ``"local"``, torchrl's unified ``checkpoint=``).
+
+    Examples:
+        ``train()`` runs torchrl's loop on the collector; with ``collector=None`` the same
+        optimisation steps run on a batch given by hand:
+
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.objectives import DQNLoss
+        >>> from fabric_learner import LocalLearner
+        >>> net = torch.nn.Linear(4, 2)
+        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
+        ...                        lambda params: torch.optim.Adam(params, lr=1e-3), policy=net)
+        >>> trainer = Trainer(learner=learner, collector=None, total_frames=0, optim_steps_per_batch=3,
+        ...                   progress_bar=False)
+        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
+        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
+        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
+        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
+        ...     batch_size=[8])
+        >>> trainer.optim_steps(batch)
+        >>> learner.num_updates, trainer.loss_module is learner.loss_module
+        (3, True)
     """
 
     def __init__(
@@ -305,6 +148,7 @@ class Trainer(_TorchRLTrainer):
         publish_weights: bool = True,
         target_net_updater=None,
         log_throughput: bool = True,
+        resume: bool = True,
         **kwargs,
     ) -> None:
         for name in ("loss_module", "optimizer", "optimization_stepper"):
@@ -342,8 +186,8 @@ class Trainer(_TorchRLTrainer):
             target_net_updater=target_net_updater,
             **kwargs,
         )
-        # Decided now, while the env is alive: what checkpoints hold of it (see _EnvPlan).
-        self._env_plan = _EnvPlan(collector)
+        # Decided now, while the env is alive: what checkpoints hold of it (see trainer_state.EnvPlan).
+        self._env_plan = trainer_state.EnvPlan(collector)
         self._collector_closed = False
         self._collector_state_at_end: dict[str, Any] | None = None
         self.seed = seed
@@ -357,6 +201,8 @@ class Trainer(_TorchRLTrainer):
         if log_throughput:
             LogThroughput(self).register(self)
         self._pbar = None
+        self._resume = resume
+        self._loaded = False  # load_from_file was called: train() does not resume on its own
 
     # ---- ranks --------------------------------------------------------------------------------
 
@@ -404,6 +250,7 @@ class Trainer(_TorchRLTrainer):
     # ---- the loop -------------------------------------------------------------------------------
 
     def train(self):
+        self._resume_from_last_checkpoint()
         if self.async_collection:
             return super().train()
         if self.progress_bar:
@@ -415,7 +262,7 @@ class Trainer(_TorchRLTrainer):
         iterator = iter(self.collector)
         init_random = int(getattr(self.collector, "init_random_frames", 0) or 0)
         try:
-            while True:
+            while self.collected_frames < self.total_frames:  # a resumed run may have nothing left to do
                 batch = next(iterator, None)
                 current = 0
                 if batch is not None:
@@ -552,7 +399,7 @@ class Trainer(_TorchRLTrainer):
         self.learner.load_checkpoint(state_dict["learner"])  # validated before it changes anything
         self._load_rank_state(state_dict)
         self._publish_after_load()
-        _set_rng_state(state_dict["rng"], self._env_plan)
+        trainer_state.set_rng_state(state_dict["rng"], self._env_plan)
 
     def _collector_state(self) -> dict[str, Any]:
         collector = self.collector
@@ -565,12 +412,12 @@ class Trainer(_TorchRLTrainer):
                 f"The trainer's collector ({type(collector).__name__}) was shut down by a train() that failed, so "
                 "its state can no longer be read. Save checkpoints during training (save_trainer_interval=...)."
             )
-        return {"collector": collector.state_dict(), "carrier": _carrier_state(collector, self._env_plan),
+        return {"collector": collector.state_dict(), "carrier": trainer_state.carrier_state(collector, self._env_plan),
                 "env_rng": [g.get_state() for g in self._env_plan.generators()]}
 
     def _rank_state(self) -> dict[str, Any]:
         collector = self._collector_state()
-        rng = _rng_state()
+        rng = trainer_state.rng_state()
         rng["env"] = collector["env_rng"]
         return {
             "format": CHECKPOINT_FORMAT,
@@ -586,7 +433,7 @@ class Trainer(_TorchRLTrainer):
     def _check_rank_state(self, state: Any, source: str = "the trainer state", resizing: bool = False) -> None:
         """Raise, before anything is loaded, if this rank's state cannot be restored here.
 
-        ``resizing``: the state comes from a run with another number of ranks (see ``_resize``).
+        ``resizing``: the state comes from a run with another number of ranks (see ``checkpoint.resize``).
         """
         def refuse(what: str) -> ValueError:
             return ValueError(f"{source}: {what}; nothing was loaded. Pass a checkpoint folder written by "
@@ -595,7 +442,7 @@ class Trainer(_TorchRLTrainer):
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise refuse(f"format is {found!r}, expected {CHECKPOINT_FORMAT!r}")
-        if not _is_count(state.get("world_size")) or state["world_size"] < 1:
+        if not trainer_state.is_count(state.get("world_size")) or state["world_size"] < 1:
             raise refuse(f"'world_size' is {state.get('world_size')!r}, expected a positive integer")
         if state["world_size"] != self._world_size and not resizing:
             raise ValueError(
@@ -603,10 +450,10 @@ class Trainer(_TorchRLTrainer):
                 "load the whole checkpoint folder with Trainer.load_from_file, which redistributes it."
             )
         counters = state.get("state")
-        if not isinstance(counters, dict) or not all(_is_count(counters.get(k)) for k in _COUNTERS) \
+        if not isinstance(counters, dict) or not all(trainer_state.is_count(counters.get(k)) for k in trainer_state.COUNTERS) \
                 or not isinstance(counters.get("_last_log"), dict) \
                 or not all(isinstance(v, (int, float)) for v in counters["_last_log"].values()):
-            raise refuse(f"'state' is not the trainer's counters ({', '.join(_COUNTERS)}, _last_log)")
+            raise refuse(f"'state' is not the trainer's counters ({', '.join(trainer_state.COUNTERS)}, _last_log)")
         modules = state.get("modules")
         if not isinstance(modules, dict):
             raise refuse("'modules' is not a mapping of hook names to their states")
@@ -617,7 +464,9 @@ class Trainer(_TorchRLTrainer):
         for name, module in self._modules.items():
             saved = modules[name]
             expected = set(module.state_dict())
-            if not isinstance(saved, dict) or set(saved) != expected:
+            # a hook whose state grew may still read what an earlier release wrote
+            earlier = [set(keys) for keys in getattr(module, "earlier_state_keys", ())]
+            if not isinstance(saved, dict) or (set(saved) != expected and set(saved) not in earlier):
                 found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
                 raise refuse(f"the state of hook {name!r} has entries {found}, expected {sorted(expected)}")
         if state.get("collector") is not None and not isinstance(state["collector"], dict):
@@ -625,15 +474,15 @@ class Trainer(_TorchRLTrainer):
         carrier = state.get("carrier")
         if carrier is not None and not (isinstance(carrier, dict) and isinstance(carrier.get("data"), dict)
                                         and isinstance(carrier.get("batch_size"), list)
-                                        and all(_is_count(d) for d in carrier["batch_size"])):
+                                        and all(trainer_state.is_count(d) for d in carrier["batch_size"])):
             raise refuse("'carrier' is not a collector's in-flight tensordict")
-        _check_rng_state(state.get("rng"), refuse)
+        trainer_state.check_rng_state(state.get("rng"), refuse)
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         """Apply a checked rank state (``_check_rank_state``) but its random state, set once publishing is done."""
         if self.collector is not None and state["collector"] is not None:
             self.collector.load_state_dict(state["collector"])
-            _restore_carrier(self.collector, state.get("carrier"))
+            trainer_state.restore_carrier(self.collector, state.get("carrier"))
         for name, module in self._modules.items():
             module.load_state_dict(state["modules"][name])
         self._restore_counters(state["state"])
@@ -702,7 +551,7 @@ class Trainer(_TorchRLTrainer):
             raise FileNotFoundError(f"No fabric_learner trainer checkpoint at {file} (no {_META_FILE}).")
         meta = read_json(path / _META_FILE, CHECKPOINT_FORMAT)
         saved_world = meta.get("world_size")
-        if not _is_count(saved_world) or saved_world < 1:
+        if not trainer_state.is_count(saved_world) or saved_world < 1:
             raise ValueError(f"{path / _META_FILE}: 'world_size' is {saved_world!r}, expected a positive integer; "
                              "nothing was loaded.")
         ranks = [self.global_rank] if saved_world == self._world_size else list(range(saved_world))
@@ -721,11 +570,12 @@ class Trainer(_TorchRLTrainer):
         self.learner.load(learner_file)  # validated before it changes anything
         self._load_rank_state(state)
         self._publish_after_load()
-        _set_rng_state(state["rng"], self._env_plan)
+        trainer_state.set_rng_state(state["rng"], self._env_plan)
+        self._loaded = True
         return self
 
     def _load_resized(self, states: list[dict[str, Any]], learner_file: Path) -> Trainer:
-        """Resume a checkpoint written by ``len(states)`` ranks on this run's (see ``_resize``)."""
+        """Resume a checkpoint written by ``len(states)`` ranks on this run's (see ``checkpoint.resize``)."""
         replay = {name: m for name, m in self._modules.items() if isinstance(m, ReplayBufferTrainer)}
         shares = {name: replay_share(m.replay_buffer, [s["modules"][name]["replay_buffer"] for s in states],
                                      self.global_rank, self._world_size) for name, m in replay.items()}
@@ -745,69 +595,34 @@ class Trainer(_TorchRLTrainer):
         )
         reseed(self.collected_frames, self.global_rank)
         self._publish_after_load()
+        self._loaded = True
         return self
 
+    def _resume_from_last_checkpoint(self) -> None:
+        """Load the latest complete checkpoint at ``save_trainer_file``, if any (see ``resume=``).
 
-# ---- per-rank state helpers ---------------------------------------------------------------------
-
-
-_COUNTERS = ("collected_frames", "_last_save", "_optim_count")
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_rng_state(rng: Any, refuse) -> None:
-    """The random states ``_rng_state`` writes: torch, numpy's MT19937, python's, env generators."""
-    torch_size = torch.get_rng_state().numel()
-
-    def generator_state(t: Any, size: int | None = None) -> bool:
-        return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 and size in (None, t.numel())
-
-    n = rng.get("numpy") if isinstance(rng, dict) else None
-    python = rng.get("python") if isinstance(rng, dict) else None
-    ok = (isinstance(rng, dict) and generator_state(rng.get("torch"), torch_size)
-          and isinstance(n, dict) and n.get("kind") == "MT19937" and isinstance(n.get("keys"), torch.Tensor)
-          and n["keys"].dtype == torch.int64 and n["keys"].shape == (624,) and _is_count(n.get("pos"))
-          and _is_count(n.get("has_gauss")) and isinstance(n.get("cached_gaussian"), float)
-          and isinstance(python, (tuple, list)) and len(python) == 3 and python[0] == 3
-          and isinstance(python[1], (tuple, list)) and len(python[1]) == 625 and all(_is_count(x) for x in python[1])
-          and (python[2] is None or isinstance(python[2], float))
-          and isinstance(rng.get("env", []), list) and all(generator_state(g) for g in rng.get("env", []))
-          and all(generator_state(g) for g in rng.get("cuda", [])))
-    if not ok:
-        raise refuse("'rng' is not the random states of torch, numpy, python and the environments")
-
-
-def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], env_plan: _EnvPlan) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    random.setstate(_tuplify(state["python"]))
-    gens = env_plan.generators()
-    if len(gens) == len(state.get("env", [])):
-        for g, s in zip(gens, state["env"]):
-            g.set_state(s)
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+        Every rank must find the same one (on several nodes the folder must be on a shared
+        filesystem); if they do not, it raises on every rank before anything is loaded.
+        """
+        if not self._resume or self._loaded or not self.save_trainer_file:
+            return
+        path = Path(self.save_trainer_file)
+        found = next((p for p in (path, path.with_name(path.name + ".old")) if (p / _META_FILE).exists()), None)
+        seen = [-1, -1, -1]
+        if found is not None:
+            meta = read_json(found / _META_FILE, CHECKPOINT_FORMAT)
+            seen = [meta.get(k) if trainer_state.is_count(meta.get(k)) else -2
+                    for k in ("collected_frames", "optim_steps", "num_updates")]
+        if self._distributed():
+            both = all_reduce(torch.tensor(seen + [-v for v in seen], dtype=torch.int64), op="max")
+            if not torch.equal(both[:3], -both[3:]):
+                raise RuntimeError(
+                    f"Resuming from {path}: the ranks see different checkpoints there (rank {self.global_rank} sees "
+                    f"{'none' if found is None else found} with frames, optim steps, updates = {seen}); nothing was "
+                    "loaded. save_trainer_file must be on a filesystem every rank shares, or pass resume=False."
+                )
+        if found is not None:
+            self.load_from_file(path)
 
 
 def _shutdown_weight_sync(collector) -> None:
@@ -822,95 +637,3 @@ def _shutdown_weight_sync(collector) -> None:
         shutdown = getattr(type(scheme), "shutdown", None)
         if callable(shutdown):
             shutdown(scheme)
-
-
-# ---- what a checkpoint holds of the collector's environment ------------------------------------
-
-_MAX_ENV_NODES = 256  # envs reachable from one collector's env (wrappers, sub-envs) before we give up
-
-
-class _EnvPlan:
-    """What a checkpoint saves of one collector's environment, decided once while the env is alive.
-
-    The walk reads only instance dictionaries (``vars``) and class attributes: a batched env's
-    ``__getattr__`` forwards unknown names to its workers (and restarts a closed ``ParallelEnv``),
-    and a ``TransformedEnv`` forwards them to its base env, so ``hasattr``/``getattr`` on them can
-    recurse, raise or loop. What the walk finds:
-
-    - ``holders``: the envs living in this process (wrappers, base envs, ``SerialEnv`` sub-envs),
-      whose ``torch.Generator`` attributes (e.g. ``PendulumEnv.rng``) are saved and restored;
-      envs in worker processes (``ParallelEnv``, multi-process collectors) are out of reach.
-    - ``stateless``: every env's whole state travels in the tensordict (torchrl's
-      ``_supports_set_state``), so the collector's in-flight tensordict is saved and a resume
-      continues the episodes under way; for any other env it would desync env and data, so a
-      resume starts from the fresh collector's own reset.
-    """
-
-    def __init__(self, collector) -> None:
-        self.holders: list[EnvBase] = []
-        self.stateless = False
-        env = vars(collector).get("env") if collector is not None else None
-        if isinstance(env, EnvBase):
-            seen: dict[int, EnvBase] = {}
-            self.stateless = _walk_env(env, seen)
-            self.holders = list(seen.values())
-
-    def generators(self) -> list[torch.Generator]:
-        found: list[torch.Generator] = []
-        for env in self.holders:
-            found.extend(v for v in vars(env).values() if isinstance(v, torch.Generator) and all(v is not f for f in found))
-        return found
-
-
-def _walk_env(env: EnvBase, seen: dict[int, EnvBase]) -> bool:
-    """Record ``env`` and the envs inside it in ``seen``; whether they are all stateless.
-
-    Stops with an error naming the env if the nesting looks unbounded (a cycle is skipped).
-    """
-    if id(env) in seen:
-        return True
-    if len(seen) >= _MAX_ENV_NODES:
-        raise RuntimeError(
-            f"Trainer: the collector's environment holds more than {_MAX_ENV_NODES} nested environments (reached "
-            f"{type(env).__name__}); checkpointing cannot inspect it. Build the collector around a flatter "
-            "environment, or pass collector=None and drive the trainer with optim_steps()."
-        )
-    seen[id(env)] = env
-    own = vars(env)
-    children = [m for m in (own.get("_modules") or {}).values() if isinstance(m, EnvBase)]  # TransformedEnv.base_env
-    sub_envs = own.get("_envs")  # SerialEnv's in-process workers, once started
-    if isinstance(sub_envs, (list, tuple)):
-        children.extend(e for e in sub_envs if isinstance(e, EnvBase))
-    meta = own.get("meta_data")  # a batched env: its workers' metadata, collected when it was built
-    if meta is not None:
-        metas = meta if isinstance(meta, (list, tuple)) else [meta]
-        stateless = all(bool(getattr(m, "supports_set_state", False)) for m in metas)
-    elif children:
-        stateless = True  # a wrapper: stateless when everything it wraps is
-    else:
-        flag = inspect.getattr_static(type(env), "_supports_set_state", False)
-        stateless = flag is True
-    for child in children:
-        stateless = _walk_env(child, seen) and stateless
-    return stateless
-
-
-def _carrier_state(collector, plan: _EnvPlan) -> dict[str, Any] | None:
-    """The collector's in-flight tensordict, for stateless envs only (elsewhere it would desync)."""
-    if not plan.stateless:
-        return None
-    carrier = vars(collector).get("_carrier")
-    if not isinstance(carrier, TensorDictBase):
-        return None
-    leaves = dict(carrier.items(include_nested=True, leaves_only=True))
-    if not all(isinstance(v, torch.Tensor) for v in leaves.values()):
-        return None
-    return {"data": carrier.to_dict(), "batch_size": list(carrier.batch_size)}
-
-
-def _restore_carrier(collector, state: dict[str, Any] | None) -> None:
-    if state is None or not isinstance(vars(collector).get("_carrier"), TensorDictBase):
-        return
-    current = collector._carrier
-    collector._carrier = TensorDict(state["data"], batch_size=state["batch_size"], device=current.device)
-

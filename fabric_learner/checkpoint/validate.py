@@ -109,6 +109,8 @@ def reindex_optimizer_state(state: Any, saved_names: list[str], names: list[str]
     of the parameter with the same name, and each live group takes the hyper-parameters of the
     saved group holding the same parameters.
     """
+    # Hand-written, not DCP's set_optimizer_state_dict: single files (fabric_learner/1) store torch's
+    # index-keyed state plus these names, and the index->name step is needed for them either way.
     if not isinstance(state, Mapping) or "param_groups" not in state or list(saved_names) == list(names):
         return state
     if sorted(saved_names) != sorted(names):

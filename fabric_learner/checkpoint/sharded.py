@@ -8,10 +8,15 @@ Layout of ``path`` (a directory)::
 
 Tensors are stored under flat keys: ``model/<loss state key>`` and
 ``optim/<loss parameter name>/<state field>``, each rank writing its own shards, so a load can
-reshard to any world size or read everything into one process. A crash mid-save leaves
+reshard to any world size or read everything into one process. (DCP's ``get_state_dict`` keys
+by the FSDP wrapper's names, flattened with scalars as ``(1,)``; the backends translate them to the
+loss's own names and shapes, so the same keys load under DDP and in one process.) A crash mid-save leaves
 ``LATEST`` naming the previous version; a version folder without ``LATEST`` pointing at it is
 never read. Loading reads ``.metadata`` with an unpickler that only accepts the checkpoint
 metadata classes, and tensors with ``weights_only``, so no code is ever unpickled.
+
+``save_version_async`` writes in the background (``FabricLearner.save(path, blocking=False)``):
+``LATEST`` still switches only after every rank's shards are on disk.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ import re
 import shutil
 import stat
 import uuid
+from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
@@ -41,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from fabric_learner._checkpoint import fsync_dir
+from fabric_learner.checkpoint.files import atomic_write
 
 SHARDED_FORMAT = "fabric_learner/sharded-1"
 LATEST = "LATEST"
@@ -74,12 +82,110 @@ def save_version(path: Path, version: str, tensors: dict[str, Any], meta: dict[s
     folder = path / version
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder))
     if rank == 0:
-        _write_atomic(folder / META, json.dumps({"format": SHARDED_FORMAT, **meta}).encode())
+        atomic_write(folder / META, lambda f: f.write(json.dumps({"format": SHARDED_FORMAT, **meta}).encode()))
+
+
+def async_group(timeout: timedelta | None) -> dist.ProcessGroup | None:
+    """The gloo group background writes talk over, built once per default group (a collective).
+
+    Its own group, so that DCP's gathers in the writer thread never interleave with the training
+    group's collectives in the main thread. ``None`` without a process group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if _ASYNC_GROUP.get("world") is not world:
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        _ASYNC_GROUP.update(world=world, group=dist.new_group(backend="gloo", **kwargs))
+    return _ASYNC_GROUP["group"]
+
+
+_ASYNC_GROUP: dict[str, Any] = {}
+
+
+class Stager:
+    """Copies of the tensors to save, in buffers kept from one save to the next (DCP's ``AsyncStager``).
+
+    Allocating the copy costs more than filling it (measured on the 21M-parameter learner, 2 CPU
+    ranks: 0.4-1.2 s to allocate, 0.06-0.13 s to copy into kept buffers), and the copy is the part
+    of an asynchronous save that training waits for. The price is one more copy of each rank's
+    shards held between saves. Only one save may use the buffers at a time: the learner waits for
+    a pending save before staging the next.
+    """
+
+    should_synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
+        staged = {}
+        for key, value in state_dict.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                buffer = self._buffers[key] = torch.empty_like(local, device="cpu")
+            buffer.copy_(local.detach())
+            staged[key] = DTensor.from_local(buffer, value.device_mesh, value.placements, shape=value.shape,
+                                             stride=value.stride(), run_check=False) \
+                if isinstance(value, DTensor) else buffer
+        for key in set(self._buffers) - set(state_dict):
+            del self._buffers[key]
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to do: ``stage`` copies before it returns."""
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+
+def save_version_async(path: Path, version: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any], rank: int,
+                       group: dist.ProcessGroup | None, stager: Stager) -> Future:
+    """``save_version`` then ``publish`` in the background; returns once ``tensors`` are staged.
+
+    Every rank calls it. ``dcp.async_save`` copies the tensors through ``stager`` (the copy is what
+    gets written, so training may change the live ones at once) and writes them from a thread. DCP's last step
+    gathers every rank's write result on rank 0, so rank 0's write finishing means every rank's
+    shards are on disk (fsynced); only then does rank 0 write ``meta.json`` and switch ``LATEST``,
+    and it sends the outcome to the other ranks over ``group``. The returned future completes on
+    every rank once ``LATEST`` names the new version, or fails (on every rank still alive) with
+    ``LATEST`` unchanged.
+    """
+    folder = path / version
+    done: Future = Future()
+    written = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(folder), process_group=group,
+                             async_stager=stager)
+
+    def finish(write: Future) -> None:  # in DCP's writer thread (or here, if the write already ended)
+        try:
+            write.result()
+            outcome = [None]
+            if rank == 0:
+                try:
+                    atomic_write(folder / META, lambda f: f.write(json.dumps({"format": SHARDED_FORMAT, **meta}).encode()))
+                    publish(path, version)
+                except Exception as err:  # noqa: BLE001 - sent to every rank, raised by each
+                    outcome = [f"{type(err).__name__}: {err}"]
+            if group is not None:
+                dist.broadcast_object_list(outcome, src=0, group=group)
+            if outcome[0] is not None:
+                raise RuntimeError(f"Rank 0 could not publish the checkpoint version {version} at {path}: "
+                                   f"{outcome[0]}. {LATEST} still names the previous version.")
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the save
+            done.set_exception(err)
+        else:
+            done.set_result(version)
+
+    written.add_done_callback(finish)
+    return done
 
 
 def publish(path: Path, version: str) -> None:
     """Rank 0, after every rank finished writing: point ``LATEST`` at ``version``, drop the rest."""
-    _write_atomic(path / LATEST, version.encode())
+    atomic_write(path / LATEST, lambda f: f.write(version.encode()))
     for child in path.iterdir():
         if child.is_dir() and child.name != version and child.name.startswith("v"):
             shutil.rmtree(child, ignore_errors=True)
@@ -365,16 +471,6 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"Refusing to load {module}.{name} from checkpoint metadata: only checkpoint metadata "
             "classes are allowed (loading never runs code from a checkpoint)."
         )
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def read_full(path: str | os.PathLike) -> dict[str, Any]:

@@ -25,16 +25,15 @@ import sys
 import threading
 import time
 import weakref
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from fabric_learner._compat import release_ddp_group, wrapped_forward
+from fabric_learner._launch import DEFAULT_TIMEOUT
 
 _open: weakref.WeakSet = weakref.WeakSet()
 _state = {"installed": False, "owns_group": False, "crashed": False, "fabrics": [], "done": False}
 _lock = threading.Lock()
-BARRIER_TIMEOUT = timedelta(minutes=5)
 
 
 def register(learner, group_existed: bool) -> None:
@@ -81,7 +80,7 @@ def teardown_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=BARRIER_TIMEOUT, wait_all_ranks=True)
+        dist.monitored_barrier(timeout=DEFAULT_TIMEOUT, wait_all_ranks=True)
     else:
         dist.barrier()
     gc.collect()
@@ -97,6 +96,7 @@ def _at_exit() -> None:
     _state["done"] = True
     try:
         for learner in list(_open):
+            learner.wait_for_save()  # a background checkpoint write (save(blocking=False)) completes first
             close(learner)
         if dist.is_available() and dist.is_initialized():
             drain_gloo_workers()  # a group owned by the user: leave it, but never abort on it
@@ -117,7 +117,7 @@ def _launched_children() -> list:
     return procs
 
 
-def _wait_for_children(timeout: float = BARRIER_TIMEOUT.total_seconds()) -> int:
+def _wait_for_children(timeout: float = DEFAULT_TIMEOUT.total_seconds()) -> int:
     """Rank 0 of a plain ``python`` launch: the exit status of the worst child (named if not 0)."""
     worst = 0
     for rank, proc in enumerate(_launched_children(), start=1):

@@ -1,0 +1,176 @@
+"""The training loop's stall for an asynchronous sharded save vs a synchronous save, 2 CPU ranks.
+
+    python benchmarks/async_save.py --out benchmarks/results/async_save.json   # starts rank 1 itself
+
+An FSDP learner on the 21M-parameter PPO loss (``common.make_loss("ppo_big_actor")``). Each
+repetition, in rotated order:
+
+- sync: ``save(path)``, timed from the call to its return (barriers around it);
+- async: ``save(path, blocking=False)``, then ``M`` training steps, then ``wait_for_save()``;
+- plain: the same ``M`` training steps with no save, on the same batches.
+
+The stall of an async save is ``(async block) - (plain block)``: the time ``save()`` blocks
+(staging the copy), plus the extra time of the steps the background write overlaps (the writer
+thread competes with training for CPU and memory bandwidth), plus any wait at the end. ``M`` is
+chosen at warm-up so that the write ends within the ``M`` steps (``wait_for_save`` then costs ~0;
+whatever it costs is counted). Goal: median stall / sync time <= 0.3 (paired per repetition,
+95% bootstrap interval; met / not met / undecided as in ``run.decide``). The loop runs at its
+slowest rank's pace, so each repetition takes the larger of the two ranks' stalls and sync times.
+Beside it, the same blocks in process CPU seconds (every thread of a rank, the writer's included):
+on a machine shared with other work, wall time mostly measures waiting for a core; the CPU-time
+ratio is the stall a rank would see with no spare core for the writer thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
+
+import common  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+
+GOAL = 0.3
+WORKLOAD = "ppo_big_actor"
+
+
+def decide(ci: tuple[float, float], goal: float) -> str:
+    """run.decide's rule: met when the interval is at or under the goal, not met when over it."""
+    if ci[1] <= goal:
+        return "met"
+    if ci[0] > goal:
+        return "not met"
+    return f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {goal})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=16, help="samples per rank per update")
+    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp folder)")
+    args = parser.parse_args()
+    common.set_one_thread()
+    loss, _ = common.make_loss(WORKLOAD)
+    n_params = common.count_params(loss)
+    strategy = ModelParallelStrategy(parallelize_fn=shard_loss, timeout=timedelta(minutes=10))
+    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-5), accelerator="cpu", devices=2,
+                            strategy=strategy)
+    rank, fabric = learner.global_rank, learner.fabric
+    root = fabric.broadcast(args.dir or tempfile.mkdtemp(prefix="async_save_") if rank == 0 else None, src=0)
+    batches = common.make_batches(WORKLOAD, count=8, seed=1 + 100 * rank, n=args.batch)
+
+    def steps(count: int, start: int) -> list[float]:
+        times = []
+        for i in range(start, start + count):
+            t0 = time.perf_counter()
+            learner.update(batches[i % len(batches)])
+            times.append(time.perf_counter() - t0)
+        return times
+
+    # warm-up: steps, a sync save, and an async save followed by steps until every rank's write ended
+    step_times = steps(3, 0)
+    learner.save(os.path.join(root, "sync"))
+    handle = learner.save(os.path.join(root, "async"), blocking=False)
+    needed = 0
+    while True:
+        steps(1, needed)
+        needed += 1
+        done = torch.tensor([0.0 if handle.done() else 1.0])
+        torch.distributed.all_reduce(done)
+        if done.item() == 0 or needed >= 40:
+            break
+    learner.wait_for_save()
+    m = fabric.broadcast(needed + 2 if rank == 0 else None, src=0)
+
+    samples: dict[str, list[float]] = {"sync": [], "async": [], "plain": [], "async_call": [], "async_wait": []}
+    steps_until_done: list[int] = []
+    cpu: dict[str, list[float]] = {"sync": [], "async": [], "plain": []}  # this process's CPU seconds, all threads
+    for rep in range(args.reps):
+        for name in common.order_for(rep, ["sync", "async", "plain"]):
+            fabric.barrier()
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            if name == "sync":
+                learner.save(os.path.join(root, "sync"))
+            elif name == "async":
+                handle = learner.save(os.path.join(root, "async"), blocking=False)
+                t_call = time.perf_counter() - t0
+                finished_at = None
+                for i in range(m):
+                    steps(1, i)
+                    if finished_at is None and handle.done():
+                        finished_at = i + 1
+                t_wait0 = time.perf_counter()
+                learner.wait_for_save()
+                samples["async_wait"].append(time.perf_counter() - t_wait0)
+                samples["async_call"].append(t_call)
+                steps_until_done.append(finished_at or m + 1)
+            else:
+                steps(m, 0)
+            fabric.barrier()
+            samples[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    stall = [a - p for a, p in zip(samples["async"], samples["plain"])]
+    ratios = [s / y for s, y in zip(stall, samples["sync"])]
+    cpu_stall = [a - p for a, p in zip(cpu["async"], cpu["plain"])]
+    gathered = [None, None]
+    torch.distributed.all_gather_object(gathered, {"rank": rank, "samples_s": samples, "stall_s": stall,
+                                                   "ratio": ratios, "steps_until_done": steps_until_done,
+                                                   "cpu_s": cpu, "cpu_stall_s": cpu_stall})
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True) if args.dir is None else None
+        # the loop runs at the pace of its slowest rank: per repetition, the larger stall of the two
+        stall_max = [max(g["stall_s"][r] for g in gathered) for r in range(args.reps)]
+        sync_max = [max(g["samples_s"]["sync"][r] for g in gathered) for r in range(args.reps)]
+        ci = common.bootstrap_ci(stall_max, sync_max)
+        cpu_extra = [max(g["cpu_stall_s"][r] for g in gathered) for r in range(args.reps)]
+        cpu_sync = [max(g["cpu_s"]["sync"][r] for g in gathered) for r in range(args.reps)]
+        ratio = common.paired_ratio(stall_max, sync_max)
+        result = {
+            "what": "training-loop stall of save(blocking=False) vs the time of save(), FSDP on 2 CPU ranks",
+            "workload": f"{WORKLOAD}: ClipPPOLoss, actor MLP [2048]*6 + critic [64,64], {n_params / 1e6:.1f}M "
+                        f"parameters, Adam, {args.batch} samples per rank per update",
+            "steps_overlapping_each_async_save": m,
+            "reps": args.reps,
+            "median_s": {"sync_save": statistics.median(sync_max), "async_stall": statistics.median(stall_max),
+                         "async_save_call": statistics.median(samples["async_call"]),
+                         "async_wait_at_end": statistics.median(samples["async_wait"]),
+                         "plain_steps_block": statistics.median(samples["plain"]),
+                         "one_step": statistics.median(step_times)},
+            "stall_over_sync": ratio, "ci95": list(ci), "goal": GOAL, "verdict": decide(ci, GOAL),
+            "cpu_time": {
+                "what": "the same blocks in process CPU seconds (all threads of a rank, the writer's included): "
+                        "the stall when no spare core runs the writer; insensitive to waiting for a core",
+                "median_s": {"sync_save": statistics.median(cpu_sync), "async_extra": statistics.median(cpu_extra)},
+                "extra_over_sync": common.paired_ratio(cpu_extra, cpu_sync),
+                "ci95": list(common.bootstrap_ci(cpu_extra, cpu_sync)),
+            },
+            "per_rank": gathered,
+            "machine": {"cpus": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
+                        "load_avg_at_end": os.getloadavg(), "torch": torch.__version__},
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python benchmarks/async_save.py " + " ".join(sys.argv[1:]),
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps({k: result[k] for k in ("median_s", "stall_over_sync", "ci95", "verdict", "cpu_time",
+                                                  "steps_overlapping_each_async_save")}, indent=1))
+    learner.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""End to end: the ported PPO MuJoCo recipe (Trainer + learner) against torchrl's recipe loop.
+
+Part 1, one process, interleaved repetitions: frames per second of torchrl's recipe loop
+(rewritten in ``tests/test_ppo_recipe.py``, the test that shows both give the same updates)
+against the port (``examples/ppo_mujoco.py``) on ``LocalLearner``, on
+``FabricLearner(devices=1)`` and on ``FabricLearner(devices=1, compile=True)``. Each run builds
+its networks, environments and collector, collects ``--batches`` batches of 2048 frames and
+takes the recipe's 10 epochs x 32 minibatch updates per batch; the clock covers all of it.
+Goal: the port at least 0.97 of the recipe loop. The median ``update`` call is reported
+beside it: ``compile=True`` pays its warm-up (tens of seconds, once) inside a short run's frames/s.
+
+Part 2, the same total frames on 2 DDP ranks and on 1 process (``FabricLearner``), each with a
+per-stage profile of rank 0: collection (the collector's iterator), advantage (GAE before each
+epoch), update (``learner.update``, gradient sync included) and gradient sync (from each DDP
+bucket's all-reduce start to its completion, so it overlaps the backward: an upper bound on
+what the sync adds); what remains is the Trainer's own bookkeeping and hooks.
+
+    python benchmarks/end_to_end.py [--reps 3] [--batches 2]
+
+Results: printed, and written to ``benchmarks/results/end_to_end.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+
+import ppo_mujoco as recipe  # noqa: E402
+from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "end_to_end.json"
+
+
+class StageClock:
+    """Wall seconds spent in each wrapped call, summed."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, list[float]] = {}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - start
+                self.seconds[name] = self.seconds.get(name, 0.0) + took
+                self.calls.setdefault(name, []).append(took)
+        return timed
+
+    def wrap_iterator(self, name: str, make_iterator):
+        def timed_iterator():
+            it = make_iterator()
+            while True:
+                start = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                yield item
+        return timed_iterator
+
+
+def _recipe_args(batches: int, world: int = 1):
+    frames = 2048 * batches
+    return recipe.parse_args(["--frames", str(frames), "--seed", "0", "--no-progress", "--devices", str(world)])
+
+
+def run_torchrl_loop(batches: int) -> dict:
+    from test_ppo_recipe import original_recipe_loop
+
+    args = _recipe_args(batches)
+    n_updates = batches * args.epochs * (args.frames_per_batch // args.minibatch)
+    start = time.perf_counter()
+    original_recipe_loop(args, n_updates)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "frames": args.frames, "updates": n_updates}
+
+
+def _sync_clock(learner, clock: StageClock) -> None:
+    """Times each DDP bucket's all-reduce, from the hook's call to the future's completion."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = [m for m in learner._backend.module.modules() if isinstance(m, DistributedDataParallel)]
+    if not ddp:
+        return
+
+    def timed_allreduce(state, bucket):
+        start = time.perf_counter()
+        tensor = bucket.buffer().div_(torch.distributed.get_world_size())
+        fut = torch.distributed.all_reduce(tensor, async_op=True).get_future()
+
+        def done(f):
+            clock.seconds["gradient sync"] = clock.seconds.get("gradient sync", 0.0) + time.perf_counter() - start
+            return f.value()[0]
+        return fut.then(done)
+
+    ddp[0].register_comm_hook(None, timed_allreduce)
+
+
+def run_port(batches: int, learner_cls, learner_kwargs: dict, world: int = 1) -> dict:
+    args = _recipe_args(batches * world, world)
+    clock = StageClock()
+    start = time.perf_counter()
+    learner, trainer, _ = recipe.build(args, learner_kwargs, learner_cls=learner_cls)
+    learner.update = clock.wrap("update", learner.update)
+    collector = trainer.collector
+    collector.iterator = clock.wrap_iterator("collection", collector.iterator)
+    _wrap_value_estimator(trainer, clock)
+    if world > 1:
+        _sync_clock(learner, clock)
+    built = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    out = {"seconds": seconds, "setup seconds": built - start, "frames": trainer.collected_frames,
+           "updates": learner.num_updates, "stages": clock.seconds, "rank": learner.global_rank,
+           # the median update: compile's warm-up (tens of seconds, once) is in the sums, not here
+           "update ms (median call)": 1e3 * statistics.median(clock.calls["update"])}
+    learner.close()
+    return out
+
+
+def _wrap_value_estimator(trainer, clock: StageClock) -> None:
+    from fabric_learner.onpolicy import LearnerValueEstimator
+
+    for hook in trainer._modules.values():
+        if isinstance(hook, LearnerValueEstimator):
+            hook.value_estimator = clock.wrap("advantage", hook.value_estimator)
+
+
+def ranks_main(argv) -> None:
+    """One launch of part 2: ``--ranks N --batches B --out PATH`` (FabricLearner launches the ranks)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int)
+    p.add_argument("--batches", type=int)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    kwargs = {"accelerator": "cpu", "devices": a.ranks, "strategy": "ddp" if a.ranks > 1 else "auto"}
+    result = run_port(a.batches // a.ranks, FabricLearner, kwargs, world=a.ranks)
+    if result["rank"] == 0:
+        Path(a.out).write_text(json.dumps(result))
+
+
+def part_two(batches: int) -> dict:
+    out = {}
+    for ranks in (1, 2):
+        path = RESULTS.with_name(f"end_to_end_ranks{ranks}.tmp.json")
+        cmd = [sys.executable, __file__, "--ranks", str(ranks), "--batches", str(batches), "--out", str(path)]
+        subprocess.run(cmd, check=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out[ranks] = json.loads(path.read_text())
+        path.unlink()
+    return out
+
+
+def main() -> None:
+    if "--ranks" in sys.argv:
+        ranks_main(sys.argv[1:])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--batches", type=int, default=2, help="batches of 2048 frames per run (part 1)")
+    p.add_argument("--part", choices=["1", "2", "both"], default="both")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    modes = {
+        "torchrl recipe loop": lambda: run_torchrl_loop(args.batches),
+        "port, LocalLearner": lambda: run_port(args.batches, LocalLearner, {}),
+        "port, FabricLearner": lambda: run_port(args.batches, FabricLearner, {"accelerator": "cpu", "devices": 1}),
+        "port, FabricLearner compile=True": lambda: run_port(
+            args.batches, FabricLearner, {"accelerator": "cpu", "devices": 1, "compile": True}),
+    }
+    report: dict = {"batches": args.batches, "reps": args.reps, "git": _git_head(),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.part in ("1", "both"):
+        runs: dict[str, list] = {name: [] for name in modes}
+        for rep in range(args.reps):
+            for name, run in modes.items():  # interleaved: every mode once per repetition
+                runs[name].append(run())
+                r = runs[name][-1]
+                print(f"rep {rep} {name}: {r['frames'] / r['seconds']:.0f} frames/s ({r['seconds']:.1f} s)", flush=True)
+        fps = {name: [r["frames"] / r["seconds"] for r in rs] for name, rs in runs.items()}
+        base = fps["torchrl recipe loop"]
+        report["part 1"] = {
+            name: {"frames/s median": statistics.median(v), "frames/s": v,
+                   "ratio to the recipe loop (per repetition)": [x / b for x, b in zip(v, base)],
+                   "ratio median": statistics.median([x / b for x, b in zip(v, base)]),
+                   "update ms, median call (median over repetitions)": (statistics.median(
+                       [r["update ms (median call)"] for r in runs[name]]) if "stages" in runs[name][0] else None)}
+            for name, v in fps.items()}
+        print("\npart 1: one process, frames/s (median) and ratio to torchrl's recipe loop (goal >= 0.97)")
+        for name, row in report["part 1"].items():
+            ms = row["update ms, median call (median over repetitions)"]
+            print(f"  {name:36s} {row['frames/s median']:7.0f}  ratio {row['ratio median']:.3f}"
+                  + (f"  update {ms:.2f} ms" if ms else ""))
+    if args.part in ("2", "both"):
+        two = part_two(2 * args.batches)
+        report["part 2"] = two
+        print("\npart 2: same total frames, FabricLearner, rank 0's stages (s)")
+        for ranks, r in two.items():
+            stages = r["stages"]
+            other = r["seconds"] - r["setup seconds"] - sum(v for k, v in stages.items() if k != "gradient sync")
+            print(f"  {ranks} rank(s): {r['frames'] / r['seconds']:.0f} frames/s, {r['seconds']:.1f} s "
+                  f"(setup {r['setup seconds']:.1f}), " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
+                  + f", other {other:.1f}")
+        report["part 2 ratio (2 ranks / 1 process, frames/s)"] = (
+            (two[2]["frames"] / two[2]["seconds"]) / (two[1]["frames"] / two[1]["seconds"]))
+        print(f"  ratio 2 ranks / 1 process: {report['part 2 ratio (2 ranks / 1 process, frames/s)']:.2f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=1))
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

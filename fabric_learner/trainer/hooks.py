@@ -1,0 +1,152 @@
+"""Trainer hooks: the optimisation step as one ``learner.update``, target-network updates,
+and logging hooks whose values are taken over every rank's data."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torchrl.trainers import LogScalar, OptimizationStepper, TrainerHookBase
+
+from fabric_learner.collectives import all_reduce
+
+__all__ = ["GlobalLogScalar", "LearnerStepper", "LogThroughput"]
+
+
+# ---- the step -----------------------------------------------------------------------------------
+
+
+class LearnerStepper(OptimizationStepper):
+    """One torchrl optimisation step = one ``learner.update(sub_batch)``, then the ``post_loss`` hooks.
+
+    The learner forwards the loss, sums its ``"loss"`` entries, backpropagates (synchronising
+    gradients across ranks), clips and steps. ``post_loss`` hooks then see the minibatch as the
+    loss left it (DQN's ``td_error`` for priority updates). Its state lives in the learner.
+    """
+
+    def __init__(self, learner) -> None:
+        self.learner = learner
+
+    def step(self, trainer, sub_batch: TensorDictBase) -> TensorDictBase:
+        out = self.learner.update(sub_batch)
+        trainer._post_loss_hook(sub_batch)
+        return out
+
+    @property
+    def optimizer_step_count(self) -> int:
+        """Optimizer steps taken (``UpdateWeights(interval_unit="optim_steps")`` reads this)."""
+        return self.learner.num_updates
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return
+
+
+class _TargetNetUpdate(TrainerHookBase):
+    """Steps a torchrl ``TargetNetUpdater`` once per optimizer step (not per accumulation micro-step)."""
+
+    def __init__(self, updater, learner) -> None:
+        self.updater, self.learner = updater, learner
+        self._last = learner.num_updates
+
+    def __call__(self) -> None:
+        steps = self.learner.num_updates - self._last
+        if steps <= 0:
+            return
+        # A sharded learner keeps the loss's own parameter objects empty outside update(); the
+        # updater reads them, so they hold the gathered weights for the call (a collective).
+        with _full_parameters(self.learner):
+            for _ in range(steps):
+                self.updater.step()
+        self._last = self.learner.num_updates
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.updater.state_dict() if hasattr(self.updater, "state_dict") else {}
+        return {"updater": state, "last": self._last}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if hasattr(self.updater, "load_state_dict"):
+            self.updater.load_state_dict(state_dict.get("updater", {}))
+        self._last = int(state_dict.get("last", self.learner.num_updates))
+
+    def register(self, trainer, name: str = "target_net_updater") -> None:
+        trainer.register_op("post_optim", self)
+        trainer.register_module(name, self)
+
+
+def _full_parameters(learner):
+    """Inside the block the loss's modules hold the full weights (a collective when sharded)."""
+    if not learner.capabilities.sharded:
+        return contextlib.nullcontext()
+    return learner.full_parameters()
+
+
+
+class GlobalLogScalar(LogScalar):
+    """torchrl's ``LogScalar`` over every rank's batch: all-reduced sums, counts, minima, maxima.
+
+    A collective at ``pre_steps_log``: every rank must register it (they all run the same
+    program). Logs e.g. the mean reward of all ranks' rollouts, not just rank 0's.
+    """
+
+    def __call__(self, batch: TensorDictBase) -> dict:
+        tensor = batch.get(self.key)
+        if ("collector", "mask") in batch.keys(True):
+            tensor = tensor[batch.get(("collector", "mask"))]
+        t = tensor.detach().to(torch.float64)
+        if self.reduction in ("mean", "sum"):
+            stats = all_reduce(torch.stack([t.sum(), (t * t).sum(), torch.tensor(float(t.numel()), dtype=torch.float64)]))
+            total, sq, n = stats.tolist()
+            value = total / max(n, 1.0) if self.reduction == "mean" else total
+        else:
+            value = all_reduce(t.min() if self.reduction == "min" else t.max(), self.reduction).item()
+            n = 0.0
+        result = {self.logname: float(value), "log_pbar": self.log_pbar}
+        if self.include_std and self.reduction in ("mean", "sum") and n > 1:
+            mean = total / n
+            result[f"{self.logname}_std"] = math.sqrt(max(sq - n * mean * mean, 0.0) / (n - 1))
+        return result
+
+
+class LogThroughput(TrainerHookBase):
+    """Logs global frames per second and optimizer updates per second (``post_steps_log``)."""
+
+    def __init__(self, trainer, log_pbar: bool = True) -> None:
+        self.trainer, self.log_pbar = trainer, log_pbar
+        self._t0: float | None = None
+        self._frames0 = 0
+        self._updates0 = 0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._frames0 = self.trainer.collected_frames
+        self._updates0 = self.trainer.learner.num_updates
+
+    def __call__(self, batch=None) -> dict:
+        if self._t0 is None:
+            self.start()
+            return {}
+        now = time.perf_counter()
+        dt = max(now - self._t0, 1e-9)
+        frames, updates = self.trainer.collected_frames, self.trainer.learner.num_updates
+        out = {"fps": (frames - self._frames0) / dt, "updates_per_s": (updates - self._updates0) / dt,
+               "log_pbar": self.log_pbar}
+        self._t0, self._frames0, self._updates0 = now, frames, updates
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return
+
+    def register(self, trainer, name: str = "log_throughput") -> None:
+        trainer.register_op("setup", self.start)
+        trainer.register_op("post_steps_log", self)
+        trainer.register_module(name, self)
