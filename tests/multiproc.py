@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,3 +109,10 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def elastic_exit_codes(stdout: str) -> dict[int, int]:
+    """``{rank: exit status}`` of every failed rank, from the failure summary that torchrun and
+    ``fabric run`` (torch elastic underneath) print when a run fails."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stdout)
+    return {int(rank): int(code) for rank, code in found}

@@ -140,3 +140,16 @@ class WithConstantEntry(nn.Module):
         out = self.loss(td)
         out.set("loss_constant", torch.tensor(self.value))
         return out
+
+
+def group_timeouts() -> list[float]:
+    """Seconds each live process group of more than one rank waits on a collective (its gloo
+    backend's bound, read from torch's groups rather than from the strategy that asked for it).
+    Groups of one rank (FSDP2's tensor-parallel dimension of size 1) never wait on a peer."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    return [pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in list(c10d._world.pg_map)
+            if pg.size() > 1]

@@ -51,3 +51,53 @@ def test_the_published_performance_table_is_no_older_than_the_update_path(page):
     assert not older, (
         f"{page}'s benchmark table was measured at {named.group(1)}, before the update path last changed "
         f"({last[:7]}: {' '.join(UPDATE_PATH)}). Rerun `python benchmarks/run.py` at HEAD and copy its table.")
+
+
+def _functions(path):
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _cited(row):
+    """``(file, name)`` for each test or function a claims.md row names in its "backed by" cell.
+
+    ``file.py::name`` names a function of ``tests/file.py`` (or of ``benchmarks/file.py``);
+    ``::name`` one of the last file named in the cell; ``name...`` any function starting so.
+    """
+    cell = row.split("|")[2]
+    current = None
+    for token in re.findall(r"`([^`]*)`", cell):
+        m = re.fullmatch(r"((?:tests/|benchmarks/)?\w+\.py)?(?:::(\w+(?:\.\.\.)?))?", token)
+        if not m or not (m.group(1) or m.group(2)):
+            continue  # a -k pattern, an option, a JSON file
+        if m.group(1):
+            current = m.group(1) if "/" in m.group(1) else "tests/" + m.group(1)
+        if m.group(2):
+            assert current, f"{token} names no file in: {row}"
+            yield current, m.group(2)
+
+
+def test_every_test_the_claims_table_names_exists():
+    """docs/claims.md is only worth its rows if the tests it cites are there under those names."""
+    rows = [line for line in open(os.path.join(ROOT, "docs", "claims.md")) if line.startswith("| ")
+            and not line.startswith("| claim") and "---" not in line]
+    cited = [c for row in rows for c in _cited(row)]
+    assert len(cited) > 40, cited  # the parser found the table
+    missing = []
+    for path, name in cited:
+        names = _functions(path)
+        if not (any(n.startswith(name[:-3]) for n in names) if name.endswith("...") else name in names):
+            missing.append(f"{path}::{name}")
+    assert not missing, f"docs/claims.md cites tests that do not exist: {missing}"
+
+
+def test_the_tampering_counts_checkpoints_md_quotes_are_the_cases_tested():
+    import tamper
+
+    text = open(os.path.join(ROOT, "docs", "checkpoints.md")).read()
+    quoted = re.search(r"one process: (\d+) damaged sharded folders, (\d+) damaged\s+files of each single-file kind, "
+                       r"(\d+) damaged trainer folders", text)
+    assert quoted, "docs/checkpoints.md no longer quotes the tampering counts this test checks"
+    assert tuple(map(int, quoted.groups())) == (len(tamper.SHARDED), len(tamper.FILE), len(tamper.TRAINER))

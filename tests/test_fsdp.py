@@ -60,6 +60,16 @@ def test_parameters_are_sharded(fsdp):
             assert 0.4 <= fraction <= 0.65, (case, fraction)  # about 1/2; small tensors pad
 
 
+def test_gradients_and_optimizer_state_are_sharded(fsdp):
+    """docs/fsdp.md: each rank holds about 1/N of gradients (counted at the optimizer step) and of
+    Adam's moments, as of parameters."""
+    for rank in fsdp["ranks"]:
+        for case, held in rank["held_fraction"].items():
+            assert held.keys() == {"gradients", "optimizer_state"}, (case, held)
+            for what, fraction in held.items():
+                assert 0.4 <= fraction <= 0.65, (case, what, fraction)
+
+
 @pytest.mark.parametrize("case", [c for c, det in CASES.items() if det])
 def test_deterministic_losses_equal_local_full_batch(fsdp, case):
     r0, r1 = (r["cases"][case] for r in fsdp["ranks"])
@@ -226,7 +236,7 @@ def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank_under_fsdp(fsdp):
         assert torch.isfinite(r["next_grad_norm"]) and r["final_num_updates"] == 2
         assert r["raise_num_updates"] == 3
     assert "loss entries" in r1["raised"] and "(rank 1)" in r1["raised"]
-    assert "(rank 0)" in r0["raised"] and ("grad_norm" in r0["raised"] or "another rank" in r0["raised"])
+    assert "Optimizer step 3 refused (rank 0): grad_norm is non-finite (nan) on every rank" in r0["raised"], r0["raised"]
     for key in ("after_skip", "after_next", "after_raise"):
         assert_equal_states(r0[key], r1[key])
     assert any(not torch.equal(r0["after_next"][k], v) for k, v in r0["before"].items())
@@ -236,6 +246,11 @@ def test_unequal_per_rank_sample_counts_are_warned_under_fsdp(fsdp):
     for r in fsdp["ranks"]:
         seen = r["unequal_first_step"]
         assert len(seen) == 1 and "different numbers of samples (from 6 to 10 per step)" in seen[0], seen
+        # as under DDP: unequal steps 2-3 are reported at the comparison of step 101, once
+        seen = r["unequal"]
+        assert seen["step 1"] == [] and seen["step 100"] == [], seen
+        assert len(seen["step 101"]) == 1 and "(from 6 to 10 per step)" in seen["step 101"][0], seen
+        assert "up to step 101" in seen["step 101"][0], seen
 
 
 def test_a_users_parallelize_fn_sharding_over_whole_world_trains_like_the_default(fsdp):
@@ -289,3 +304,10 @@ def test_per_layer_units_train_like_one_process(fsdp, kind):
     norms = run_steps(learner, "ppo" if kind.startswith("ppo") else kind)
     torch.testing.assert_close(r0["grad_norm"], norms, atol=1e-5, rtol=1e-5)
     assert_equal_states(r0["model"], learner.checkpoint()["model"], atol=1e-5)
+
+
+def test_a_strategy_objects_timeout_bounds_every_group_it_uses(fsdp):
+    """docs/reliability.md, "the timeout itself": fsdp_checks.py's ModelParallelStrategy(timeout=90 s)
+    bounds the group of both ranks torch built for it (read from its gloo backend)."""
+    for r in fsdp["ranks"]:
+        assert r["group_timeouts"] == [90.0], r["group_timeouts"]

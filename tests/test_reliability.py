@@ -177,14 +177,14 @@ def test_over_approximate_in_keys_are_not_required():
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("timeout,expected", [(None, timedelta(minutes=5)), (42, timedelta(seconds=42)),
+@pytest.mark.parametrize("timeout,expected", [("omitted", timedelta(minutes=5)), (42, timedelta(seconds=42)),
                                               (timedelta(hours=1), timedelta(hours=1))])
 def test_strategies_built_from_names_carry_the_timeout(strategy, timeout, expected):
     """The group starts with at least the default (the rendezvous); collectives get ``timeout``."""
     from fabric_learner._launch import DEFAULT_TIMEOUT, as_timeout, build_fabric
 
     fabric, owns = build_fabric(accelerator="cpu", strategy=strategy, devices=2, num_nodes=1, precision="32-true",
-                                timeout=as_timeout(DEFAULT_TIMEOUT if timeout is None else timeout))
+                                timeout=as_timeout(DEFAULT_TIMEOUT if timeout == "omitted" else timeout))
     assert fabric.strategy._timeout == max(expected, DEFAULT_TIMEOUT) and owns
 
 
@@ -201,7 +201,7 @@ def test_a_strategy_object_keeps_its_timeout():
 
 @pytest.mark.parametrize("scenario,strategy,launcher", [
     ("returns", "ddp", "python"),  # rank 1 calls update() once fewer and ends its program
-    ("busy", "fabric=", "python"),  # through fabric= whose strategy has a 5 s timeout; the learner says 1 h
+    ("busy", "fabric=", "python"),  # through fabric= whose strategy has a 30 s timeout; the learner says 1 h
     ("busy", "fsdp", "python"),  # ... and works on elsewhere, past the timeout
     ("busy", "ddp", "fabric"),  # the same under `fabric run`, which builds the group inside Fabric()
     ("dies", "ddp", "python"),  # rank 1 is SIGKILLed
@@ -210,21 +210,29 @@ def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strateg
     from multiproc import WORKERS, fabric_run, python, run
 
     script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
-    # fabric=: the Fabric's own 5 s timeout must hold, not the learner's 1 h (docs/reliability.md)
+    # fabric=: the Fabric's own 30 s timeout must hold, not the learner's 1 h (docs/reliability.md)
     cmd = python(*script) if launcher == "python" else fabric_run(*script, strategy=strategy)
-    # 5 s collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
+    # 5 s (30 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
     proc = run(cmd, timeout=150)
     assert proc.returncode != 0 and proc.leftovers == 0, proc.stdout[-4000:]
+    # the bound torch's group really has (timeout=5, or the fabric= strategy's 30 s over the learner's 1 h)
+    seconds = 30 if strategy == "fabric=" else 5
+    assert f"rank 0 group timeouts [{seconds:.1f}]" in proc.stdout, proc.stdout[-4000:]
     failing_call = 2 if scenario == "dies" else 3  # rank 1 dies before its second update
     assert f"rank 0 finished update {failing_call - 1}" in proc.stdout
     assert f"rank 0 finished update {failing_call}" not in proc.stdout
     assert f"Rank 0: update() call {failing_call} could not complete a collective with the other ranks" \
         in proc.stdout, proc.stdout[-4000:]
     if scenario == "busy":
-        assert "it timed out waiting for them" in proc.stdout and "(0:00:05)" in proc.stdout
+        assert "it timed out waiting for them" in proc.stdout and f"(0:00:{seconds:02d})" in proc.stdout
     if launcher == "python":  # rank 0 names each rank it started that exited non-zero or that it killed
         assert re.search(r"fabric_learner: rank 1 (exited with status -?[1-9]|was still running and was killed)",
                          proc.stdout), proc.stdout[-4000:]
+    else:  # fabric run's summary gives every rank's status: rank 0's own 1, rank 1 ended by the launcher
+        from multiproc import elastic_exit_codes
+
+        codes = elastic_exit_codes(proc.stdout)
+        assert codes.keys() == {0, 1} and codes[0] == 1 and codes[1] != 0, (codes, proc.stdout[-4000:])
 
 
 @pytest.mark.parametrize("timeout,error", [(0, ValueError), (-1.0, ValueError), ("5m", TypeError), (True, TypeError)])
@@ -456,7 +464,8 @@ def test_saving_a_sharded_checkpoint_onto_a_foreign_folder_or_file_raises_file_e
 
 
 def test_timeout_none_leaves_the_strategy_at_torchs_default():
-    """``timeout=None``: the learner does not touch the group's timeout (torch's 30 minutes for gloo)."""
+    """``timeout=None``: the learner does not touch the strategy's timeout (torch's 30 minutes for gloo).
+    The real group's timeout is read in tests/test_launch.py (runs with FL_TIMEOUT=none)."""
     import torch.distributed as dist
 
     from fabric_learner._launch import as_timeout, build_fabric
@@ -554,3 +563,21 @@ def test_fsdp_refuses_an_optimizer_instance_and_asks_for_a_factory():
     loss, _ = make_loss("dqn")
     with pytest.raises(ValueError, match=r"needs a factory, not an instance.*functools.partial"):
         FabricLearner(loss, torch.optim.Adam(loss.parameters()), accelerator="cpu", strategy="fsdp", devices=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a batch on another device needs a second device (CUDA)")
+def test_a_batch_on_another_device_is_moved_for_the_forward_and_keeps_its_device():
+    """docs/reliability.md: a CPU batch fed to a learner on a GPU; what DQN writes (td_error) comes back
+    to the CPU, equal to one CPU process on the same batch."""
+    from fabric_learner import FabricLearner
+
+    reference = LocalLearner(make_loss("dqn")[0])
+    learner = FabricLearner(make_loss("dqn")[0], accelerator="cuda", devices=1)
+    expected, batch = make_batch("dqn", n=16, seed=5), make_batch("dqn", n=16, seed=5)
+    reference.update(expected)
+    learner.update(batch)
+    assert batch["observation"].device == torch.device("cpu")
+    assert batch["td_error"].device == torch.device("cpu")
+    torch.testing.assert_close(batch["td_error"], expected["td_error"], atol=1e-5, rtol=1e-5)
+    for k, v in flat_params(reference.loss_module).items():
+        torch.testing.assert_close(flat_params(learner.loss_module)[k].cpu(), v, atol=1e-5, rtol=1e-5, msg=k)

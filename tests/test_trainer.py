@@ -475,6 +475,24 @@ def test_collector_policy_carries_trained_weights(ranks, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_seed_seeds_each_rank_like_one_process_with_seed_plus_1000_times_the_rank(ranks, strategy):
+    """docs/trainer.md: ``seed=`` seeds rank r (collector, torch, numpy) with ``seed + 1000 * r``; the
+    worker's trainers use seed=0, so rank r's torch seed is one process's with seed 1000 * r."""
+    import numpy as np
+
+    got = [r["seeded"] for r in runs(ranks, strategy)]
+    numpy_state = np.random.get_state()
+    try:
+        for rank, seeded in enumerate(got):
+            with torch.random.fork_rng():
+                tc.build_dqn(local, total_frames=tc.FRAMES_PER_BATCH, seed=1000 * rank)
+                assert torch.initial_seed() == seeded, (rank, seeded)
+    finally:
+        np.random.set_state(numpy_state)
+    assert got[0] != got[1]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_priorities_updated_from_td_error(ranks, strategy):
     for r in runs(ranks, strategy):
         assert_priorities_from_last_minibatch(r["A"], r["last_minibatch"])

@@ -6,7 +6,7 @@ Usage: python async_checks.py OUT_DIR            writes OUT_DIR/rank{r}.pt (test
 
 from __future__ import annotations
 
-import functools
+
 import os
 import sys
 import time

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy  # noqa: E402
 from rl_cases import (  # noqa: E402
-    CASES, CLIP, LR, STEPS, WithConstantEntry, flat_params, halves, make_batch, make_loss, run_steps,
+    CASES, CLIP, LR, STEPS, WithConstantEntry, flat_params, group_timeouts, halves, make_batch, make_loss, run_steps,
 )
 from tensordict import LazyStackedTensorDict  # noqa: E402
 
@@ -123,7 +123,7 @@ def unequal_first_step(rank, build=None):
     return [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
 
 
-def unequal_samples(rank):
+def unequal_samples(rank, build=None):
     """Ranks compare counts on step 1 and every 100th after (``_sample_counts.CHECK_EVERY``).
 
     Step 1: 8 samples each; steps 2-3: 10 on rank 0, 6 on rank 1; steps 4-101: 8 each. The
@@ -134,7 +134,7 @@ def unequal_samples(rank):
 
     from fabric_learner._sample_counts import CHECK_EVERY
 
-    learner = ddp(loss_module=make_loss("dqn")[0])
+    learner = (build or ddp)(loss_module=make_loss("dqn")[0])
     batch = make_batch("dqn", n=16, seed=40)
     seen = {}
 
@@ -155,6 +155,51 @@ def unequal_samples(rank):
     return seen
 
 
+def mixed16_on_one_rank(rank):
+    """16-mixed under DDP: fp16 autocast and a grad scaler, given through ``fabric=`` (Fabric turns the
+    name into bf16 on CPU). Rank 1 alone overflows its gradients, then alone feeds a NaN batch."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    loss, _ = make_loss("dqn")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=90)), plugins=[plugin])
+    learner = FabricLearner(loss, fabric=fabric, on_nonfinite="skip")
+    scaler = learner.fabric.strategy.precision.scaler
+
+    def weights():
+        return flat_params(loss)
+
+    def step(seed, nan=False):
+        batch = halves(make_batch("dqn", n=16, seed=seed), rank)
+        if nan and rank == 1:
+            batch["observation"] = torch.full_like(batch["observation"], float("nan"))
+        return learner.update(batch)
+
+    step(60)
+    res = {"scale_before": scaler.get_scale(), "before": weights()}
+    hook = None
+    if rank == 1:  # before DDP's gradient sync: the all-reduce carries the inf to rank 0
+        first = next(iter(loss.value_network_params.values(True, True)))
+        hook = first.register_hook(lambda g: torch.full_like(g, float("inf")))
+    out = step(61)
+    if hook is not None:
+        hook.remove()
+    res.update(overflow_grad_norm=out["grad_norm"], after_overflow=weights(), scale_after=scaler.get_scale(),
+               overflow_counts=(learner.num_updates, learner.skipped_updates))
+    out = step(62, nan=True)
+    res.update(after_nan=weights(), nan_counts=(learner.num_updates, learner.skipped_updates))
+    learner.on_nonfinite = "raise"
+    try:
+        step(63, nan=True)
+    except FloatingPointError as err:
+        res["raised"] = str(err)
+    out = step(64)
+    res.update(after_next=weights(), next_grad_norm=out["grad_norm"], final_counts=(learner.num_updates,
+                                                                                   learner.skipped_updates))
+    return res
+
+
 def main(out_dir, local_ckpt):
     results = {"cases": {}, "accum": {}, "integrity": {}}
     rank = None
@@ -162,6 +207,7 @@ def main(out_dir, local_ckpt):
         learner, res = train(case, rank=int(os.environ.get("LOCAL_RANK", 0)))
         rank = learner.global_rank
         results["world_size"] = learner.world_size
+        results.setdefault("group_timeouts", group_timeouts())  # the DDPStrategy object's 90 s, kept
         results["cases"][case] = res
         if case == "sac":
             learner.save(os.path.join(out_dir, "ddp_sac.pt"))
@@ -171,6 +217,7 @@ def main(out_dir, local_ckpt):
     results["nonfinite"] = nonfinite_on_one_rank(rank)
     results["nonfinite_nograd"] = nonfinite_without_gradient(rank)
     results["unequal"] = unequal_samples(rank)
+    results["mixed16"] = mixed16_on_one_rank(rank)
     for precision in ("32-true", "bf16-mixed", "bf16-true", "64-true"):
         results["integrity"][precision] = integrity(rank, precision)
     # a checkpoint written by LocalLearner loads under DDP, and training continues in step

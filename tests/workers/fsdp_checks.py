@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from rl_cases import CASES, CLIP, LR, halves, make_batch, make_loss, run_steps  # noqa: E402
+from rl_cases import CASES, CLIP, LR, group_timeouts, halves, make_batch, make_loss, run_steps  # noqa: E402
 
 from fabric_learner import FabricLearner, LocalLearner, shard_loss  # noqa: E402
 
@@ -62,6 +62,31 @@ def shard_fraction(learner):
         local += p.to_local().numel()
         total += p.numel()
     return local / total
+
+
+def local_fraction(tensors):
+    """Elements this rank holds over the elements of the full tensors (DTensors: their local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [t for t in tensors if t is not None and t.dim() > 0]
+    local = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for t in tensors)
+    return local / sum(t.numel() for t in tensors)
+
+
+def held_fractions(learner, case, rank):
+    """docs/fsdp.md: gradients (at the optimizer step, the only time they are all alive) and Adam
+    state per rank, as fractions of the full tensors, over one more update."""
+    params = learner.optimizer.param_groups[0]["params"]
+    seen = {}
+    torch_optimizer = getattr(learner.optimizer, "optimizer", learner.optimizer)
+    hook = torch_optimizer.register_step_pre_hook(
+        lambda *_: seen.update(gradients=local_fraction([p.grad for p in params])))
+    rng = torch.get_rng_state()
+    learner.update(halves(make_batch(case, n=16, seed=99), rank))
+    torch.set_rng_state(rng)
+    hook.remove()
+    state = [t for s in learner.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {**seen, "optimizer_state": local_fraction(state)}
 
 
 def round_trip(out_dir, rank):
@@ -231,8 +256,10 @@ def main(out_dir):
         learner, res = train(case, rank)
         results["cases"][case] = res
         results["world_size"] = learner.world_size
+        results.setdefault("group_timeouts", group_timeouts())  # ModelParallelStrategy(timeout=90 s), kept
         results["sharded"] = learner.capabilities.sharded
         results.setdefault("shard_fraction", {})[case] = shard_fraction(learner)
+        results.setdefault("held_fraction", {})[case] = held_fractions(learner, case, rank)
     for case in ("dqn", "ppo", "ddpg"):
         results["accum"][case] = train(case, rank, grad_accum_steps=2)[1]
     # the DDP launch's checks, under FSDP, with a user's parallelize_fn (README, FSDP and Reliability)
@@ -241,6 +268,7 @@ def main(out_dir):
     user_fsdp = functools.partial(fsdp, parallelize_fn=user_parallelize)
     results["nonfinite"] = ddp_checks.nonfinite_on_one_rank(rank, build=user_fsdp)
     results["unequal_first_step"] = ddp_checks.unequal_first_step(rank, build=user_fsdp)
+    results["unequal"] = ddp_checks.unequal_samples(rank, build=fsdp)
     results["user_sharded"] = list(USER_SHARDED)
     learner, _ = train("sac", rank, policy=True)
     results["weights_offload"] = learner.get_weights(cpu_offload=True)

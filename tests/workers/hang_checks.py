@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from rl_cases import halves, make_batch, make_loss  # noqa: E402
+from rl_cases import group_timeouts, halves, make_batch, make_loss  # noqa: E402
 
 from fabric_learner import FabricLearner  # noqa: E402
 
@@ -28,11 +28,14 @@ def main(scenario, strategy):
         from lightning.fabric import Fabric
         from lightning.fabric.strategies import DDPStrategy
 
-        fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=5)))
+        # 30 s, not 5: a Fabric's own timeout also bounds its rendezvous, which a loaded machine can take
+        # longer than 5 s to reach (rank 1 still importing); still far below the learner's 1 h
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=30)))
         learner = FabricLearner(make_loss("dqn")[0], fabric=fabric, timeout=3600)
     else:
         learner = FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=2, strategy=strategy, timeout=5)
     rank = learner.global_rank
+    print(f"rank {rank} group timeouts {group_timeouts()}", flush=True)
     calls = 3 if rank == 0 else 2
     for step in range(calls):
         if rank == 1 and scenario == "dies" and step == 1:

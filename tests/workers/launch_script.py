@@ -10,6 +10,7 @@ FL_MODE=external : ``fabric run`` / ``torchrun`` started the ranks; the first le
 FL_FIRST=ddp|fsdp: the first learner's strategy; the second uses the other one
 FL_CLOSE=1       : close() both learners instead of relying on the exit hook
 FL_FAIL_RANK=r   : rank r raises after its second update of the first learner
+FL_TIMEOUT=none  : the first learner gets timeout=None (torch's default) instead of the default 5 minutes
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from rl_cases import halves, make_batch, make_loss  # noqa: E402
+from rl_cases import group_timeouts, halves, make_batch, make_loss  # noqa: E402
 
 from fabric_learner import FabricLearner, shard_loss  # noqa: E402
 
@@ -44,7 +45,8 @@ def train(kwargs, fail_rank=-1):
     checksum = sum(float(t.double().sum()) for t in weights.values(True, True))
     print("RESULT " + json.dumps({"rank": rank, "world_size": learner.world_size,
                                   "sharded": learner.capabilities.sharded, "checksum": checksum,
-                                  "updates": learner.num_updates, "acted": acted}), flush=True)
+                                  "updates": learner.num_updates, "acted": acted,
+                                  "group_timeouts": group_timeouts()}), flush=True)
     return learner
 
 
@@ -60,6 +62,8 @@ def main():
     # Given as strategy objects: under `fabric run` a strategy *name* that differs from --strategy
     # is refused (the launcher decides); an object is the script's explicit choice
     other = DDPStrategy() if second == "ddp" else ModelParallelStrategy(parallelize_fn=shard_loss)
+    if os.environ.get("FL_TIMEOUT") == "none":
+        given["timeout"] = None
     learners = [train(given, int(os.environ.get("FL_FAIL_RANK", "-1"))), train({**world, "strategy": other})]
     if os.environ.get("FL_CLOSE") == "1":
         # README, Ending a run: close() is idempotent, and the context manager closes too
