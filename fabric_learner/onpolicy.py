@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from tensordict import NestedKey, TensorDictBase
 from torch import nn
+from torchrl.objectives.value.advantages import GAE
 from torchrl.trainers import TrainerHookBase
 
 from fabric_learner._loss import loss_keys
@@ -146,6 +147,10 @@ class LearnerValueEstimator(TrainerHookBase):
     collective: every rank runs it, as every rank runs the same hooks). Unsharded it is the
     plain call. ``stage="batch_process"`` (default) computes advantages once per batch;
     ``"pre_epoch"`` recomputes them before every epoch, with the critic as it is then.
+
+    On several ranks, an estimator that standardises its advantages (``GAE(average_gae=True)``,
+    as torchrl's PPO and A2C trainers build it) does so with the mean and std of every rank's
+    advantages (an all-reduce), as one process on the union of the ranks' batches would.
     """
 
     def __init__(self, learner, value_estimator, *, stage: str = "batch_process") -> None:
@@ -157,7 +162,7 @@ class LearnerValueEstimator(TrainerHookBase):
         if batch is None:
             return batch
         full = self.learner.full_parameters() if self.learner.capabilities.sharded else contextlib.nullcontext()
-        with full, torch.no_grad():
+        with full, torch.no_grad(), _global_standardisation(self.value_estimator):
             return self.value_estimator(batch)
 
     def state_dict(self) -> dict[str, Any]:
@@ -169,6 +174,40 @@ class LearnerValueEstimator(TrainerHookBase):
     def register(self, trainer, name: str = "value_estimator") -> None:
         trainer.register_op(self.stage, self)
         trainer.register_module(name, self)
+
+
+@contextlib.contextmanager
+def _global_standardisation(estimator):
+    """Inside the block, ``estimator``'s advantage standardisation uses statistics over all ranks."""
+    if not getattr(estimator, "average_gae", False) or distributed_world_size() <= 1 \
+            or not hasattr(estimator, "_normalize_advantage"):
+        yield
+        return
+    if getattr(estimator, "group_key", None) is not None:
+        raise NotImplementedError(
+            f"{type(estimator).__name__}(average_gae=True, group_key=...) standardises within groups, which is not "
+            "taken over ranks yet; build it with average_gae=False and normalise advantages with "
+            "fabric_learner.onpolicy.GlobalAdvantageNormalization.")
+    if type(estimator)._normalize_advantage is not GAE._normalize_advantage:
+        raise NotImplementedError(
+            f"{type(estimator).__name__} standardises its advantages in its own way, which is not taken over ranks; "
+            "build it with average_gae=False and normalise with GlobalAdvantageNormalization.")
+
+    def standardise(adv, valid=None, groups=None):
+        # GAE._normalize_advantage's formulas (std clamped at 1e-4) over the union of the ranks' entries
+        a = adv.detach().to(torch.float64)
+        m = torch.ones_like(a) if valid is None else estimator._expand_to_match(valid, adv).to(torch.float64)
+        total, sq, count = all_reduce(torch.stack([(a * m).sum(), (a * a * m).sum(), m.sum()])).unbind()
+        mean = total / count.clamp_min(1)
+        centred = (sq - count * mean * mean).clamp_min(0)
+        std = (centred / ((count - 1).clamp_min(1) if valid is None else count.clamp_min(1))).sqrt()
+        return (adv - mean.to(adv.dtype)) / std.to(adv.dtype).clamp_min(1e-4)
+
+    estimator._normalize_advantage = standardise
+    try:
+        yield
+    finally:
+        del estimator._normalize_advantage
 
 
 # ---- global means inside a loss -------------------------------------------------------------
