@@ -101,8 +101,9 @@ def stages_of(trainer: _TorchRLTrainer) -> list[Stage] | None:
     ``TD3OptimizationStepper`` becomes a critic stage on ``value_loss`` and an actor stage on
     ``actor_loss`` every ``policy_update_delay`` updates, each with an optimizer like the
     stepper's and the trainer's norm clipping, so its updates are the stepper's bit for bit.
-    ``DefaultOptimizationStepper`` (CQL's) is the single-optimizer learner when the loss terms it
-    selects are all the loss's ``loss*`` outputs.
+    ``DefaultOptimizationStepper`` (CQL's) is the single-optimizer learner when it minimises all
+    the loss's ``loss*`` outputs, else one stage ``"loss"`` over every trained parameter on the
+    terms it selects (CQL leaves out ``loss_actor_bc``, which it only reports).
     """
     stepper = getattr(trainer, "optimization_stepper", None)
     clip = _clip_of(trainer)
@@ -110,12 +111,20 @@ def stages_of(trainer: _TorchRLTrainer) -> list[Stage] | None:
         return None
     if isinstance(stepper, DefaultOptimizationStepper):
         chosen = stepper.loss_components
-        produced = {k for k in getattr(trainer.loss_module, "out_keys", ()) if str(k).startswith("loss")}
-        if chosen is None or (produced and produced <= chosen):
+        produced = [str(k) for k in getattr(trainer.loss_module, "out_keys", ()) if str(k).startswith("loss")]
+        if chosen is None or set(produced) <= chosen:
             return None
-        raise NotImplementedError(
-            f"{type(trainer).__name__}'s stepper minimises {sorted(chosen)} of the loss terms {sorted(produced)}; the "
-            "learner minimises them all. Select the loss's outputs instead (loss_module.select_out_keys(...)).")
+        if trainer.optimizer is None:
+            raise ValueError(f"{type(trainer).__name__} has no optimizer to build the learner's from.")
+        if not set(chosen) <= set(produced):
+            raise NotImplementedError(
+                f"{type(trainer).__name__}'s stepper minimises {sorted(chosen)}, but its loss declares the terms "
+                f"{produced}: the learner cannot tell in which order to sum them. Select the loss's outputs instead "
+                "(loss_module.select_out_keys(...)).")
+        # one optimizer over every trained parameter, on the chosen terms summed in the loss's output order
+        trained = sorted({n.split(".")[0] for n, p in trainer.loss_module.named_parameters() if p.requires_grad})
+        return [Stage("loss", trained, optimizer_factory(trainer.optimizer),
+                      loss=[k for k in produced if k in chosen], clip_grad_norm=clip)]
     if not isinstance(stepper, TD3OptimizationStepper):
         raise NotImplementedError(
             f"{type(trainer).__name__} steps its losses with a {type(stepper).__name__}, which has no learner "
