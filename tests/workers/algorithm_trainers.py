@@ -55,9 +55,12 @@ CLIP = 1.0
 LR = 1e-3
 
 
-def _env(algo):
+def _env(algo, seed=None):
     name = "CartPole-v1" if algo == "dqn" else "Pendulum-v1"
-    return TransformedEnv(GymEnv(name), Compose(StepCounter(max_steps=50), RewardSum()))
+    env = TransformedEnv(GymEnv(name), Compose(StepCounter(max_steps=50), RewardSum(in_keys=["reward"], out_keys=["reward_sum"])))
+    if seed is not None:  # before the collector's first reset, so that its first observation is seeded too
+        env.set_seed(seed)
+    return env
 
 
 def _gaussian(distribution, **kwargs):
@@ -96,7 +99,7 @@ def build(algo: str, world_size: int = 1, seed: int = 0):
     frames = (ENVS * T if algo in ON_POLICY else K * B) // world_size
     common = dict(total_frames=2 * frames, frame_skip=1, clip_norm=CLIP, progress_bar=False, seed=seed,
                   replay_buffer=_replay(world_size, algo), save_trainer_file=None)
-    env_fn = functools.partial(_env, algo)
+    env_fn = functools.partial(_env, algo, seed)
     greedy = None
     if algo in ON_POLICY:
         actor = _gaussian(IndependentNormal)
