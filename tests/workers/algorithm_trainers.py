@@ -97,7 +97,7 @@ def build(algo: str, world_size: int = 1, seed: int = 0):
     env = _env(algo)
     spec = env.action_spec
     frames = (ENVS * T if algo in ON_POLICY else K * B) // world_size
-    common = dict(total_frames=2 * frames, frame_skip=1, clip_norm=CLIP, progress_bar=False, seed=seed,
+    common = dict(total_frames=2 * frames * world_size, frame_skip=1, clip_norm=CLIP, progress_bar=False, seed=seed,
                   replay_buffer=_replay(world_size, algo), save_trainer_file=None)
     env_fn = functools.partial(_env, algo, seed)
     greedy = None
