@@ -67,15 +67,21 @@ def test_cqls_loss_term_selection_is_kept():
     trainer.collector.shutdown()
 
 
-def test_the_collector_is_handed_over_and_outlives_the_torchrl_trainer():
+def test_the_collector_is_shut_down_once_by_the_trainer_that_trains_with_it():
     torchrl_trainer = A.build("ddpg")
     trainer = learner_trainer(torchrl_trainer, LocalLearner)
     collector = trainer.collector
-    assert torchrl_trainer.collector is None
+    calls = []
+    shutdown = collector.shutdown
+    collector.shutdown = lambda *a, **k: (calls.append(1), shutdown(*a, **k))[1]
     del torchrl_trainer
-    gc.collect()  # torchrl's Trainer.__del__ used to shut the shared collector down here
+    gc.collect()  # torchrl's Trainer.__del__ shut the shared collector down here, before training
+    assert calls == []
     trainer.train()
-    assert trainer.collected_frames == trainer.total_frames and collector is trainer.collector
+    assert trainer.collected_frames == trainer.total_frames and calls == [1]
+    del trainer
+    gc.collect()  # and here again, after train() had closed it
+    assert calls == [1]
 
 
 def test_the_update_to_data_ratio_counts_the_learner_trainers_updates():

@@ -264,6 +264,13 @@ class Trainer(_TorchRLTrainer):
         self._collector_state_at_end = self._collector_state()  # read while the collector is alive
         self._close_collector(raise_on_error=True)
 
+    def __del__(self):
+        # torchrl's Trainer.__del__ shuts the collector down again, even after train() did
+        try:
+            self._close_collector(raise_on_error=False)
+        except Exception:
+            pass
+
     def _close_collector(self, *, raise_on_error: bool) -> None:
         """Shut the collector down once (closing its env and worker processes)."""
         if self._collector_closed or self.collector is None:
