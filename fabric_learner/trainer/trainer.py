@@ -216,6 +216,12 @@ class Trainer(_TorchRLTrainer):
     # ---- the loop -------------------------------------------------------------------------------
 
     def train(self):
+        """torchrl's ``Trainer.train`` loop (as of torchrl 0.14.1) with global frame counts and stops.
+
+        A copy, kept in step with torchrl's by tests/test_from_torchrl.py: with one process, each of
+        torchrl's algorithm trainers run through here ends with the weights of torchrl's own
+        ``train()`` bit for bit.
+        """
         if self.async_collection:
             return super().train()
         if self.progress_bar:
@@ -301,7 +307,7 @@ class Trainer(_TorchRLTrainer):
         return stop
 
     def optim_steps(self, batch: TensorDictBase) -> None:
-        """torchrl's epoch/minibatch loop; ``_optim_count`` counts only the steps actually taken.
+        """torchrl's epoch/minibatch loop (as of torchrl 0.14.1); ``_optim_count`` counts only the steps taken.
 
         (torchrl counts one step more per epoch when ``process_optim_batch`` ends the epoch with
         ``StopIteration``, and its running loss average restarts each epoch: both are exact here.)
