@@ -26,7 +26,6 @@ from torchrl.trainers.trainers import (
     UpdateWeights,
     ValueEstimatorHook,
 )
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.trainers.algorithms.td3 import TD3OptimizationStepper
 from torchrl.trainers.trainers import DefaultOptimizationStepper
 from torchrl.trainers.trainers import Trainer as _TorchRLTrainer
