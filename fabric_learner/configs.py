@@ -13,9 +13,9 @@ or distributed, by adding a ``learner`` to it and building the trainer with
     torchrun --nproc-per-node=2 train.py learner=fabric
 
 (``train.py``: ``trainer = instantiate_trainer(cfg); trainer.train()``.) Under ``fabric run`` and
-``torchrun`` the launcher decides the world, as for ``FabricLearner`` itself. Supported: trainers
-with one optimizer over their loss (PPO, A2C, Reinforce, DQN). SAC and TD3 step several
-optimizers; they are refused until learners take several.
+``torchrun`` the launcher decides the world, as for ``FabricLearner`` itself. Supported: torchrl's
+PPO, A2C, Reinforce, SAC, DDPG, DQN, IQL and CQL trainers (one optimizer over their loss) and TD3
+(its two optimizers become two learner stages, see :func:`fabric_learner.from_torchrl.stages_of`).
 """
 
 from __future__ import annotations
@@ -141,6 +141,11 @@ def instantiate_trainer(cfg: DictConfig, **overrides):
         optimizer = instantiate(optimizer_cfg)
 
         def make_learner(loss, _trainer_optimizer, **kwargs):
+            if kwargs.get("stages"):
+                raise ValueError(
+                    "learner.optimizer replaces the trainer's one optimizer, but this trainer steps several (TD3's "
+                    "actor and critic); set them in the trainer config (optimizer, or optimizer_actor and "
+                    "optimizer_critic) and leave learner.optimizer unset.")
             return make(loss, lambda params: optimizer(params=params), **kwargs)
 
         return learner_trainer(trainer, make_learner, **overrides)

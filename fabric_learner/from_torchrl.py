@@ -26,8 +26,8 @@ from torchrl.trainers.trainers import (
     UpdateWeights,
     ValueEstimatorHook,
 )
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.trainers.algorithms.td3 import TD3OptimizationStepper
+from torchrl.trainers.trainers import DefaultOptimizationStepper
 from torchrl.trainers.trainers import Trainer as _TorchRLTrainer
 
 from fabric_learner._stages import Stage
@@ -83,27 +83,52 @@ def policy_of(loss_module) -> torch.nn.Module | None:
     return None
 
 
+def _clip_of(trainer: _TorchRLTrainer) -> float | None:
+    """The norm the trainer clips gradients to (``None``: it does not clip); value clipping is refused."""
+    if trainer.clip_norm is None:
+        return None
+    if not trainer.clip_grad_norm:
+        raise NotImplementedError(
+            f"The trainer clips gradients by value (clip_grad_norm=False, clip_norm={trainer.clip_norm}); a learner "
+            "clips their norm only. Set clip_grad_norm=True in the trainer, or clip_norm=None.")
+    return float(trainer.clip_norm)
+
+
 def stages_of(trainer: _TorchRLTrainer) -> list[Stage] | None:
-    """The learner stages doing what ``trainer``'s optimization stepper does (``None``: it has none).
+    """The learner stages doing what ``trainer``'s optimization stepper does (``None``: one optimizer).
 
     ``TD3OptimizationStepper`` becomes a critic stage on ``value_loss`` and an actor stage on
     ``actor_loss`` every ``policy_update_delay`` updates, each with an optimizer like the
     stepper's and the trainer's norm clipping, so its updates are the stepper's bit for bit.
+    ``DefaultOptimizationStepper`` (CQL's) is the single-optimizer learner when it minimises all
+    the loss's ``loss*`` outputs, else one stage ``"loss"`` over every trained parameter on the
+    terms it selects (CQL leaves out ``loss_actor_bc``, which it only reports).
     """
     stepper = getattr(trainer, "optimization_stepper", None)
+    clip = _clip_of(trainer)
     if stepper is None:
         return None
+    if isinstance(stepper, DefaultOptimizationStepper):
+        chosen = stepper.loss_components
+        produced = [str(k) for k in getattr(trainer.loss_module, "out_keys", ()) if str(k).startswith("loss")]
+        if chosen is None or set(produced) <= chosen:
+            return None
+        if trainer.optimizer is None:
+            raise ValueError(f"{type(trainer).__name__} has no optimizer to build the learner's from.")
+        if not set(chosen) <= set(produced):
+            raise NotImplementedError(
+                f"{type(trainer).__name__}'s stepper minimises {sorted(chosen)}, but its loss declares the terms "
+                f"{produced}: the learner cannot tell in which order to sum them. Select the loss's outputs instead "
+                "(loss_module.select_out_keys(...)).")
+        # one optimizer over every trained parameter, on the chosen terms summed in the loss's output order
+        trained = sorted({n.split(".")[0] for n, p in trainer.loss_module.named_parameters() if p.requires_grad})
+        return [Stage("loss", trained, optimizer_factory(trainer.optimizer),
+                      loss=[k for k in produced if k in chosen], clip_grad_norm=clip)]
     if not isinstance(stepper, TD3OptimizationStepper):
         raise NotImplementedError(
             f"{type(trainer).__name__} steps its losses with a {type(stepper).__name__}, which has no learner "
             "counterpart yet (TD3's has). Drive the learner directly with stages=[Stage(...), ...]."
         )
-    if trainer.clip_norm is not None and not trainer.clip_grad_norm:
-        raise NotImplementedError("The trainer clips gradients by value; a learner clips their norm only.")
-    clip = trainer.clip_norm if trainer.clip_grad_norm else None
-    if isinstance(getattr(trainer.replay_buffer, "sampler", None), PrioritizedSampler):
-        raise NotImplementedError("TD3's stepper updates replay priorities from value_loss's td_error, which the "
-                                  "learner's stages do not write back yet; use a non-prioritized replay buffer.")
     return [Stage("critic", "qvalue_network_params", optimizer_factory(stepper.optimizer_critic), method="value_loss",
                   clip_grad_norm=clip),
             Stage("actor", "actor_network_params", optimizer_factory(stepper.optimizer_actor), method="actor_loss",
@@ -121,6 +146,11 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
             trainer's loss, with an optimizer like the trainer's (see :func:`optimizer_factory`).
         **overrides: ``fabric_learner.Trainer`` arguments to use instead of the trainer's
             (``progress_bar``, ``logger``, ``save_trainer_file``, ...).
+
+    The trainer's norm clipping (``clip_norm`` with ``clip_grad_norm=True``) becomes the learner's
+    ``clip_grad_norm`` (passed to ``learner`` unless it is a ``functools.partial`` fixing its own);
+    value clipping is refused. The torchrl trainer hands its collector over (its ``collector``
+    becomes ``None``), so only the returned trainer shuts it down.
 
     Returns:
         the trainer to ``train()``; the learner is its ``.learner``.
@@ -162,7 +192,9 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
             )
     loss = trainer.loss_module
     if stages is None:
-        built = learner(loss, optimizer_factory(trainer.optimizer), policy=policy_of(loss))
+        clip = _clip_of(trainer)
+        extra = {} if clip is None or _sets_clip(learner) else {"clip_grad_norm": clip}
+        built = learner(loss, optimizer_factory(trainer.optimizer), policy=policy_of(loss), **extra)
     else:
         built = learner(loss, None, policy=policy_of(loss), stages=stages)
     target_updater = None
@@ -179,6 +211,8 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
     )
     kwargs.update(overrides)
     out = Trainer(**kwargs)
+    if isinstance(getattr(trainer, "optimization_stepper", None), TD3OptimizationStepper):
+        _write_td3_priorities(trainer, out)
     for attr, op, op_kwargs in hooks:
         hook = _unwrap(op)
         if isinstance(hook, (OptimizerHook, UpdateWeights, TargetNetUpdaterHook)):
@@ -186,12 +220,55 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
         if isinstance(hook, ValueEstimatorHook):
             LearnerValueEstimator(built, hook.value_estimator, stage=_STAGES[attr]).register(out)
             continue
-        out.register_op(_STAGES[attr], hook, **op_kwargs)
+        out.register_op(_STAGES[attr], _following(hook, trainer, out), **op_kwargs)
     for name, module in trainer._modules.items():
         if name not in out._modules and not isinstance(
                 module, (OptimizerHook, UpdateWeights, TargetNetUpdaterHook, ValueEstimatorHook)):
             out.register_module(name, module)
+    # The collector is the new trainer's now: torchrl's Trainer.__del__ would shut it down whenever
+    # the old trainer is collected, mid-run or after the new trainer has already closed it.
+    trainer.collector = None
     return out
+
+
+def _sets_clip(learner: Callable[..., Any]) -> bool:
+    """Whether a learner factory (a ``functools.partial``) already fixes ``clip_grad_norm``."""
+    keywords = getattr(learner, "keywords", None) or {}
+    return keywords.get("clip_grad_norm") is not None
+
+
+def _following(hook, old: _TorchRLTrainer, new: Trainer):
+    """``hook``, reading the new trainer's counters where it reads the old trainer's.
+
+    torchrl's algorithm trainers register their own bound methods (DQN's epsilon annealing reads
+    ``collected_frames``) and hooks holding the trainer (``UTDRHook`` reads ``_optim_count``);
+    the old trainer's counters never move, so they are mirrored from the new one before each call.
+    """
+    if getattr(hook, "__self__", None) is not old and getattr(hook, "trainer", None) is not old:
+        return hook
+
+    @functools.wraps(hook)
+    def mirrored(*args, **kwargs):
+        old.collected_frames, old._optim_count = new.collected_frames, new._optim_count
+        return hook(*args, **kwargs)
+
+    return mirrored
+
+
+def _write_td3_priorities(trainer: _TorchRLTrainer, out: Trainer) -> None:
+    """After each update, replay priorities from the critic stage's ``td_error``, as TD3's stepper writes them."""
+    replay_buffer = getattr(trainer, "replay_buffer", None)
+    if replay_buffer is None or not hasattr(replay_buffer, "update_tensordict_priority"):
+        return
+    key = getattr(trainer.loss_module.tensor_keys, "priority", "td_error")
+
+    def write(sub_batch, output) -> None:
+        td_error = output.get("td_error", None)
+        if td_error is not None:
+            sub_batch.set(key, td_error.detach().max(0)[0])
+            replay_buffer.update_tensordict_priority(sub_batch)
+
+    out.optimization_stepper.on_output = write
 
 
 def _unwrap(op):

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from tensordict import NestedKey, TensorDictBase
 from torch import nn
 from torchrl.data import SamplerWithoutReplacement
+from torchrl.objectives.value.advantages import GAE
 from torchrl.trainers import TrainerHookBase, ValueEstimatorHook
 
 from fabric_learner._loss import loss_keys
@@ -184,6 +185,10 @@ class LearnerValueEstimator(ValueEstimatorHook):
     same hooks). Unsharded it is the plain call. The estimator's state (e.g. ``GAE``'s
     ``gamma`` and ``lmbda``) is checkpointed with the trainer, as torchrl's hook does.
 
+    On several ranks, an estimator that standardises its advantages (``GAE(average_gae=True)``,
+    as torchrl's PPO and A2C trainers build it) does so with the mean and std of every rank's
+    advantages (an all-reduce), as one process on the union of the ranks' batches would.
+
     Args:
         learner (Learner): the learner whose loss holds the critic the estimator reads.
         value_estimator (Callable[[TensorDictBase], TensorDictBase]): e.g. torchrl's ``GAE``.
@@ -225,12 +230,46 @@ class LearnerValueEstimator(ValueEstimatorHook):
         if batch is None:
             return batch
         full = self.learner.full_parameters() if self.learner.capabilities.sharded else contextlib.nullcontext()
-        with full, torch.no_grad():
+        with full, torch.no_grad(), _global_standardisation(self.value_estimator):
             return super().__call__(batch)
 
     def register(self, trainer, name: str = "value_estimator") -> None:
         trainer.register_op(self.stage, self)
         trainer.register_module(name, self)
+
+
+@contextlib.contextmanager
+def _global_standardisation(estimator):
+    """Inside the block, ``estimator``'s advantage standardisation uses statistics over all ranks."""
+    if not getattr(estimator, "average_gae", False) or distributed_world_size() <= 1 \
+            or not hasattr(estimator, "_normalize_advantage"):
+        yield
+        return
+    if getattr(estimator, "group_key", None) is not None:
+        raise NotImplementedError(
+            f"{type(estimator).__name__}(average_gae=True, group_key=...) standardises within groups, which is not "
+            "taken over ranks yet; build it with average_gae=False and normalise advantages with "
+            "fabric_learner.onpolicy.GlobalAdvantageNormalization.")
+    if type(estimator)._normalize_advantage is not GAE._normalize_advantage:
+        raise NotImplementedError(
+            f"{type(estimator).__name__} standardises its advantages in its own way, which is not taken over ranks; "
+            "build it with average_gae=False and normalise with GlobalAdvantageNormalization.")
+
+    def standardise(adv, valid=None, groups=None):
+        # GAE._normalize_advantage's formulas (std clamped at 1e-4) over the union of the ranks' entries
+        a = adv.detach().to(torch.float64)
+        m = torch.ones_like(a) if valid is None else estimator._expand_to_match(valid, adv).to(torch.float64)
+        total, sq, count = all_reduce(torch.stack([(a * m).sum(), (a * a * m).sum(), m.sum()])).unbind()
+        mean = total / count.clamp_min(1)
+        centred = (sq - count * mean * mean).clamp_min(0)
+        std = (centred / ((count - 1).clamp_min(1) if valid is None else count.clamp_min(1))).sqrt()
+        return (adv - mean.to(adv.dtype)) / std.to(adv.dtype).clamp_min(1e-4)
+
+    estimator._normalize_advantage = standardise
+    try:
+        yield
+    finally:
+        del estimator._normalize_advantage
 
 
 # ---- global means inside a loss -------------------------------------------------------------

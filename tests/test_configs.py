@@ -1,6 +1,6 @@
 """torchrl's Hydra trainer configs run on a learner, distributed by one config line.
 
-Each config of examples/hydra/config (torchrl's PPO and DQN trainers on gymnasium envs) is run
+Each config of examples/hydra/config (torchrl's PPO, DQN, SAC and TD3 trainers on gymnasium envs) is run
 once on 2 real gloo ranks, each under another launcher, for a few batches: the ranks agree on
 the weights and count the frames of both.
 """
@@ -39,7 +39,7 @@ def test_the_learner_group_is_registered_beside_torchrls_configs():
 
     groups = ConfigStore.instance().repo
     assert {"local.yaml", "fabric.yaml"} <= set(groups["learner"])
-    assert "ppo.yaml" in groups["trainer"] and "dqn.yaml" in groups["trainer"]
+    assert {"ppo.yaml", "dqn.yaml", "sac.yaml", "td3.yaml"} <= set(groups["trainer"])
 
 
 def test_the_learners_optimizer_is_built_like_the_trainers():
@@ -56,6 +56,9 @@ LAUNCHES = {
     "ppo-python-ddp": ("ppo", "python", "ddp"),
     "dqn-torchrun-fsdp": ("dqn", "torchrun", "fsdp"),
     "ppo-fabric-run-fsdp": ("ppo", "fabric-run", "fsdp"),
+    "sac-python-fsdp": ("sac", "python", "fsdp"),
+    "td3-torchrun-ddp": ("td3", "torchrun", "ddp"),
+    "td3-fabric-run-fsdp": ("td3", "fabric-run", "fsdp"),
 }
 
 
@@ -78,4 +81,5 @@ def test_a_torchrl_trainer_config_runs_on_two_ranks_by_adding_a_learner(case):
     for r in ranks:
         assert r["world_size"] == 2 and r["learner"] == "FabricLearner" and r["sharded"] == (strategy == "fsdp")
         assert r["frames"] == frames and r["updates"] > 0
+        assert r["stages"] == (["critic", "actor"] if config == "td3" else [])  # TD3's two optimizers
     assert ranks[0]["checksum"] == ranks[1]["checksum"] and ranks[0]["updates"] == ranks[1]["updates"]

@@ -30,9 +30,13 @@ class LearnerStepper(OptimizationStepper):
 
     def __init__(self, learner) -> None:
         self.learner = learner
+        # ``(sub_batch, output) -> None`` run before the ``post_loss`` hooks (TD3's priority write-back)
+        self.on_output = None
 
     def step(self, trainer, sub_batch: TensorDictBase) -> TensorDictBase:
         out = self.learner.update(sub_batch)
+        if self.on_output is not None:
+            self.on_output(sub_batch, out)
         trainer._post_loss_hook(sub_batch)
         return out
 

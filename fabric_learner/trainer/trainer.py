@@ -277,6 +277,12 @@ class Trainer(_TorchRLTrainer):
     # ---- the loop -------------------------------------------------------------------------------
 
     def train(self):
+        """torchrl's ``Trainer.train`` loop (as of torchrl 0.14.1) with global frame counts and stops.
+
+        A copy, kept in step with torchrl's by tests/test_from_torchrl.py: with one process, each of
+        torchrl's algorithm trainers run through here ends with the weights of torchrl's own
+        ``train()`` bit for bit.
+        """
         self._resume_from_last_checkpoint()
         if self._async is not None:
             return self._train_async()
@@ -351,6 +357,13 @@ class Trainer(_TorchRLTrainer):
         (``global_dropped_frames``: over all ranks), the largest admitted lag, the queue's high water."""
         return asynchronous.stats(self)
 
+    def __del__(self):
+        # torchrl's Trainer.__del__ shuts the collector down again, even after train() did
+        try:
+            self._close_collector(raise_on_error=False)
+        except Exception:
+            pass
+
     def _close_collector(self, *, raise_on_error: bool) -> None:
         """Shut the collector down once (closing its env and worker processes)."""
         if self._collector_closed or self.collector is None:
@@ -381,7 +394,7 @@ class Trainer(_TorchRLTrainer):
         return stop
 
     def optim_steps(self, batch: TensorDictBase) -> None:
-        """torchrl's epoch/minibatch loop; ``_optim_count`` counts only the steps actually taken.
+        """torchrl's epoch/minibatch loop (as of torchrl 0.14.1); ``_optim_count`` counts only the steps taken.
 
         (torchrl counts one step more per epoch when ``process_optim_batch`` ends the epoch with
         ``StopIteration``, and its running loss average restarts each epoch: both are exact here.)

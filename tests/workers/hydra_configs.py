@@ -26,6 +26,7 @@ def main(cfg) -> None:
     print("RESULT " + json.dumps({"rank": learner.global_rank, "world_size": learner.world_size,
                                   "learner": type(learner).__name__, "sharded": learner.capabilities.sharded,
                                   "updates": learner.num_updates, "frames": trainer.collected_frames,
+                                  "stages": [s.name for s in learner.stages],
                                   "checksum": checksum}), flush=True)
     learner.close()
 
