@@ -276,7 +276,7 @@ class ShardedLoss(nn.Module):
         return {id(self._originals[n]) for n in self._served}
 
     @contextlib.contextmanager
-    def full_parameters_in_loss(self):
+    def full_parameters(self):
         """Collective: the loss's own parameter objects hold the full weights inside the block.
 
         For code that reads the loss's modules outside ``update``: target-network updaters
@@ -511,7 +511,7 @@ class ShardedBackend:
         return self.wrapper.named_loss_parameters()
 
     def full_parameters(self) -> contextlib.AbstractContextManager:
-        return self.wrapper.full_parameters_in_loss()
+        return self.wrapper.full_parameters()
 
     def weights_changed(self) -> None:
         self.wrapper.refresh_served()
