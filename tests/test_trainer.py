@@ -648,3 +648,35 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_with_every_sample_once(ran
         assert torch.equal(learner.loss_module.state_dict()[k], v), k
     trainer.train()  # and training goes on
     assert learner.num_updates > b[0]["num_updates"]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(ranks, tmp_path_factory):
+    """Run B's 2-rank checkpoints (DDP and FSDP) resumed on 4 ranks, one launch."""
+    out = tmp_path_factory.mktemp("trainer_4ranks")
+    proc = run(python(os.path.join(WORKERS, "trainer_resize4.py"), str(ranks[0]["dir"]), str(out)), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_two_rank_checkpoint_resumes_on_four_ranks_with_every_sample_once(ranks, four_ranks, strategy):
+    b = [r["B"] for r in runs(ranks, strategy)]  # each of the 2 ranks' state when B saved
+    saved = torch.cat([b[0]["rb_obs"], b[1]["rb_obs"]])
+    saved_priorities = torch.cat([b[0]["priorities"], b[1]["priorities"]])
+    got = [r[strategy] for r in four_ranks]
+    assert [r["world_size"] for r in four_ranks] == [4] * 4
+    for rank, g in enumerate(got):  # sample j of the 2 buffers, in rank order, went to rank j % 4
+        assert torch.equal(g["rb_obs"], saved[rank::4])
+        torch.testing.assert_close(g["priorities"], saved_priorities[rank::4], rtol=1e-5, atol=1e-7)
+        assert (g["collected_frames"], g["num_updates"]) == (b[0]["collected_frames"], b[0]["num_updates"])
+        assert len(g["warnings"]) == 1 and "written by 2 rank" in g["warnings"][0], g["warnings"]
+        for k, v in b[0]["params"].items():  # the learner resharded from the 2-rank checkpoint
+            assert torch.equal(g["params"][k], v), (rank, k)
+    assert sum(g["rb_len"] for g in got) == len(saved)  # none lost, none duplicated
+    for g in got[1:]:  # training went on, ranks identical
+        assert g["after"]["num_updates"] == got[0]["after"]["num_updates"] > b[0]["num_updates"]
+        for k, v in got[0]["after"]["params"].items():
+            assert torch.equal(g["after"]["params"][k], v), k
+    assert got[0]["after"]["collected_frames"] == b[0]["collected_frames"] + 2 * 4 * tc.FRAMES_PER_BATCH
+

@@ -650,7 +650,9 @@ class Trainer(_TorchRLTrainer):
         replay = {name: m for name, m in self._modules.items() if isinstance(m, ReplayBufferTrainer)}
         shares = {name: replay_share(m.replay_buffer, [s["modules"][name]["replay_buffer"] for s in states],
                                      self.global_rank, self._world_size) for name, m in replay.items()}
-        self.learner.load(learner_file)  # reshards; validated before it changes anything
+        with warnings.catch_warnings():  # the learner's own warning on random states: this one below says it all
+            warnings.filterwarnings("ignore", message="The checkpoint holds the random state of")
+            self.learner.load(learner_file)  # reshards; validated before it changes anything
         first = states[0]
         for name, module in self._modules.items():
             if name in replay:
