@@ -82,7 +82,11 @@ def save_version(path: Path, version: str, tensors: dict[str, Any], meta: dict[s
     folder = path / version
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder))
     if rank == 0:
-        atomic_write(folder / META, lambda f: f.write(json.dumps({"format": SHARDED_FORMAT, **meta}).encode()))
+        _write_meta(folder, meta)
+
+
+def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
+    atomic_write(folder / META, lambda f: f.write(json.dumps({"format": SHARDED_FORMAT, **meta}).encode()))
 
 
 def async_group(timeout: timedelta | None) -> dist.ProcessGroup | None:
@@ -165,7 +169,7 @@ def save_version_async(path: Path, version: str, tensors: dict[str, torch.Tensor
             outcome = [None]
             if rank == 0:
                 try:
-                    atomic_write(folder / META, lambda f: f.write(json.dumps({"format": SHARDED_FORMAT, **meta}).encode()))
+                    _write_meta(folder, meta)
                     publish(path, version)
                 except Exception as err:  # noqa: BLE001 - sent to every rank, raised by each
                     outcome = [f"{type(err).__name__}: {err}"]
