@@ -19,9 +19,11 @@ import pytest
 from multiproc import WORKERS, elastic_exit_codes, fabric_run, python, run, torchrun
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
-# `make test`: each launcher, strategy order and close mode once; `make test-stress` (FL_STRESS=1): ten runs,
-# the repeated launches that exit races need before a run can be believed (see docs/ending.md)
-RUNS = 10 if os.environ.get("FL_STRESS") == "1" else 4
+# (first learner's strategy, timeout=None, the script closes its learners). `make test`: two runs
+# per launcher that between them take each of these both ways; `make test-stress` (FL_STRESS=1):
+# ten, the repeated launches that exit races need before a run can be believed (see docs/ending.md)
+RUNS = [(("ddp", "fsdp")[i % 2], (i + i // 2) % 2 == 1, i // 2 % 2 == 1) for i in range(10)] \
+    if os.environ.get("FL_STRESS") == "1" else [("ddp", True, True), ("fsdp", False, False)]
 PER_RUN_TIMEOUT = 180
 
 
@@ -71,20 +73,19 @@ def problems(proc, first, closes=False, timeout=300.0) -> str | None:
 @pytest.mark.parametrize("mode", ["python", "fabric-run", "torchrun"])
 def test_repeated_runs_train_and_exit_cleanly(mode):
     def one(i):
-        first = ("ddp", "fsdp")[i % 2]
-        none = (i + i // 2) % 2 == 1  # timeout=None in runs 1 and 2 (fsdp and ddp first)
+        first, none, closes = RUNS[i]
         cmd, env = command(mode, first)
         try:
-            proc = run(cmd, timeout=PER_RUN_TIMEOUT, FL_FIRST=first, FL_CLOSE=str(i // 2 % 2),
+            proc = run(cmd, timeout=PER_RUN_TIMEOUT, FL_FIRST=first, FL_CLOSE=str(int(closes)),
                        FL_TIMEOUT="none" if none else "default", **env)
         except AssertionError as hang:
             return f"run {i}: {hang}"
-        problem = problems(proc, first, closes=i // 2 % 2 == 1, timeout=1800.0 if none else 300.0)
+        problem = problems(proc, first, closes=closes, timeout=1800.0 if none else 300.0)
         return None if problem is None else f"run {i} (first {first}): {problem}\n{proc.stdout[-2000:]}"
 
     # two launches at a time: they overlap their start-up, and the load widens exit races
     with ThreadPoolExecutor(max_workers=2) as pool:
-        failures = [f for f in pool.map(one, range(RUNS)) if f]
+        failures = [f for f in pool.map(one, range(len(RUNS))) if f]
     assert not failures, "\n\n".join(failures)
 
 

@@ -201,22 +201,22 @@ def test_a_strategy_object_keeps_its_timeout():
 
 @pytest.mark.parametrize("scenario,strategy,launcher", [
     ("returns", "ddp", "python"),  # rank 1 calls update() once fewer and ends its program
-    ("busy", "fabric=", "python"),  # through fabric= whose strategy has a 30 s timeout; the learner says 1 h
+    ("busy", "fabric=", "torchrun"),  # through fabric= whose strategy has a 10 s timeout; the learner says 1 h
     ("busy", "fsdp", "python"),  # ... and works on elsewhere, past the timeout
     ("busy", "ddp", "fabric"),  # the same under `fabric run`, which builds the group inside Fabric()
     ("dies", "ddp", "python"),  # rank 1 is SIGKILLed
 ])
 def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strategy, launcher):
-    from multiproc import WORKERS, fabric_run, python, run
+    from multiproc import WORKERS, fabric_run, python, run, torchrun
 
     script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
-    # fabric=: the Fabric's own 30 s timeout must hold, not the learner's 1 h (docs/reliability.md)
-    cmd = python(*script) if launcher == "python" else fabric_run(*script, strategy=strategy)
-    # 5 s (30 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
+    # fabric=: the Fabric's own 10 s timeout must hold, not the learner's 1 h (docs/reliability.md)
+    cmd = {"python": python, "torchrun": torchrun}.get(launcher, functools.partial(fabric_run, strategy=strategy))(*script)
+    # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
     proc = run(cmd, timeout=150)
     assert proc.returncode != 0 and proc.leftovers == 0, proc.stdout[-4000:]
-    # the bound torch's group really has (timeout=5, or the fabric= strategy's 30 s over the learner's 1 h)
-    seconds = 30 if strategy == "fabric=" else 5
+    # the bound torch's group really has (timeout=5, or the fabric= strategy's 10 s over the learner's 1 h)
+    seconds = 10 if strategy == "fabric=" else 5
     assert f"rank 0 group timeouts [{seconds:.1f}]" in proc.stdout, proc.stdout[-4000:]
     failing_call = 2 if scenario == "dies" else 3  # rank 1 dies before its second update
     assert f"rank 0 finished update {failing_call - 1}" in proc.stdout
@@ -228,7 +228,7 @@ def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strateg
     if launcher == "python":  # rank 0 names each rank it started that exited non-zero or that it killed
         assert re.search(r"fabric_learner: rank 1 (exited with status -?[1-9]|was still running and was killed)",
                          proc.stdout), proc.stdout[-4000:]
-    else:  # fabric run's summary gives every rank's status: rank 0's own 1, rank 1 ended by the launcher
+    else:  # the launcher's summary gives every rank's status: rank 0's own 1, rank 1 ended by the launcher
         from multiproc import elastic_exit_codes
 
         codes = elastic_exit_codes(proc.stdout)

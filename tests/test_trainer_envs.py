@@ -3,8 +3,8 @@
 GymEnv, SerialEnv, ParallelEnv (worker processes), TransformedEnv stacks, torchrl's pure-torch
 PendulumEnv, and multi-process collectors, each for two batches: once with a collector that
 runs dry before the Trainer's total_frames and once with a Trainer that stops first. All cases
-of a mode share one launch (tests/workers/env_matrix.py): one process, then 2 gloo ranks under
-DDP and FSDP. Each case is bounded in time inside the launch, so a hang fails fast and names
+run in one process (one launch), and again on 2 gloo ranks (a second launch), each case under DDP
+or FSDP in turn so that both strategies see every kind (tests/workers/env_matrix.py). Each case is bounded in time inside the launch, so a hang fails fast and names
 its case; the launch itself must exit 0 with no process left behind.
 """
 

@@ -28,9 +28,10 @@ def main(scenario, strategy):
         from lightning.fabric import Fabric
         from lightning.fabric.strategies import DDPStrategy
 
-        # 30 s, not 5: a Fabric's own timeout also bounds its rendezvous, which a loaded machine can take
-        # longer than 5 s to reach (rank 1 still importing); still far below the learner's 1 h
-        fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=30)))
+        # A Fabric's own timeout also bounds its rendezvous: under torchrun both ranks start together,
+        # so 10 s is enough on a loaded machine (5 s under the python launcher, where rank 1 starts
+        # only once rank 0 has imported everything, was not); still far below the learner's 1 h
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=10)))
         learner = FabricLearner(make_loss("dqn")[0], fabric=fabric, timeout=3600)
     else:
         learner = FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=2, strategy=strategy, timeout=5)
