@@ -10,7 +10,13 @@ TORCH := torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+# matplotlib (plots of benchmarks and examples' --plot) stays out of the test install: torchmetrics,
+# which lightning imports, loads it whenever it is installed, in every process a test starts
+$(VENV)/.bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[bench]"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -21,11 +27,11 @@ demo: venv
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
-# the repeated-launch stress: ten runs per launcher instead of four (about 4 minutes)
+# the repeated-launch stress: ten runs per launcher instead of two (about 4 minutes)
 test-stress: venv
 	OMP_NUM_THREADS=1 FL_STRESS=1 $(PY) -m pytest -q tests/test_launch.py -k repeated_runs
 
-bench: venv
+bench: $(VENV)/.bench
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py --quick
 
 clean:

@@ -225,7 +225,8 @@ def parse_args(argv=None):
     p.add_argument("--no-anneal-lr", dest="anneal_lr", action="store_false")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logdir", default="", help="TensorBoard root ('' for none)")
-    p.add_argument("--plot", default=None, help="write the learning curve to this PNG (rank 0)")
+    p.add_argument("--plot", default=None,
+                   help="write the learning curve to this PNG (rank 0; needs matplotlib: pip install -e .[bench])")
     p.add_argument("--no-progress", action="store_true")
     add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)
     return p.parse_args(argv)

@@ -143,7 +143,8 @@ def parse_args(argv=None):
     p.add_argument("--logdir", default=os.environ.get("DEMO_LOGDIR", "runs"), help="TensorBoard root ('' for none)")
     p.add_argument("--checkpoint", default=None, help="trainer checkpoint folder, written at the end")
     p.add_argument("--resume", default=None, help="trainer checkpoint folder to resume from")
-    p.add_argument("--plot", default=None, help="write the learning curve to this PNG (rank 0)")
+    p.add_argument("--plot", default=None,
+                   help="write the learning curve to this PNG (rank 0; needs matplotlib: pip install -e .[bench])")
     p.add_argument("--no-progress", action="store_true")
     add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)  # plain python: 2 CPU ranks
     return p.parse_args(argv)
