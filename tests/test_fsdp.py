@@ -262,20 +262,45 @@ def test_a_users_parallelize_fn_sharding_over_whole_world_trains_like_the_defaul
 def test_each_layer_is_its_own_fsdp_unit_gathered_only_while_it_runs(fsdp):
     """Per-layer units: while one layer runs (forward, inside the loss), every other layer is sharded."""
     for rank in fsdp["ranks"]:
-        for kind in ("ppo", "ppo_nonfunctional", "dqn", "sac"):  # every layer its own unit
+        for kind in ("ppo", "ppo_nonfunctional", "dqn", "sac", "sac_loop", "td3"):  # every layer its own unit
             got = rank["per_layer"][kind]
             assert got["at_rest_sharded"], kind
-            linears = {"ppo": 4, "ppo_nonfunctional": 4, "dqn": 2, "sac": 2}[kind]  # 2 per MLP it unitizes
+            linears = {"ppo": 4, "ppo_nonfunctional": 4, "dqn": 2}.get(kind, 4)  # 2 per MLP it unitizes
             assert len(got["units"]) == linears, (kind, got["units"])
             called = {path for path, _ in got["seen"]}
             assert called == set(got["units"]), kind  # every layer went through its unit
             for path, full in got["seen"]:
                 assert full == [path], (kind, path, full)
-    sac = fsdp["ranks"][0]["per_layer"]["sac"]
-    # SAC's critic ensemble is called under vmap with stacked weights: gathered for the whole call
-    assert all(n == "log_alpha" or n.startswith("qvalue_network_params.") for n in sac["whole"]), sac["whole"]
-    assert all(u.startswith("actor_network.") for u in sac["units"])
     assert fsdp["ranks"][0]["per_layer"]["dqn"]["whole"] == []
+
+
+@pytest.mark.parametrize("kind", ["sac", "sac_loop", "td3"])
+def test_each_layer_of_a_critic_ensemble_is_gathered_only_while_it_runs_forward_and_backward(fsdp, kind):
+    """SAC's and TD3's critics are one stacked ensemble that torchrl vmaps over (or, with
+    deactivate_vmap=True, loops over): each of its layers, all members together, is one unit."""
+    for rank in fsdp["ranks"]:
+        got = rank["per_layer"][kind]
+        critic = [u for u in got["units"] if u.startswith("qvalue_network.")]
+        assert critic == ["qvalue_network.module.0", "qvalue_network.module.2"], got["units"]
+        assert {u: got["members"][u] for u in critic} == dict.fromkeys(critic, 2)  # two critics stacked
+        assert got["whole"] == (["log_alpha"] if kind.startswith("sac") else [])  # a scalar stays in the root
+        # backward: each critic layer re-gathered by its own unit's hook, beside it at most the
+        # layer FSDP prefetches for the next backward step (the loop calls each critic layer once per
+        # critic, so FSDP keeps a layer whose other calls' backward is still to come)
+        regathered = {path for path, _ in got["backward"]}
+        assert set(critic) <= regathered, got["backward"]
+        for path, full in got["backward"]:
+            assert path in full and len(full) <= (3 if kind == "sac_loop" else 2), (path, full)
+
+
+@pytest.mark.parametrize("kind", ["sac", "sac_loop", "td3"])
+def test_per_layer_critic_ensembles_train_like_ddp_and_ranks_agree(fsdp, kind):
+    """Stochastic losses: the ranks end bit-identical, and equal DDP on the same seeds within 1e-5."""
+    r0, r1 = (r["per_layer"][kind] for r in fsdp["ranks"])
+    assert_equal_states(r0["model"], r1["model"])
+    for r in (r0, r1):
+        torch.testing.assert_close(r["grad_norm"], r["ddp"]["grad_norm"], atol=1e-5, rtol=1e-5)
+        assert_equal_states(r["model"], r["ddp"]["model"], atol=1e-5)
 
 
 def test_layers_under_the_size_threshold_share_the_loss_unit_and_train_the_same(fsdp):
