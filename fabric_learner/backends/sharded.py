@@ -186,6 +186,14 @@ def _route_stacked(unit: LayerUnit, leaf: nn.Module, args, kwargs):
                 return type(leaf).forward(leaf, *args, **kwargs)
             base = functorch.get_unwrapped(held)
         if online.get(_storage(base)) != name:
+            if base.numel() == 0 and held.numel() == 0:
+                raise RuntimeError(
+                    f"The loss called its ensemble layer {unit.path!r} with a tensor made from its stacked "
+                    f"parameter {name!r} (e.g. by torch.cat), not with the parameter itself. Under FSDP the "
+                    "learner gathers an ensemble's layers only where torchrl's SAC/TD3/IQL losses hand the "
+                    "stacked parameters to vmap as they are; train this loss with strategy='ddp', or leave "
+                    "the stacked parameters unchanged before calling the network."
+                )
             return type(leaf).forward(leaf, *args, **kwargs)
         # batched: the whole stack; a member's slice: its offset (see _marker)
         where = ("vmap", held_level) if held_level is not None else ("member", base.storage_offset())
@@ -437,13 +445,25 @@ def _as_parameter(param: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(data.reshape(1) if data.ndim == 0 else data, param.requires_grad)
 
 
+#: torchrl losses that hand their stacked ensemble parameters to ``vmap`` (or its loop) as they are,
+#: or only ``.detach()``-ed. Others (CQL and REDQ concatenate them first, CrossQ's critics hold
+#: batch-norm statistics) keep their ensemble in the ``ShardedLoss``'s unit, gathered for the call.
+STACKED_LOSSES = ("SACLoss", "DiscreteSACLoss", "TD3Loss", "TD3BCLoss", "IQLLoss")
+
+
 def _stacked_layers(loss: nn.Module, names: list[str], shapes: dict, taken: set[int]):
     """``(path, leaf, {attr: name}, members)`` for each layer of a stacked ensemble among ``names``.
 
     torchrl keeps an ensemble (SAC's, TD3's critics) as ``<net>_params``, a ``TensorDictParams`` of
     batch ``[members]`` mirroring the module tree of the network ``<net>``, which it vmaps over:
     ``qvalue_network_params.module.0.weight`` is all members' weight of ``qvalue_network.module.0``.
+    Only for ``STACKED_LOSSES``, and only layers whose every tensor is such a parameter.
     """
+    import torchrl.objectives as objectives
+
+    known = tuple(getattr(objectives, c) for c in STACKED_LOSSES if hasattr(objectives, c))
+    if not isinstance(loss, known):
+        return []
     found: dict[str, tuple] = {}
     for name in names:
         prefix, _, rest = name.partition(".")
@@ -465,7 +485,9 @@ def _stacked_layers(loss: nn.Module, names: list[str], shapes: dict, taken: set[
         entry = found.setdefault(key, (key, leaf, {}, members))
         if entry[1] is leaf and entry[3] == members:
             entry[2][attr] = name
-    return list(found.values())
+    return [entry for entry in found.values()
+            if not any(True for _ in entry[1].buffers(recurse=False))
+            and {a for a, _ in entry[1].named_parameters(recurse=False)} == set(entry[2])]
 
 
 def _loss_networks(loss: nn.Module):
