@@ -336,3 +336,77 @@ def test_a_strategy_objects_timeout_bounds_every_group_it_uses(fsdp):
     bounds the group of both ranks torch built for it (read from its gloo backend)."""
     for r in fsdp["ranks"]:
         assert r["group_timeouts"] == [90.0], r["group_timeouts"]
+
+
+def _sharded_grads(loss, batch, seed):
+    """One process, no FSDP: the ShardedLoss's routing alone (units hold full parameters)."""
+    from fabric_learner._carrier import Carrier
+    from fabric_learner.backends.sharded import ShardedLoss
+
+    wrapper = ShardedLoss(loss, torch.device("cpu"))
+    torch.manual_seed(seed)
+    carried, _ = wrapper(Carrier(batch))
+    out = carried.value
+    sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+    return wrapper, {n: p.grad.reshape(wrapper.shapes[n]) for n, p in wrapper.named_loss_parameters()}
+
+
+def _plain_grads(loss, batch, seed):
+    torch.manual_seed(seed)
+    out = loss(batch)
+    sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+    return {n: p.grad for n, p in loss.named_parameters()}
+
+
+@pytest.mark.parametrize("case,loop", [("sac", False), ("sac", True), ("td3", False)])
+def test_ensemble_layers_routed_through_their_units_give_the_losss_own_gradients(case, loop):
+    def build():
+        loss, _ = make_loss(case)
+        if loop:
+            loss.deactivate_vmap = True
+            loss._make_vmap()
+        return loss
+
+    batch = make_batch(case)
+    wrapper, got = _sharded_grads(build(), batch.clone(), seed=5)
+    assert {u.path: u.members for u in wrapper.layer_units() if u.members} == \
+        {"qvalue_network.module.0": 2, "qvalue_network.module.2": 2}
+    want = _plain_grads(build(), batch.clone(), seed=5)
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-6, msg=n)
+
+
+def test_a_loss_that_concatenates_its_ensemble_keeps_it_whole_and_trains_the_same():
+    from torchrl.data import Bounded
+    from torchrl.objectives import CQLLoss
+
+    import rl_cases
+
+    def build():
+        torch.manual_seed(0)
+        actor = rl_cases._gaussian_actor(rl_cases.TanhNormal)
+        return CQLLoss(actor, rl_cases._qvalue(), action_spec=Bounded(-1.0, 1.0, shape=(rl_cases.ACT,)))
+
+    batch = make_batch("sac")
+    wrapper, got = _sharded_grads(build(), batch.clone(), seed=5)
+    assert not any(u.members for u in wrapper.layer_units())
+    assert any(n.startswith("qvalue_network_params.") for n in wrapper._whole)
+    want = _plain_grads(build(), batch.clone(), seed=5)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-6, msg=n)
+
+
+def test_an_ensemble_changed_before_the_call_names_the_layer_and_the_fix():
+    from torchrl.objectives import SACLoss
+
+    class CatSAC(SACLoss):  # evaluates its critics on a concatenated copy of their parameters
+        def qvalue_v2_loss(self, tensordict):
+            params = torch.cat([self.qvalue_network_params, self.qvalue_network_params], 0)[:2]
+            td = self._vmap_qnetworkN0(tensordict.select(*self.qvalue_network.in_keys, strict=False), params)
+            return td.get("state_action_value").sum(), {}
+
+    loss, _ = make_loss("sac")
+    loss.__class__ = CatSAC
+    with pytest.raises(RuntimeError, match=r"'qvalue_network.module.0'.*torch.cat.*strategy='ddp'"):
+        _sharded_grads(loss, make_batch("sac"), seed=5)
