@@ -410,3 +410,38 @@ def test_an_ensemble_changed_before_the_call_names_the_layer_and_the_fix():
     loss.__class__ = CatSAC
     with pytest.raises(RuntimeError, match=r"'qvalue_network.module.0'.*torch.cat.*strategy='ddp'"):
         _sharded_grads(loss, make_batch("sac"), seed=5)
+
+
+def _discrete_sac():
+    from tensordict.nn import TensorDictModule
+    from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor, ValueOperator
+    from torchrl.objectives import DiscreteSACLoss
+
+    torch.manual_seed(0)
+    logits = TensorDictModule(MLP(in_features=4, out_features=3, num_cells=[16]), ["observation"], ["logits"])
+    actor = ProbabilisticActor(logits, in_keys=["logits"], distribution_class=OneHotCategorical, return_log_prob=True)
+    critic = ValueOperator(MLP(in_features=4, out_features=3, num_cells=[16]), in_keys=["observation"],
+                           out_keys=["action_value"])
+    return DiscreteSACLoss(actor, critic, action_space="one-hot", num_actions=3)
+
+
+def _iql():
+    from torchrl.modules import MLP, ValueOperator
+    from torchrl.objectives import IQLLoss
+
+    import rl_cases
+
+    torch.manual_seed(0)
+    value = ValueOperator(MLP(in_features=4, out_features=1, num_cells=[16]), in_keys=["observation"])
+    return IQLLoss(rl_cases._gaussian_actor(rl_cases.TanhNormal), rl_cases._qvalue(), value)
+
+
+@pytest.mark.parametrize("build,case", [(_discrete_sac, "dqn"), (_iql, "sac")])
+def test_discrete_sac_and_iql_ensembles_are_per_layer_units_too(build, case):
+    batch = make_batch(case)
+    wrapper, got = _sharded_grads(build(), batch.clone(), seed=5)
+    assert {u.path: u.members for u in wrapper.layer_units() if u.members} == \
+        {"qvalue_network.module.0": 2, "qvalue_network.module.2": 2}
+    want = _plain_grads(build(), batch.clone(), seed=5)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-6, msg=n)
