@@ -4,18 +4,25 @@
 ``remove_duplicate``), and sharding the networks inside a functional loss leaves the loss's
 ``TensorDictParams`` pointing at the pre-shard tensors. So ``ShardedLoss`` takes the loss's
 trainable parameters (``loss.named_parameters()``) as its own: those a leaf module of the loss's
-networks holds (each ``Linear``, ...) go to that layer's ``LayerUnit``, the rest (SAC's stacked,
-vmap'ed critic ensemble, ``log_alpha``) stay on the ``ShardedLoss``. ``shard_loss`` shards every
-unit of 1M parameters or more, then the ``ShardedLoss`` (smaller layers join its unit), so FSDP2
-gathers one large layer at a time, as hand-written per-layer FSDP2 does, and the largest model
-it trains is not bounded by what fits on one rank.
+networks holds (each ``Linear``, ...) go to that layer's ``LayerUnit``; so do, one unit per layer,
+the stacked ``[members, ...]`` weights of a critic ensemble that torchrl vmaps over (SAC's, TD3's,
+see ``STACKED_LOSSES``); the rest (``log_alpha``, the ensembles of losses that concatenate theirs)
+stay on the ``ShardedLoss``. ``shard_loss`` shards every unit of 1M parameters or more, then the
+``ShardedLoss`` (smaller layers join its unit), so FSDP2 gathers one large layer at a time, as
+hand-written per-layer FSDP2 does, and the largest model it trains is not bounded by what fits on
+one rank.
 
 The loss's own parameter objects stay in the loss as placeholders. While ``update`` runs the
 loss, a layer called with them in its slots (swapped in by a functional loss, or held by the
 network) is routed through its unit, whose FSDP2 hooks gather the layer for that forward and its
 backward; a layer called with anything else (target-network buffers) runs as it is. A placeholder
-seen detached (a critic evaluated for the actor's loss) gets the gathered weights detached. The
-``ShardedLoss``'s own parameters are gathered for the whole call and swapped into the loss with
+seen detached (a critic evaluated for the actor's loss) gets the gathered weights detached. An
+ensemble layer is called by torchrl under ``vmap`` with batched views of its placeholders in its
+slots: the unit then runs outside that ``vmap`` on the unwrapped inputs (so FSDP2's hooks see
+plain tensors), over all members at once, and its output is re-batched (``_route_vmapped``); in
+torchrl's loop over the members (``deactivate_vmap=True``) the slot holds one member's slice of
+the placeholder, and the unit gathers the stack and runs that member. The ``ShardedLoss``'s own
+parameters are gathered for the whole call and swapped into the loss with
 ``TensorDict.to_module``. Entry points such as ``actor.get_dist`` need no hook: layers are routed
 wherever they are called from.
 
@@ -249,9 +256,9 @@ def _route_vmapped(unit: LayerUnit, level: int, args, kwargs):
 class ShardedLoss(nn.Module):
     """Owns ``loss``'s trainable parameters, so FSDP2 can shard them, in one unit per layer.
 
-    Each leaf module of the loss's networks that holds loss parameters gets a ``LayerUnit``
-    (under ``layers``) owning them; what no single leaf holds (SAC's vmap'ed critic ensemble,
-    ``log_alpha``) is owned here under flat names and swapped into the loss for the whole call.
+    Each leaf module of the loss's networks that holds loss parameters, and each layer of a
+    stacked critic ensemble, gets a ``LayerUnit`` (under ``layers``) owning them; the rest
+    (``log_alpha``) is owned here under flat names and swapped into the loss for the whole call.
     Scalars are stored with shape ``(1,)`` (FSDP2 shards along dim 0); ``shapes`` keeps the
     loss's own shapes. The loss is not a submodule: its parameters are replaced here.
     ``serve`` lists modules whose parameters stay full outside ``update`` (see the module doc).
@@ -568,11 +575,11 @@ def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL) ->
     """The default ``parallelize_fn``: one FSDP2 unit per layer, then one for the rest.
 
     ``fully_shard`` on each of the ``ShardedLoss``'s layer units holding at least
-    ``min_unit_numel`` parameters (1M: 4 MiB in float32), then on the ``ShardedLoss`` itself:
-    a large layer is gathered when the loss reaches it and freed after, as in hand-written
-    per-layer FSDP2, so no rank ever holds the whole model. Smaller layers (and what no single
-    layer holds, e.g. a vmap'ed critic ensemble) are gathered together for the loss call: for
-    the small networks RL often trains, one all-gather costs less than one per layer, as FSDP's
+    ``min_unit_numel`` parameters (1M: 4 MiB in float32; a critic ensemble's layer counts all its
+    members), then on the ``ShardedLoss`` itself: a large layer is gathered when the loss reaches
+    it and freed after, as in hand-written per-layer FSDP2, so no rank ever holds the whole model.
+    Smaller layers (and what no layer holds, e.g. ``log_alpha``) are gathered together for the
+    loss call: for the small networks RL often trains, one all-gather costs less than one per layer, as FSDP's
     size-based wrapping policies trade it. ``functools.partial(shard_loss, min_unit_numel=1)``
     gives every layer its own unit.
     """
