@@ -178,20 +178,14 @@ def _route_stacked(unit: LayerUnit, leaf: nn.Module, args, kwargs):
     ``deactivate_vmap=True`` loop) they hold member ``i``'s slice of them. Anything else in the
     slots (the target ensemble) runs the leaf as it is.
     """
-    from torch._C import _functorch as functorch
-
     online = unit.owner._online
-    detached, index, level = [], None, None
+    detached, index = [], None
     for attr, name in unit.attrs.items():
         held = getattr(leaf, attr, None)
         if not isinstance(held, torch.Tensor):
             return type(leaf).forward(leaf, *args, **kwargs)
-        base, held_level = held, None
-        if functorch.is_batchedtensor(held):
-            held_level = functorch.maybe_get_level(held)
-            if functorch.maybe_get_bdim(held) != 0:
-                return type(leaf).forward(leaf, *args, **kwargs)
-            base = functorch.get_unwrapped(held)
+        parts = _compat.batched_parts(held)
+        base = held if parts is None else parts[0]
         if online.get(_storage(base)) != name:
             if base.numel() == 0 and held.numel() == 0:
                 raise RuntimeError(
@@ -202,8 +196,10 @@ def _route_stacked(unit: LayerUnit, leaf: nn.Module, args, kwargs):
                     "the stacked parameters unchanged before calling the network."
                 )
             return type(leaf).forward(leaf, *args, **kwargs)
-        # batched: the whole stack; a member's slice: its offset (see _marker)
-        where = ("vmap", held_level) if held_level is not None else ("member", base.storage_offset())
+        if parts is not None and parts[2] != 0:
+            return type(leaf).forward(leaf, *args, **kwargs)
+        # batched: the whole stack, at its vmap level; a member's slice: its offset (see _marker)
+        where = ("vmap", parts[1]) if parts is not None else ("member", base.storage_offset())
         if index is not None and where != index:
             return type(leaf).forward(leaf, *args, **kwargs)
         index = where
@@ -226,31 +222,29 @@ def _route_vmapped(unit: LayerUnit, level: int, args, kwargs):
     weights with the same randomness, and its output (members first) is re-wrapped at the level
     it came from.
     """
-    from torch._C import _functorch as functorch
-    from torch._functorch import pyfunctorch
-
-    stack = functorch.get_interpreter_stack() or []
-    interpreter = pyfunctorch.retrieve_current_functorch_interpreter()
-    if len(stack) != 1 or interpreter.level() != level:
+    levels = _compat.vmap_levels()
+    if len(levels) != 1 or levels[0][0] != level:
         raise RuntimeError(
-            f"The ensemble layer {unit.path!r} was called under {len(stack)} nested functorch transforms "
-            f"(vmap level {level}); the FSDP learner gathers a stacked ensemble's layer only under torchrl's "
-            "own single vmap. Run this loss with deactivate_vmap=True, or under strategy='ddp'."
+            f"The ensemble layer {unit.path!r} was called under {len(levels)} nested functorch transforms; "
+            "the FSDP learner gathers a stacked ensemble's layer only under torchrl's own single vmap. "
+            "Call the loss outside any vmap/grad transform of your own, set its deactivate_vmap=True, "
+            "or train it with strategy='ddp'."
         )
     flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     plain, dims = [], []
     for x in flat:
-        if isinstance(x, torch.Tensor) and functorch.is_batchedtensor(x) and functorch.maybe_get_level(x) == level:
-            plain.append(functorch.get_unwrapped(x))
-            dims.append(functorch.maybe_get_bdim(x))
+        parts = _compat.batched_parts(x)
+        if parts is not None and parts[1] == level:
+            plain.append(parts[0])
+            dims.append(parts[2])
         else:
             plain.append(x)
             dims.append(None)
-    unit.__dict__["_call"] = ("vmap", spec, tuple(dims), interpreter.randomness())
-    with pyfunctorch.temporarily_pop_interpreter_stack():
+    unit.__dict__["_call"] = ("vmap", spec, tuple(dims), levels[0][1])
+    with _compat.outside_functorch():
         out = unit(*plain)
     return torch.utils._pytree.tree_map(
-        lambda t: functorch._add_batch_dim(t, 0, level) if isinstance(t, torch.Tensor) else t, out)
+        lambda t: _compat.batch_at(t, level) if isinstance(t, torch.Tensor) else t, out)
 
 
 class ShardedLoss(nn.Module):
