@@ -69,6 +69,11 @@ def make_loss(name: str, seed: int = 0, *, cells: Sequence[int] | None = None):
         qvalue = ValueOperator(MLP(in_features=OBS + ACT, out_features=1, num_cells=list(cells)),
                                in_keys=["observation", "action"])
         return SACLoss(policy, qvalue, action_spec=Bounded(-1.0, 1.0, shape=(ACT,))), policy
+    if name == "sac_big_critic":  # a large critic ensemble (2 critics, 4 layers), small actor
+        policy = _gaussian_actor(OBS, ACT, (64, 64))
+        qvalue = ValueOperator(MLP(in_features=OBS + ACT, out_features=1, num_cells=list(cells or (2048,) * 4)),
+                               in_keys=["observation", "action"])
+        return SACLoss(policy, qvalue, action_spec=Bounded(-1.0, 1.0, shape=(ACT,))), policy
     raise KeyError(name)
 
 

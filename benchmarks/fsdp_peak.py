@@ -16,6 +16,13 @@ counts its worst rank. The model is the issue's: ``ClipPPOLoss`` whose actor is 
   sharding over the sharded parameters, ``loss`` keys summed, ``backward``, ``step``.
 - ``learner_ddp``: ``FabricLearner(strategy="ddp")``.
 
+``--case sac`` measures SAC whose critic ensemble is large instead (2 critics of 4 ``--width``-wide
+layers, 2048: 25.2M parameters; actor [64, 64]), without a hand-written contender (torchrl's SAC
+vmaps one stacked ensemble, which no per-``Linear`` ``fully_shard`` of the networks reaches):
+``learner_fsdp``, ``learner_fsdp_ensemble_whole`` (the learner with the ensemble left in the
+``ShardedLoss``'s unit, gathered for the whole loss call, as before per-layer ensembles) and
+``learner_ddp``; written to ``benchmarks/results/fsdp_peak_sac.json``.
+
 Writes ``benchmarks/results/fsdp_peak.json``: every launch's per-rank figures, medians per
 contender, and the ratios ``learner_fsdp / hand_fsdp2`` (goal <= 1.1) and
 ``learner_fsdp / learner_ddp`` (goal <= 0.55).
@@ -34,6 +41,20 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CONTENDERS = ("learner_fsdp", "hand_fsdp2", "learner_ddp")
+SAC_CONTENDERS = ("learner_fsdp", "learner_fsdp_ensemble_whole", "learner_ddp")
+
+
+def shard_all_but_ensembles(module, mesh):
+    """``shard_loss`` with every layer its own unit except a critic ensemble's, left in the root unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fabric_learner import whole_world
+
+    for unit in module.layer_units():
+        if unit.members is None and sum(p.numel() for p in unit.parameters()) >= 1 << 20:
+            fully_shard(unit, mesh=whole_world(mesh))
+    fully_shard(module, mesh=whole_world(mesh))
+    return module
 
 
 def rss_mib(field: str) -> float:
@@ -44,7 +65,7 @@ def rss_mib(field: str) -> float:
     raise RuntimeError(field)
 
 
-def worker(kind: str, width: int, out: str) -> None:
+def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
     sys.path.insert(0, HERE)
     import functools
     from datetime import timedelta
@@ -60,8 +81,9 @@ def worker(kind: str, width: int, out: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     baseline = rss_mib("VmRSS")  # imports done, model not built yet
-    cells = (width,) * 6
-    batches = [common.make_batch("ppo_big_actor", n=64, seed=step + 10 * rank) for step in range(2)]
+    workload = "ppo_big_actor" if case == "ppo" else "sac_big_critic"
+    cells = (width,) * (6 if case == "ppo" else 4)
+    batches = [common.make_batch(workload[:3], n=64, seed=step + 10 * rank) for step in range(2)]
     if kind == "hand_fsdp2":
         loss, n_params = hand_fsdp2(cells, timedelta(minutes=5))
         opt = torch.optim.Adam([p for p in loss.parameters() if p.requires_grad], lr=1e-4)
@@ -73,10 +95,14 @@ def worker(kind: str, width: int, out: str) -> None:
             opt.zero_grad(set_to_none=True)
         done = dist
     else:
-        loss, _ = common.make_loss("ppo_big_actor", cells=cells)
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        loss, _ = common.make_loss(workload, cells=cells)
         n_params = sum(p.numel() for p in loss.parameters())
+        strategy = {"learner_fsdp": "fsdp", "learner_ddp": "ddp"}.get(kind) or ModelParallelStrategy(
+            parallelize_fn=shard_all_but_ensembles, timeout=timedelta(minutes=5))
         learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-4), accelerator="cpu", devices=2,
-                                strategy="fsdp" if kind == "learner_fsdp" else "ddp", timeout=timedelta(minutes=5))
+                                strategy=strategy, timeout=timedelta(minutes=5))
         for batch in batches:
             learner.update(batch)
         done = learner
@@ -127,12 +153,12 @@ def hand_fsdp2(cells, timeout):
     return loss, n_params
 
 
-def launch(kind: str, width: int, out: str) -> dict:
+def launch(kind: str, width: int, out: str, case: str = "ppo") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RL_WARNINGS="False")
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--worker", kind, "--width", str(width), "--out", out]
+           "--worker", kind, "--width", str(width), "--out", out, "--case", case]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -145,13 +171,18 @@ def launch(kind: str, width: int, out: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", choices=CONTENDERS)
-    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--worker", choices=CONTENDERS + SAC_CONTENDERS)
+    parser.add_argument("--case", choices=("ppo", "sac"), default="ppo")
+    parser.add_argument("--width", type=int)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "fsdp_peak.json"))
+    parser.add_argument("--out")
     args = parser.parse_args()
+    args.width = args.width or (4096 if args.case == "ppo" else 2048)
+    args.out = args.out or os.path.join(HERE, "results", "fsdp_peak.json" if args.case == "ppo" else "fsdp_peak_sac.json")
     if args.worker:
-        return worker(args.worker, args.width, args.out)
+        return worker(args.worker, args.width, args.out, args.case)
+    if args.case == "sac":
+        return main_sac(args)
     runs = []
     tmp = args.out + ".rank.json"
     for rep in range(args.repeats):
@@ -180,6 +211,37 @@ def main() -> None:
         print(f"  {k:13s} {median[k]:8.1f} MiB  ({median[k] / copy_mib:.1f} copies)")
     print(f"learner fsdp / hand FSDP2 = {result['fsdp_vs_hand_fsdp2']:.2f} (goal <= 1.1); "
           f"learner fsdp / ddp = {result['fsdp_vs_ddp']:.2f} (goal <= 0.55)")
+
+
+def main_sac(args) -> None:
+    runs = []
+    tmp = args.out + ".rank.json"
+    for rep in range(args.repeats):
+        order = SAC_CONTENDERS[rep % 3:] + SAC_CONTENDERS[:rep % 3]
+        for kind in order:
+            runs.append(launch(kind, args.width, tmp, "sac"))
+            print(f"{kind:27s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
+                  f"({runs[-1]['seconds']:.0f} s)", flush=True)
+    os.remove(tmp)
+    median = {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in SAC_CONTENDERS}
+    n_params = runs[0]["n_params"]
+    copy_mib = n_params * 4 / 2**20
+    result = {
+        "what": "peak resident memory over the pre-model baseline, worst of 2 CPU ranks, 2 SAC updates",
+        "width": args.width, "n_params": n_params, "copy_mib": copy_mib, "repeats": args.repeats,
+        "median_peak_mib": median, "copies": {k: v / copy_mib for k, v in median.items()},
+        "fsdp_vs_ddp": median["learner_fsdp"] / median["learner_ddp"],
+        "fsdp_vs_ensemble_whole": median["learner_fsdp"] / median["learner_fsdp_ensemble_whole"],
+        "runs": runs,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{n_params / 1e6:.1f}M trained parameters, {copy_mib:.0f} MiB a copy")
+    for k in SAC_CONTENDERS:
+        print(f"  {k:27s} {median[k]:8.1f} MiB  ({median[k] / copy_mib:.1f} copies)")
+    print(f"learner fsdp / ddp = {result['fsdp_vs_ddp']:.2f}; "
+          f"learner fsdp / ensemble gathered whole = {result['fsdp_vs_ensemble_whole']:.2f}")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,47 @@ def tensor_slots(module: nn.Module, attr: str) -> dict:
 
 
 #: (object, attribute) pairs the functions above rely on, for tests/test_compat.py
+def batched_parts(t: Any) -> tuple[torch.Tensor, int, int] | None:
+    """``(unwrapped tensor, vmap level, batch dim)`` of a tensor batched by ``vmap``, else None.
+
+    A module called inside torchrl's ``vmap`` over stacked weights sees functorch's batched
+    wrappers in its slots; torch has no public way to see through one to the stacked tensor.
+    """
+    from torch._C import _functorch
+
+    if not isinstance(t, torch.Tensor) or not _functorch.is_batchedtensor(t):
+        return None
+    return _functorch.get_unwrapped(t), _functorch.maybe_get_level(t), _functorch.maybe_get_bdim(t)
+
+
+def batch_at(t: torch.Tensor, level: int, dim: int = 0) -> torch.Tensor:
+    """``t`` batched along ``dim`` at vmap ``level``, as ``vmap`` batches its own inputs."""
+    from torch._C import _functorch
+
+    return _functorch._add_batch_dim(t, dim, level)
+
+
+def vmap_levels() -> list[tuple[int, str | None]]:
+    """``(level, randomness)`` of each functorch transform active now, innermost last (randomness
+    only for ``vmap``)."""
+    from torch._functorch import pyfunctorch
+
+    out = []
+    for interpreter in pyfunctorch.retrieve_all_functorch_interpreters():
+        randomness = interpreter.randomness() if hasattr(interpreter, "randomness") else None
+        out.append((interpreter.level(), randomness))
+    return out
+
+
+def outside_functorch():
+    """A context in which the innermost functorch transform is suspended: code inside runs on
+    plain tensors, as outside ``vmap`` (what torch does itself to run a custom autograd
+    function's forward under ``vmap``)."""
+    from torch._functorch import pyfunctorch
+
+    return pyfunctorch.temporarily_pop_interpreter_stack()
+
+
 def required() -> list[tuple[str, Any, str]]:
     import torch.distributed.distributed_c10d as c10d
     from lightning.fabric import Fabric
@@ -137,8 +178,15 @@ def required() -> list[tuple[str, Any, str]]:
     from torchrl.objectives import LossModule
 
     from fabric_learner.replay import TorchPrioritizedSampler
+    from torch._C import _functorch
+    from torch._functorch import pyfunctorch
 
     return [
+        *[("torch._C._functorch", _functorch, name) for name in (
+            "is_batchedtensor", "get_unwrapped", "maybe_get_level", "maybe_get_bdim", "_add_batch_dim")],
+        ("torch._functorch.pyfunctorch", pyfunctorch, "retrieve_all_functorch_interpreters"),
+        ("torch._functorch.pyfunctorch", pyfunctorch, "temporarily_pop_interpreter_stack"),
+        ("torch._functorch.pyfunctorch VmapInterpreter", pyfunctorch.VmapInterpreter, "randomness"),
         ("lightning _FabricModule", _FabricModule(nn.Linear(1, 1), strategy=DDPStrategy()), "_forward_module"),
         ("lightning DDPStrategy", DDPStrategy(), "_timeout"),
         ("lightning DDPStrategy", DDPStrategy(), "_ddp_kwargs"),

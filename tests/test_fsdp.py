@@ -262,20 +262,45 @@ def test_a_users_parallelize_fn_sharding_over_whole_world_trains_like_the_defaul
 def test_each_layer_is_its_own_fsdp_unit_gathered_only_while_it_runs(fsdp):
     """Per-layer units: while one layer runs (forward, inside the loss), every other layer is sharded."""
     for rank in fsdp["ranks"]:
-        for kind in ("ppo", "ppo_nonfunctional", "dqn", "sac"):  # every layer its own unit
+        for kind in ("ppo", "ppo_nonfunctional", "dqn", "sac", "sac_loop", "td3"):  # every layer its own unit
             got = rank["per_layer"][kind]
             assert got["at_rest_sharded"], kind
-            linears = {"ppo": 4, "ppo_nonfunctional": 4, "dqn": 2, "sac": 2}[kind]  # 2 per MLP it unitizes
+            linears = {"ppo": 4, "ppo_nonfunctional": 4, "dqn": 2}.get(kind, 4)  # 2 per MLP it unitizes
             assert len(got["units"]) == linears, (kind, got["units"])
             called = {path for path, _ in got["seen"]}
             assert called == set(got["units"]), kind  # every layer went through its unit
             for path, full in got["seen"]:
                 assert full == [path], (kind, path, full)
-    sac = fsdp["ranks"][0]["per_layer"]["sac"]
-    # SAC's critic ensemble is called under vmap with stacked weights: gathered for the whole call
-    assert all(n == "log_alpha" or n.startswith("qvalue_network_params.") for n in sac["whole"]), sac["whole"]
-    assert all(u.startswith("actor_network.") for u in sac["units"])
     assert fsdp["ranks"][0]["per_layer"]["dqn"]["whole"] == []
+
+
+@pytest.mark.parametrize("kind", ["sac", "sac_loop", "td3"])
+def test_each_layer_of_a_critic_ensemble_is_gathered_only_while_it_runs_forward_and_backward(fsdp, kind):
+    """SAC's and TD3's critics are one stacked ensemble that torchrl vmaps over (or, with
+    deactivate_vmap=True, loops over): each of its layers, all members together, is one unit."""
+    for rank in fsdp["ranks"]:
+        got = rank["per_layer"][kind]
+        critic = [u for u in got["units"] if u.startswith("qvalue_network.")]
+        assert critic == ["qvalue_network.module.0", "qvalue_network.module.2"], got["units"]
+        assert {u: got["members"][u] for u in critic} == dict.fromkeys(critic, 2)  # two critics stacked
+        assert got["whole"] == (["log_alpha"] if kind.startswith("sac") else [])  # a scalar stays in the root
+        # backward: each critic layer re-gathered by its own unit's hook, beside it at most the
+        # layer FSDP prefetches for the next backward step (the loop calls each critic layer once per
+        # critic, so FSDP keeps a layer whose other calls' backward is still to come)
+        regathered = {path for path, _ in got["backward"]}
+        assert set(critic) <= regathered, got["backward"]
+        for path, full in got["backward"]:
+            assert path in full and len(full) <= (3 if kind == "sac_loop" else 2), (path, full)
+
+
+@pytest.mark.parametrize("kind", ["sac", "sac_loop", "td3"])
+def test_per_layer_critic_ensembles_train_like_ddp_and_ranks_agree(fsdp, kind):
+    """Stochastic losses: the ranks end bit-identical, and equal DDP on the same seeds within 1e-5."""
+    r0, r1 = (r["per_layer"][kind] for r in fsdp["ranks"])
+    assert_equal_states(r0["model"], r1["model"])
+    for r in (r0, r1):
+        torch.testing.assert_close(r["grad_norm"], r["ddp"]["grad_norm"], atol=1e-5, rtol=1e-5)
+        assert_equal_states(r["model"], r["ddp"]["model"], atol=1e-5)
 
 
 def test_layers_under_the_size_threshold_share_the_loss_unit_and_train_the_same(fsdp):
@@ -311,3 +336,112 @@ def test_a_strategy_objects_timeout_bounds_every_group_it_uses(fsdp):
     bounds the group of both ranks torch built for it (read from its gloo backend)."""
     for r in fsdp["ranks"]:
         assert r["group_timeouts"] == [90.0], r["group_timeouts"]
+
+
+def _sharded_grads(loss, batch, seed):
+    """One process, no FSDP: the ShardedLoss's routing alone (units hold full parameters)."""
+    from fabric_learner._carrier import Carrier
+    from fabric_learner.backends.sharded import ShardedLoss
+
+    wrapper = ShardedLoss(loss, torch.device("cpu"))
+    torch.manual_seed(seed)
+    carried, _ = wrapper(Carrier(batch))
+    out = carried.value
+    sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+    return wrapper, {n: p.grad.reshape(wrapper.shapes[n]) for n, p in wrapper.named_loss_parameters()}
+
+
+def _plain_grads(loss, batch, seed):
+    torch.manual_seed(seed)
+    out = loss(batch)
+    sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+    return {n: p.grad for n, p in loss.named_parameters()}
+
+
+@pytest.mark.parametrize("case,loop", [("sac", False), ("sac", True), ("td3", False)])
+def test_ensemble_layers_routed_through_their_units_give_the_losss_own_gradients(case, loop):
+    def build():
+        loss, _ = make_loss(case)
+        if loop:
+            loss.deactivate_vmap = True
+            loss._make_vmap()
+        return loss
+
+    batch = make_batch(case)
+    wrapper, got = _sharded_grads(build(), batch.clone(), seed=5)
+    assert {u.path: u.members for u in wrapper.layer_units() if u.members} == \
+        {"qvalue_network.module.0": 2, "qvalue_network.module.2": 2}
+    want = _plain_grads(build(), batch.clone(), seed=5)
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-6, msg=n)
+
+
+def test_a_loss_that_concatenates_its_ensemble_keeps_it_whole_and_trains_the_same():
+    from torchrl.data import Bounded
+    from torchrl.objectives import CQLLoss
+
+    import rl_cases
+
+    def build():
+        torch.manual_seed(0)
+        actor = rl_cases._gaussian_actor(rl_cases.TanhNormal)
+        return CQLLoss(actor, rl_cases._qvalue(), action_spec=Bounded(-1.0, 1.0, shape=(rl_cases.ACT,)))
+
+    batch = make_batch("sac")
+    wrapper, got = _sharded_grads(build(), batch.clone(), seed=5)
+    assert not any(u.members for u in wrapper.layer_units())
+    assert any(n.startswith("qvalue_network_params.") for n in wrapper._whole)
+    want = _plain_grads(build(), batch.clone(), seed=5)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-6, msg=n)
+
+
+def test_an_ensemble_changed_before_the_call_names_the_layer_and_the_fix():
+    from torchrl.objectives import SACLoss
+
+    class CatSAC(SACLoss):  # evaluates its critics on a concatenated copy of their parameters
+        def qvalue_v2_loss(self, tensordict):
+            params = torch.cat([self.qvalue_network_params, self.qvalue_network_params], 0)[:2]
+            td = self._vmap_qnetworkN0(tensordict.select(*self.qvalue_network.in_keys, strict=False), params)
+            return td.get("state_action_value").sum(), {}
+
+    loss, _ = make_loss("sac")
+    loss.__class__ = CatSAC
+    with pytest.raises(RuntimeError, match=r"'qvalue_network.module.0'.*torch.cat.*strategy='ddp'"):
+        _sharded_grads(loss, make_batch("sac"), seed=5)
+
+
+def _discrete_sac():
+    from tensordict.nn import TensorDictModule
+    from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor, ValueOperator
+    from torchrl.objectives import DiscreteSACLoss
+
+    torch.manual_seed(0)
+    logits = TensorDictModule(MLP(in_features=4, out_features=3, num_cells=[16]), ["observation"], ["logits"])
+    actor = ProbabilisticActor(logits, in_keys=["logits"], distribution_class=OneHotCategorical, return_log_prob=True)
+    critic = ValueOperator(MLP(in_features=4, out_features=3, num_cells=[16]), in_keys=["observation"],
+                           out_keys=["action_value"])
+    return DiscreteSACLoss(actor, critic, action_space="one-hot", num_actions=3)
+
+
+def _iql():
+    from torchrl.modules import MLP, ValueOperator
+    from torchrl.objectives import IQLLoss
+
+    import rl_cases
+
+    torch.manual_seed(0)
+    value = ValueOperator(MLP(in_features=4, out_features=1, num_cells=[16]), in_keys=["observation"])
+    return IQLLoss(rl_cases._gaussian_actor(rl_cases.TanhNormal), rl_cases._qvalue(), value)
+
+
+@pytest.mark.parametrize("build,case", [(_discrete_sac, "dqn"), (_iql, "sac")])
+def test_discrete_sac_and_iql_ensembles_are_per_layer_units_too(build, case):
+    batch = make_batch(case)
+    wrapper, got = _sharded_grads(build(), batch.clone(), seed=5)
+    assert {u.path: u.members for u in wrapper.layer_units() if u.members} == \
+        {"qvalue_network.module.0": 2, "qvalue_network.module.2": 2}
+    want = _plain_grads(build(), batch.clone(), seed=5)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-6, msg=n)

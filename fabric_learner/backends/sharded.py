@@ -4,18 +4,25 @@
 ``remove_duplicate``), and sharding the networks inside a functional loss leaves the loss's
 ``TensorDictParams`` pointing at the pre-shard tensors. So ``ShardedLoss`` takes the loss's
 trainable parameters (``loss.named_parameters()``) as its own: those a leaf module of the loss's
-networks holds (each ``Linear``, ...) go to that layer's ``LayerUnit``, the rest (SAC's stacked,
-vmap'ed critic ensemble, ``log_alpha``) stay on the ``ShardedLoss``. ``shard_loss`` shards every
-unit of 1M parameters or more, then the ``ShardedLoss`` (smaller layers join its unit), so FSDP2
-gathers one large layer at a time, as hand-written per-layer FSDP2 does, and the largest model
-it trains is not bounded by what fits on one rank.
+networks holds (each ``Linear``, ...) go to that layer's ``LayerUnit``; so do, one unit per layer,
+the stacked ``[members, ...]`` weights of a critic ensemble that torchrl vmaps over (SAC's, TD3's,
+see ``STACKED_LOSSES``); the rest (``log_alpha``, the ensembles of losses that concatenate theirs)
+stay on the ``ShardedLoss``. ``shard_loss`` shards every unit of 1M parameters or more, then the
+``ShardedLoss`` (smaller layers join its unit), so FSDP2 gathers one large layer at a time, as
+hand-written per-layer FSDP2 does, and the largest model it trains is not bounded by what fits on
+one rank.
 
 The loss's own parameter objects stay in the loss as placeholders. While ``update`` runs the
 loss, a layer called with them in its slots (swapped in by a functional loss, or held by the
 network) is routed through its unit, whose FSDP2 hooks gather the layer for that forward and its
 backward; a layer called with anything else (target-network buffers) runs as it is. A placeholder
-seen detached (a critic evaluated for the actor's loss) gets the gathered weights detached. The
-``ShardedLoss``'s own parameters are gathered for the whole call and swapped into the loss with
+seen detached (a critic evaluated for the actor's loss) gets the gathered weights detached. An
+ensemble layer is called by torchrl under ``vmap`` with batched views of its placeholders in its
+slots: the unit then runs outside that ``vmap`` on the unwrapped inputs (so FSDP2's hooks see
+plain tensors), over all members at once, and its output is re-batched (``_route_vmapped``); in
+torchrl's loop over the members (``deactivate_vmap=True``) the slot holds one member's slice of
+the placeholder, and the unit gathers the stack and runs that member. The ``ShardedLoss``'s own
+parameters are gathered for the whole call and swapped into the loss with
 ``TensorDict.to_module``. Entry points such as ``actor.get_dist`` need no hook: layers are routed
 wherever they are called from.
 
@@ -57,10 +64,17 @@ def flat_name(name: str) -> str:
     return name.replace(".", "__")
 
 
-def _marker(param: torch.Tensor) -> torch.Tensor:
+def _marker(param: torch.Tensor, members: int | None = None) -> torch.Tensor:
     """An empty tensor with a storage of its own, so a loss slot holding it (or a detached view
-    of it) can be traced back to its parameter by storage while holding no weights."""
-    return torch.empty(1, dtype=param.dtype, device=param.device)[:0]
+    of it) can be traced back to its parameter by storage while holding no weights.
+
+    For a stacked ensemble parameter (``members`` given) it is ``[members, 0]``, so torchrl can
+    still vmap over (or unbind) its first dimension: member ``i``'s slice starts at storage
+    offset ``i``, which tells a loop over the members which one runs.
+    """
+    if members is None:
+        return torch.empty(1, dtype=param.dtype, device=param.device)[:0]
+    return torch.empty(members, dtype=param.dtype, device=param.device).as_strided((members, 0), (1, 1))
 
 
 def _storage(t) -> int | None:
@@ -79,31 +93,58 @@ class LayerUnit(nn.Module):
     its slots is routed through this module, so FSDP2's hooks gather these parameters just for
     that call (and again for its backward) and free them after. Calls with other tensors in
     the slots (target networks) run the leaf untouched.
+
+    ``members`` is set for one layer of a stacked ensemble (SAC's critics): the parameters are
+    ``[members, ...]``, all members' weights of that layer, and torchrl calls the leaf either
+    under ``vmap`` (the unit then runs the leaf over all members at once, outside torchrl's
+    batching, see ``_route_vmapped``) or once per member (the unit then gathers the stack and
+    runs that member's slice).
     """
 
-    def __init__(self, owner: ShardedLoss, path: str, leaf: nn.Module, attrs: dict[str, str]) -> None:
+    def __init__(self, owner: ShardedLoss, path: str, leaf: nn.Module, attrs: dict[str, str],
+                 members: int | None = None) -> None:
         super().__init__()
         self.__dict__["owner"] = owner
         self.__dict__["path"] = path
         self.__dict__["leaf"] = leaf
         self.__dict__["attrs"] = attrs  # leaf attribute -> loss parameter name
+        self.__dict__["members"] = members
         self.__dict__["_detached"] = ()
+        self.__dict__["_call"] = None  # how a stacked unit runs this call: ("member", i) or ("vmap", ...)
 
-    def forward(self, *args, **kwargs):
-        # FSDP2's pre-forward hook (when this unit is sharded on its own) has gathered the
-        # parameters; otherwise they are full because the root's window is open.
-        leaf, owner = self.leaf, self.owner
+    def _full(self, attr: str, name: str) -> torch.Tensor:
+        full = getattr(self, flat_name(name)).view(self.owner.shapes[name])
+        return full.detach() if attr in self._detached else full
+
+    def _run_leaf(self, weights, args, kwargs):
+        leaf = self.leaf
         swapped = []
         try:
-            for attr, name in self.attrs.items():
-                full = getattr(self, flat_name(name)).view(owner.shapes[name])
+            for attr, full in zip(self.attrs, weights):
                 store = _compat.tensor_slots(leaf, attr)
                 swapped.append((store, attr, store[attr]))
-                store[attr] = full.detach() if attr in self._detached else full
+                store[attr] = full
             return type(leaf).forward(leaf, *args, **kwargs)
         finally:
             for store, attr, old in reversed(swapped):
                 store[attr] = old
+
+    def forward(self, *args, **kwargs):
+        # FSDP2's pre-forward hook (when this unit is sharded on its own) has gathered the
+        # parameters; otherwise they are full because the root's window is open.
+        weights = [self._full(attr, name) for attr, name in self.attrs.items()]
+        call = self._call
+        if call is None:
+            return self._run_leaf(weights, args, kwargs)
+        if call[0] == "member":
+            return self._run_leaf([w[call[1]] for w in weights], args, kwargs)
+        _, spec, dims, randomness = call  # args: the flattened (args, kwargs), unbatched
+
+        def member(member_weights, *flat):
+            inner_args, inner_kwargs = torch.utils._pytree.tree_unflatten(list(flat), spec)
+            return self._run_leaf(member_weights, inner_args, inner_kwargs)
+
+        return torch.vmap(member, in_dims=(0, *dims), randomness=randomness)(tuple(weights), *args)
 
 
 def _route(unit: LayerUnit, leaf: nn.Module, *args, **kwargs):
@@ -113,6 +154,8 @@ def _route(unit: LayerUnit, leaf: nn.Module, *args, **kwargs):
     """
     owner = unit.owner
     if owner._updating and leaf is unit.leaf:
+        if unit.members is not None:
+            return _route_stacked(unit, leaf, args, kwargs)
         online = owner._online
         detached = []
         for attr, name in unit.attrs.items():
@@ -123,16 +166,93 @@ def _route(unit: LayerUnit, leaf: nn.Module, *args, **kwargs):
                 detached.append(attr)  # e.g. a critic run with detached weights for the actor's loss
         else:
             unit.__dict__["_detached"] = tuple(detached)
+            unit.__dict__["_call"] = None
             return unit(*args, **kwargs)
     return type(leaf).forward(leaf, *args, **kwargs)
+
+
+def _route_stacked(unit: LayerUnit, leaf: nn.Module, args, kwargs):
+    """One layer of a stacked ensemble, called by torchrl under ``vmap`` or once per member.
+
+    Under ``vmap`` the leaf's slots hold batched views of the placeholders; otherwise (torchrl's
+    ``deactivate_vmap=True`` loop) they hold member ``i``'s slice of them. Anything else in the
+    slots (the target ensemble) runs the leaf as it is.
+    """
+    online = unit.owner._online
+    detached, index = [], None
+    for attr, name in unit.attrs.items():
+        held = getattr(leaf, attr, None)
+        if not isinstance(held, torch.Tensor):
+            return type(leaf).forward(leaf, *args, **kwargs)
+        parts = _compat.batched_parts(held)
+        base = held if parts is None else parts[0]
+        if online.get(_storage(base)) != name:
+            if base.numel() == 0 and held.numel() == 0:
+                raise RuntimeError(
+                    f"The loss called its ensemble layer {unit.path!r} with a tensor made from its stacked "
+                    f"parameter {name!r} (e.g. by torch.cat), not with the parameter itself. Under FSDP the "
+                    "learner gathers an ensemble's layers only where torchrl's SAC/TD3/IQL losses hand the "
+                    "stacked parameters to vmap as they are; train this loss with strategy='ddp', or leave "
+                    "the stacked parameters unchanged before calling the network."
+                )
+            return type(leaf).forward(leaf, *args, **kwargs)
+        if parts is not None and parts[2] != 0:
+            return type(leaf).forward(leaf, *args, **kwargs)
+        # batched: the whole stack, at its vmap level; a member's slice: its offset (see _marker)
+        where = ("vmap", parts[1]) if parts is not None else ("member", base.storage_offset())
+        if index is not None and where != index:
+            return type(leaf).forward(leaf, *args, **kwargs)
+        index = where
+        if not base.requires_grad:
+            detached.append(attr)  # a critic run with detached weights for the actor's loss
+    unit.__dict__["_detached"] = tuple(detached)
+    if index[0] == "member":
+        unit.__dict__["_call"] = index
+        return unit(*args, **kwargs)
+    return _route_vmapped(unit, index[1], args, kwargs)
+
+
+def _route_vmapped(unit: LayerUnit, level: int, args, kwargs):
+    """Run the ensemble layer for all members outside torchrl's ``vmap``, then hand the result back
+    batched.
+
+    FSDP2's hooks (the all-gather, the autograd functions it puts on the unit's inputs and
+    outputs) then see plain tensors, exactly as for any other layer: the inputs are unwrapped
+    from the vmap level, the unit runs its own ``vmap`` over the gathered ``[members, ...]``
+    weights with the same randomness, and its output (members first) is re-wrapped at the level
+    it came from.
+    """
+    levels = _compat.vmap_levels()
+    if len(levels) != 1 or levels[0][0] != level:
+        raise RuntimeError(
+            f"The ensemble layer {unit.path!r} was called under {len(levels)} nested functorch transforms; "
+            "the FSDP learner gathers a stacked ensemble's layer only under torchrl's own single vmap. "
+            "Call the loss outside any vmap/grad transform of your own, set its deactivate_vmap=True, "
+            "or train it with strategy='ddp'."
+        )
+    flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    plain, dims = [], []
+    for x in flat:
+        parts = _compat.batched_parts(x)
+        if parts is not None and parts[1] == level:
+            plain.append(parts[0])
+            dims.append(parts[2])
+        else:
+            plain.append(x)
+            dims.append(None)
+    unit.__dict__["_call"] = ("vmap", spec, tuple(dims), levels[0][1])
+    with _compat.outside_functorch():
+        out = unit(*plain)
+    return torch.utils._pytree.tree_map(
+        lambda t: _compat.batch_at(t, level) if isinstance(t, torch.Tensor) else t, out)
 
 
 class ShardedLoss(nn.Module):
     """Owns ``loss``'s trainable parameters, so FSDP2 can shard them, in one unit per layer.
 
-    Each leaf module of the loss's networks that holds loss parameters gets a ``LayerUnit``
-    (under ``layers``) owning them; what no single leaf holds (SAC's vmap'ed critic ensemble,
-    ``log_alpha``) is owned here under flat names and swapped into the loss for the whole call.
+    Each leaf module of the loss's networks that holds loss parameters, and each layer of a
+    stacked critic ensemble, gets a ``LayerUnit`` (under ``layers``) owning them; the rest
+    (``log_alpha``) is owned here under flat names and swapped into the loss for the whole call.
     Scalars are stored with shape ``(1,)`` (FSDP2 shards along dim 0); ``shapes`` keeps the
     loss's own shapes. The loss is not a submodule: its parameters are replaced here.
     ``serve`` lists modules whose parameters stay full outside ``update`` (see the module doc).
@@ -157,12 +277,17 @@ class ShardedLoss(nn.Module):
             attrs = {a: by_id[id(p)] for a, p in module.named_parameters(recurse=False) if id(p) in by_id}
             attrs = {a: n for a, n in attrs.items() if n not in claimed}
             if attrs:
-                leaves.append((path, module, attrs))
+                leaves.append((path, module, attrs, None))
                 claimed.update({n: path for n in attrs.values()})
+        stacked = _stacked_layers(loss_module, [n for n in names if n not in claimed], shapes,
+                                  {id(leaf) for _, leaf, _, _ in leaves})
+        for path, module, attrs, members in stacked:
+            leaves.append((path, module, attrs, members))
+            claimed.update({n: path for n in attrs.values()})
         self.layers = nn.ModuleDict()
         fqns = {}
-        for path, module, attrs in leaves:
-            unit = LayerUnit(self, path, module, attrs)
+        for path, module, attrs, members in leaves:
+            unit = LayerUnit(self, path, module, attrs, members)
             key = flat_name(path)
             for name in attrs.values():
                 unit.register_parameter(flat_name(name), _as_parameter(originals[name]))
@@ -177,6 +302,7 @@ class ShardedLoss(nn.Module):
         self.__dict__["_originals"] = originals
         self.__dict__["_fqns"] = fqns
         self.__dict__["_whole"] = whole  # gathered for the whole loss call
+        self.__dict__["_members"] = {n: u.members for u in self.layers.values() if u.members for n in u.attrs.values()}
         self.__dict__["_served"] = set()
         self.__dict__["_inside"] = 0  # > 0 while the loss's parameters hold full tensors
         self.__dict__["_updating"] = 0  # > 0 while update() runs the loss: leaves route to their units
@@ -192,7 +318,7 @@ class ShardedLoss(nn.Module):
                 if name in self._served:
                     param.data = param.data.clone()  # its own storage: the shard will not alias it
                 else:
-                    param.data = _marker(param)
+                    param.data = _marker(param, self._members.get(name))
         for unit in self.layers.values():
             unit.leaf.forward = types.MethodType(functools.partial(_route, unit), unit.leaf)
         self._guard_emptied_modules()
@@ -299,7 +425,7 @@ class ShardedLoss(nn.Module):
             with torch.no_grad():
                 for name, original in self._originals.items():
                     if name not in self._served:
-                        original.data = _marker(original)
+                        original.data = _marker(original, self._members.get(name))
             _compat.erase_loss_cache(self.loss_module)
 
     def _guard_emptied_modules(self) -> None:
@@ -318,6 +444,51 @@ class ShardedLoss(nn.Module):
 def _as_parameter(param: torch.Tensor) -> nn.Parameter:
     data = param.detach()  # shares storage until fully_shard gives the shard its own
     return nn.Parameter(data.reshape(1) if data.ndim == 0 else data, param.requires_grad)
+
+
+#: torchrl losses that hand their stacked ensemble parameters to ``vmap`` (or its loop) as they are,
+#: or only ``.detach()``-ed. Others (CQL and REDQ concatenate them first, CrossQ's critics hold
+#: batch-norm statistics) keep their ensemble in the ``ShardedLoss``'s unit, gathered for the call.
+STACKED_LOSSES = ("SACLoss", "DiscreteSACLoss", "TD3Loss", "TD3BCLoss", "IQLLoss")
+
+
+def _stacked_layers(loss: nn.Module, names: list[str], shapes: dict, taken: set[int]):
+    """``(path, leaf, {attr: name}, members)`` for each layer of a stacked ensemble among ``names``.
+
+    torchrl keeps an ensemble (SAC's, TD3's critics) as ``<net>_params``, a ``TensorDictParams`` of
+    batch ``[members]`` mirroring the module tree of the network ``<net>``, which it vmaps over:
+    ``qvalue_network_params.module.0.weight`` is all members' weight of ``qvalue_network.module.0``.
+    Only for ``STACKED_LOSSES``, and only layers whose every tensor is such a parameter.
+    """
+    import torchrl.objectives as objectives
+
+    known = tuple(getattr(objectives, c) for c in STACKED_LOSSES if hasattr(objectives, c))
+    if not isinstance(loss, known):
+        return []
+    found: dict[str, tuple] = {}
+    for name in names:
+        prefix, _, rest = name.partition(".")
+        path, _, attr = rest.rpartition(".")
+        params, network = getattr(loss, prefix, None), getattr(loss, prefix.removesuffix("_params"), None)
+        if not (prefix.endswith("_params") and isinstance(params, TensorDictBase) and params.batch_dims == 1
+                and isinstance(network, nn.Module)):
+            continue
+        members = params.batch_size[0]
+        try:
+            leaf = network.get_submodule(path) if path else network
+        except AttributeError:
+            continue
+        own = getattr(leaf, attr, None)
+        if id(leaf) in taken or not isinstance(own, torch.Tensor) or len(shapes[name]) < 1 \
+                or shapes[name][0] != members or tuple(shapes[name][1:]) != tuple(own.shape):
+            continue
+        key = f"{prefix.removesuffix('_params')}.{path}" if path else prefix.removesuffix("_params")
+        entry = found.setdefault(key, (key, leaf, {}, members))
+        if entry[1] is leaf and entry[3] == members:
+            entry[2][attr] = name
+    return [entry for entry in found.values()
+            if not any(True for _ in entry[1].buffers(recurse=False))
+            and {a for a, _ in entry[1].named_parameters(recurse=False)} == set(entry[2])]
 
 
 def _loss_networks(loss: nn.Module):
@@ -398,11 +569,11 @@ def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL) ->
     """The default ``parallelize_fn``: one FSDP2 unit per layer, then one for the rest.
 
     ``fully_shard`` on each of the ``ShardedLoss``'s layer units holding at least
-    ``min_unit_numel`` parameters (1M: 4 MiB in float32), then on the ``ShardedLoss`` itself:
-    a large layer is gathered when the loss reaches it and freed after, as in hand-written
-    per-layer FSDP2, so no rank ever holds the whole model. Smaller layers (and what no single
-    layer holds, e.g. a vmap'ed critic ensemble) are gathered together for the loss call: for
-    the small networks RL often trains, one all-gather costs less than one per layer, as FSDP's
+    ``min_unit_numel`` parameters (1M: 4 MiB in float32; a critic ensemble's layer counts all its
+    members), then on the ``ShardedLoss`` itself: a large layer is gathered when the loss reaches
+    it and freed after, as in hand-written per-layer FSDP2, so no rank ever holds the whole model.
+    Smaller layers (and what no layer holds, e.g. ``log_alpha``) are gathered together for the
+    loss call: for the small networks RL often trains, one all-gather costs less than one per layer, as FSDP's
     size-based wrapping policies trade it. ``functools.partial(shard_loss, min_unit_numel=1)``
     gives every layer its own unit.
     """

@@ -168,33 +168,63 @@ def served(rank):
     return out
 
 
+def ensemble_loss(case, loop=False):
+    """SAC's / TD3's loss; ``loop``: torchrl's ``deactivate_vmap=True`` path (one call per critic)."""
+    loss, _ = make_loss(case)
+    if loop:
+        loss.deactivate_vmap = True
+        loss._make_vmap()
+    return loss
+
+
 def per_layer(rank):
     """Which layers hold full weights while each layer runs: functional and non-functional PPO, DQN
-    (target network), SAC (vmap'ed critic ensemble). Each probe runs just after FSDP2 gathered the
-    layer's unit, inside the loss's forward."""
+    (target network), SAC and TD3 (a critic ensemble vmap'ed over stacked weights, and SAC's
+    loop over the critics). Each forward probe runs just after FSDP2 gathered the layer's unit,
+    inside the loss's forward; each backward probe just after FSDP2 re-gathered it for its
+    backward. The stochastic losses also train under DDP on the same seeds, for comparison."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for kind, case, functional in (("ppo", "ppo", True), ("ppo_nonfunctional", "ppo", False),
-                                   ("dqn", "dqn", True), ("sac", "sac", True)):
-        loss, _ = make_loss(case, functional=functional)
+                                   ("dqn", "dqn", True), ("sac", "sac", True), ("sac_loop", "sac", True),
+                                   ("td3", "td3", True)):
+        loss = ensemble_loss(case, loop=kind.endswith("_loop")) if case in ("sac", "td3") else \
+            make_loss(case, functional=functional)[0]
         learner = fsdp(loss_module=loss, optimizer=opt(), clip_grad_norm=CLIP)
         wrapper = learner.sharded_module
         units = wrapper.layer_units()
-        seen = []
+        seen, backward = [], []
+
+        def full_units():
+            return [u.path for u in units if not any(isinstance(p, DTensor) for p in u.parameters())]
 
         def probe(unit, args):
-            full = [u.path for u in units if not any(isinstance(p, DTensor) for p in u.parameters())]
-            seen.append((unit.path, full))
+            seen.append((unit.path, full_units()))
+
+        def on_pre_backward(unit, original, *args, **kwargs):
+            result = original(*args, **kwargs)
+            backward.append((unit.path, full_units()))
+            return result
 
         handles = [u.register_forward_pre_hook(probe) for u in units]
+        for u in units:
+            group = u._get_fsdp_state()._fsdp_param_group
+            group.pre_backward = functools.partial(on_pre_backward, u, group.pre_backward)
         norms = run_steps(learner, case, rank, 2)
         for h in handles:
             h.remove()
+        for u in units:
+            del u._get_fsdp_state()._fsdp_param_group.pre_backward
         out[kind] = {"units": [u.path for u in units], "whole": list(wrapper._whole), "seen": seen,
-                     "loss_params": [n for n, _ in loss.named_parameters()],
+                     "backward": backward, "loss_params": [n for n, _ in loss.named_parameters()],
+                     "members": {u.path: u.members for u in units},
                      "model": learner.checkpoint()["model"], "grad_norm": norms,
                      "at_rest_sharded": all(isinstance(p, DTensor) for u in units for p in u.parameters())}
+        if case in ("sac", "td3"):
+            ddp = FabricLearner(ensemble_loss(case, loop=kind.endswith("_loop")), opt(), clip_grad_norm=CLIP,
+                                accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=TIMEOUT))
+            out[kind]["ddp"] = {"grad_norm": run_steps(ddp, case, rank, 2), "model": ddp.checkpoint()["model"]}
     # shard_loss's size threshold: layers under it share the ShardedLoss's unit
     from torch.distributed.fsdp import FSDPModule
 
