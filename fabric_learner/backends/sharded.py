@@ -828,7 +828,8 @@ class ShardedBackend:
                        **{n: list(s) for n, s in wrapper.shapes.items()}},
             "world_size": learner.world_size,
         }
-        path.mkdir(parents=True, exist_ok=True) if rank == 0 else None
+        if rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
         fabric.barrier()
         if not blocking:
             group = sharded_files.async_group(_compat.strategy_timeout(fabric.strategy))
