@@ -1,8 +1,8 @@
 """torchrl's Hydra trainer configs run on a learner, distributed by one config line.
 
-Each config of examples/hydra/config (torchrl's PPO, DQN, SAC and TD3 trainers on gymnasium envs) is run
-once on 2 real gloo ranks, each under another launcher, for a few batches: the ranks agree on
-the weights and count the frames of both.
+Each config of examples/hydra/config (torchrl's PPO, A2C, Reinforce, DQN, SAC and TD3 trainers on
+gymnasium envs) is run on 2 real gloo ranks under one of the launchers, for a few batches (some
+configs share a launch): the ranks agree on the weights and count the frames of both.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_the_learner_group_is_registered_beside_torchrls_configs():
 
     groups = ConfigStore.instance().repo
     assert {"local.yaml", "fabric.yaml"} <= set(groups["learner"])
-    assert {"ppo.yaml", "dqn.yaml", "sac.yaml", "td3.yaml"} <= set(groups["trainer"])
+    assert {"ppo.yaml", "a2c.yaml", "reinforce.yaml", "dqn.yaml", "sac.yaml", "td3.yaml"} <= set(groups["trainer"])
 
 
 def test_the_learners_optimizer_is_built_like_the_trainers():
@@ -52,19 +52,22 @@ def test_the_learners_optimizer_is_built_like_the_trainers():
 
 
 LAUNCHES = {
-    # config, launcher, strategy: the launcher gives the world, one config line the learner
-    "ppo-python-ddp": ("ppo", "python", "ddp"),
-    "dqn-torchrun-fsdp": ("dqn", "torchrun", "fsdp"),
-    "ppo-fabric-run-fsdp": ("ppo", "fabric-run", "fsdp"),
-    "sac-python-fsdp": ("sac", "python", "fsdp"),
-    "td3-torchrun-ddp": ("td3", "torchrun", "ddp"),
-    "td3-fabric-run-fsdp": ("td3", "fabric-run", "fsdp"),
+    # config, launcher, strategy, more configs run after it in the same launch: the launcher gives
+    # the world, one config line the learner
+    "ppo-python-ddp": ("ppo", "python", "ddp", ["dqn"]),
+    "dqn-torchrun-fsdp": ("dqn", "torchrun", "fsdp", []),
+    "ppo-fabric-run-fsdp": ("ppo", "fabric-run", "fsdp", ["a2c"]),
+    "sac-python-fsdp": ("sac", "python", "fsdp", []),
+    "td3-torchrun-ddp": ("td3", "torchrun", "ddp", ["reinforce"]),
+    "td3-fabric-run-fsdp": ("td3", "fabric-run", "fsdp", []),
 }
 
 
 @pytest.mark.parametrize("case", list(LAUNCHES))
 def test_a_torchrl_trainer_config_runs_on_two_ranks_by_adding_a_learner(case):
-    config, how, strategy = LAUNCHES[case]
+    """Every config of examples/hydra/config: PPO, DQN, SAC, TD3, and torchrl's A2C and Reinforce
+    configs (``trainer: a2c`` / ``trainer: reinforce``, PPO's networks), DQN under DDP and FSDP."""
+    config, how, strategy, also = LAUNCHES[case]
     frames = 1024 if config == "ppo" else 512
     args = ["--config-name", config, "learner=fabric", f"trainer.total_frames={frames}"]
     if how == "python":
@@ -73,13 +76,16 @@ def test_a_torchrl_trainer_config_runs_on_two_ranks_by_adding_a_learner(case):
         cmd = torchrun(SCRIPT, *args, f"learner.strategy={strategy}")
     else:
         cmd = fabric_run(SCRIPT, *args, strategy=strategy)
-    proc = run(cmd, timeout=240)
+    proc = run(cmd, timeout=240 + 120 * len(also), FL_ALSO_CONFIGS=",".join(also))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.leftovers == 0
-    ranks = sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^}]*\})", proc.stdout)), key=lambda r: r["rank"])
-    assert [r["rank"] for r in ranks] == [0, 1], proc.stdout[-4000:]
-    for r in ranks:
-        assert r["world_size"] == 2 and r["learner"] == "FabricLearner" and r["sharded"] == (strategy == "fsdp")
-        assert r["frames"] == frames and r["updates"] > 0
-        assert r["stages"] == (["critic", "actor"] if config == "td3" else [])  # TD3's two optimizers
-    assert ranks[0]["checksum"] == ranks[1]["checksum"] and ranks[0]["updates"] == ranks[1]["updates"]
+    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^}]*\})", proc.stdout)]
+    assert [r["config"] for r in results if r["rank"] == 0] == [config, *also], proc.stdout[-4000:]
+    for name in (config, *also):
+        ranks = sorted((r for r in results if r["config"] == name), key=lambda r: r["rank"])
+        assert [r["rank"] for r in ranks] == [0, 1], (name, proc.stdout[-4000:])
+        for r in ranks:
+            assert r["world_size"] == 2 and r["learner"] == "FabricLearner" and r["sharded"] == (strategy == "fsdp")
+            assert r["frames"] == frames and r["updates"] > 0
+            assert r["stages"] == (["critic", "actor"] if name == "td3" else [])  # TD3's two optimizers
+        assert ranks[0]["checksum"] == ranks[1]["checksum"] and ranks[0]["updates"] == ranks[1]["updates"], name

@@ -242,6 +242,31 @@ def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank_under_fsdp(fsdp):
     assert any(not torch.equal(r0["after_next"][k], v) for k, v in r0["before"].items())
 
 
+@pytest.mark.parametrize("scaler", ["sharded scaler", "plain scaler"])
+def test_16_mixed_under_fsdp_skips_one_ranks_overflow_and_its_nan_loss_on_every_rank(fsdp, scaler):
+    """docs/reliability.md, ``16-mixed``: FSDP2 with fp16 autocast and a grad scaler given through
+    ``fabric=`` (torch's ``ShardedGradScaler``, as Fabric's FSDP plugin builds, or ``torch.amp.GradScaler``).
+    Rank 1's overflow sits in its own gradient shard only; every rank still skips."""
+    r0, r1 = (r["mixed16"][scaler] for r in fsdp["ranks"])
+    assert r0["scaler_type"] == {"sharded scaler": "ShardedGradScaler", "plain scaler": "GradScaler"}[scaler]
+    assert r0["local_nonfinite"] == [0] and r1["local_nonfinite"] == [5]  # weight row (4) and bias (1)
+    for r in (r0, r1):
+        assert not torch.isfinite(r["overflow_grad_norm"])
+        # the scaler's verdict, reduced over the ranks: it skipped its step and halved its scale on both
+        assert r["scale_after"] == r["scale_before"] / 2 and r["overflow_counts"] == (2, 0)
+        assert_equal_states(r["after_overflow"], r["before"])
+        # rank 1's NaN loss: the learner's all-reduced verdict made every rank skip, then raise
+        assert r["nan_counts"] == (2, 1)
+        assert_equal_states(r["after_nan"], r["before"])
+        assert torch.isfinite(r["next_grad_norm"]) and r["final_counts"] == (3, 1)
+        assert any(not torch.equal(r["after_next"][k], v) for k, v in r["before"].items())
+    assert r0["scale_final"] == r1["scale_final"]
+    assert "Optimizer step 3 refused (rank 0): another rank saw a non-finite loss or grad norm" in r0["raised"]
+    assert "Optimizer step 3 refused (rank 1): the loss entries ['loss'] are non-finite" in r1["raised"]
+    for key in ("after_overflow", "after_nan", "after_next"):
+        assert_equal_states(r0[key], r1[key])
+
+
 def test_unequal_per_rank_sample_counts_are_warned_under_fsdp(fsdp):
     for r in fsdp["ranks"]:
         seen = r["unequal_first_step"]

@@ -509,6 +509,18 @@ def test_16_mixed_leaves_inf_gradients_to_the_scaler_and_still_refuses_a_nonfini
     assert torch.isfinite(out["grad_norm"]) and learner.num_updates == 3
 
 
+def test_16_mixed_by_name_under_fsdp_is_refused_before_anything_is_launched():
+    """docs/reliability.md, ``16-mixed``: Fabric's FSDP2 strategy takes no ``16-mixed`` by name (on any
+    device); the error names the precisions it takes, and no process group was started."""
+    import torch.distributed as dist
+
+    from fabric_learner import FabricLearner
+
+    with pytest.raises(ValueError, match=r"does not support .*'16-mixed'.*32-true, bf16-mixed, bf16-true, 16-true"):
+        FabricLearner(make_loss("dqn")[0], accelerator="cpu", strategy="fsdp", devices=2, precision="16-mixed")
+    assert not dist.is_initialized()
+
+
 def assert_unchanged_params(learner, before):
     for k, v in flat_params(learner.loss_module).items():
         assert torch.equal(v, before[0][k]), k

@@ -155,20 +155,44 @@ def unequal_samples(rank, build=None):
     return seen
 
 
-def mixed16_on_one_rank(rank):
+INIT_SCALE = 2.0**8  # the default 2**16 overflows these fp16 gradients on its own: only the injected inf may
+
+
+def mixed16_on_one_rank(rank, sharded=None):
     """16-mixed under DDP: fp16 autocast and a grad scaler, given through ``fabric=`` (Fabric turns the
-    name into bf16 on CPU). Rank 1 alone overflows its gradients, then alone feeds a NaN batch."""
+    name into bf16 on CPU). Rank 1 alone overflows its gradients, then alone feeds a NaN batch.
+
+    ``sharded`` (fsdp_checks.py): the same under FSDP2, with torch's ``ShardedGradScaler`` (the scaler
+    Fabric's FSDP precision plugin builds; ``"sharded scaler"``) or ``torch.amp.GradScaler``
+    (``"plain scaler"``). Rank 1's overflow is then one output unit of the first layer, so after the
+    reduce-scatter only rank 1's gradient shard holds it: rank 0 skips only if the scaler's verdict
+    is reduced over the ranks. ``local_nonfinite``: what this rank's own gradients held when the
+    scaler checked them.
+    """
     from lightning.fabric import Fabric
     from lightning.fabric.plugins.precision import MixedPrecision
 
     loss, _ = make_loss("dqn")
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=90)), plugins=[plugin])
-    learner = FabricLearner(loss, fabric=fabric, on_nonfinite="skip")
+    if sharded:
+        from lightning.fabric.strategies import ModelParallelStrategy
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        from fabric_learner import shard_loss
+
+        scaler_class = ShardedGradScaler if sharded == "sharded scaler" else torch.amp.GradScaler
+        scaler = scaler_class("cpu", init_scale=INIT_SCALE)
+        strategy = ModelParallelStrategy(parallelize_fn=functools.partial(shard_loss, min_unit_numel=1),
+                                         timeout=timedelta(seconds=90))
+    else:
+        scaler, strategy = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE), DDPStrategy(timeout=timedelta(seconds=90))
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=LR) if sharded else None, fabric=fabric,
+                            on_nonfinite="skip")
     scaler = learner.fabric.strategy.precision.scaler
 
     def weights():
-        return flat_params(loss)
+        return learner.checkpoint()["model"] if sharded else flat_params(loss)
 
     def step(seed, nan=False):
         batch = halves(make_batch("dqn", n=16, seed=seed), rank)
@@ -177,16 +201,33 @@ def mixed16_on_one_rank(rank):
         return learner.update(batch)
 
     step(60)
-    res = {"scale_before": scaler.get_scale(), "before": weights()}
+    res = {"scale_before": scaler.get_scale(), "before": weights(), "scaler_type": type(scaler).__name__}
     hook = None
-    if rank == 1:  # before DDP's gradient sync: the all-reduce carries the inf to rank 0
+    if rank == 1 and sharded:  # the first layer's last output unit: its weight row and bias, in rank 1's shard
+        def one_unit(grad):
+            return grad.index_fill(-1, torch.tensor([grad.shape[-1] - 1]), float("inf"))
+
+        unit = learner.sharded_module.layer_units()[0]
+        hook = unit.register_forward_hook(lambda module, args, out: out.register_hook(one_unit) and None)
+    elif rank == 1:  # before DDP's gradient sync: the all-reduce carries the inf to rank 0
         first = next(iter(loss.value_network_params.values(True, True)))
         hook = first.register_hook(lambda g: torch.full_like(g, float("inf")))
+    local_nonfinite = []
+    unscale = scaler.unscale_
+
+    def counting_unscale(optimizer):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        local_nonfinite.append(sum(int((~torch.isfinite(g)).sum()) for g in local))
+        return unscale(optimizer)
+
+    scaler.unscale_ = counting_unscale
     out = step(61)
+    del scaler.unscale_
     if hook is not None:
         hook.remove()
     res.update(overflow_grad_norm=out["grad_norm"], after_overflow=weights(), scale_after=scaler.get_scale(),
-               overflow_counts=(learner.num_updates, learner.skipped_updates))
+               overflow_counts=(learner.num_updates, learner.skipped_updates), local_nonfinite=local_nonfinite)
     out = step(62, nan=True)
     res.update(after_nan=weights(), nan_counts=(learner.num_updates, learner.skipped_updates))
     learner.on_nonfinite = "raise"
@@ -196,7 +237,8 @@ def mixed16_on_one_rank(rank):
         res["raised"] = str(err)
     out = step(64)
     res.update(after_next=weights(), next_grad_norm=out["grad_norm"], final_counts=(learner.num_updates,
-                                                                                   learner.skipped_updates))
+                                                                                   learner.skipped_updates),
+               scale_final=scaler.get_scale())
     return res
 
 

@@ -300,6 +300,8 @@ def main(out_dir):
     results["unequal_first_step"] = ddp_checks.unequal_first_step(rank, build=user_fsdp)
     results["unequal"] = ddp_checks.unequal_samples(rank, build=fsdp)
     results["user_sharded"] = list(USER_SHARDED)
+    for scaler in ("sharded scaler", "plain scaler"):
+        results.setdefault("mixed16", {})[scaler] = ddp_checks.mixed16_on_one_rank(rank, sharded=scaler)
     learner, _ = train("sac", rank, policy=True)
     results["weights_offload"] = learner.get_weights(cpu_offload=True)
     results["weights_full"] = learner.get_weights(cpu_offload=False)
