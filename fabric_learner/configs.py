@@ -13,9 +13,9 @@ or distributed, by adding a ``learner`` to it and building the trainer with
     torchrun --nproc-per-node=2 train.py learner=fabric
 
 (``train.py``: ``trainer = instantiate_trainer(cfg); trainer.train()``.) Under ``fabric run`` and
-``torchrun`` the launcher decides the world, as for ``FabricLearner`` itself. Supported: torchrl's
-PPO, A2C, Reinforce, SAC, DDPG, DQN, IQL and CQL trainers (one optimizer over their loss) and TD3
-(its two optimizers become two learner stages, see :func:`fabric_learner.from_torchrl.stages_of`).
+``torchrun`` the launcher decides the world, as for ``FabricLearner`` itself. Tested with torchrl's
+PPO, A2C, Reinforce, DQN and SAC configs (one optimizer over their loss) and TD3's (its two
+optimizers become two learner stages, see :func:`fabric_learner.from_torchrl.stages_of`).
 """
 
 from __future__ import annotations
