@@ -82,7 +82,19 @@ def test_versioned_policy_labels_a_frame_with_the_version_read_before_acting():
     assert policy.version.item() == 11 and out["action"].shape == (5, 1)
 
 
-def test_one_process_async_dqn_admits_only_fresh_frames_and_stamps_published_versions():
+@pytest.fixture
+def forked_collectors():
+    """The collector's environment process by fork, as in the 2-rank worker: torchrl's default,
+    spawn, imports torch and torchrl again (seconds on 2 shared cores); nothing tested depends on it."""
+    import multiprocessing
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("fork", force=True)
+    yield
+    multiprocessing.set_start_method(before, force=True)
+
+
+def test_one_process_async_dqn_admits_only_fresh_frames_and_stamps_published_versions(forked_collectors):
     trainer, learner, admissions, rb = ac.build(local, total_frames=20 * ac.FRAMES_PER_BATCH, max_policy_lag=3)
     trainer.train()
     s = trainer.async_stats
@@ -96,7 +108,7 @@ def test_one_process_async_dqn_admits_only_fresh_frames_and_stamps_published_ver
     assert s["queue_high_water"] <= 2
 
 
-def test_backpressure_bounds_what_waits_while_the_learner_is_slow():
+def test_backpressure_bounds_what_waits_while_the_learner_is_slow(forked_collectors):
     """The learner sleeps 0.2 s a round; the collector could make ~50 batches meanwhile, but the
     feeder holds at most the queue (1) plus the batch in its hand."""
     trainer, learner, _, _ = ac.build(local, total_frames=12 * ac.FRAMES_PER_BATCH, max_queued_batches=1)

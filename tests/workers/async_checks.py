@@ -112,4 +112,10 @@ def main(out_dir: str, scenario: str | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # The collectors' environment processes by fork: torchrl's default, spawn, imports torch and
+    # torchrl again in each (seconds per collector on 2 shared cores); what is tested does not depend on it.
+    import multiprocessing
+
+    if os.environ.get("FL_SPAWN") != "1":
+        multiprocessing.set_start_method("fork", force=True)
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
