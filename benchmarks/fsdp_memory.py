@@ -6,7 +6,13 @@ Counts the bytes each rank holds in tensors (gradients counted just before the o
 since the learner frees them with ``zero_grad(set_to_none=True)`` after it; under DDP also its
 gradient buckets) after a few Adam updates of a 20M+ parameter PPO
 loss (local shards under FSDP, plus the replicated buffers such as target networks), and the
-process's peak resident memory, which also includes the transient all-gathered parameters.
+process's peak resident memory, which also includes the transient all-gathered parameters, and
+that peak over the process's memory before the model was built.
+
+glibc's allocator raises its mmap threshold (up to 32 MiB) each time a large block is freed, so
+FSDP's per-layer gather buffers below that size, freed after every layer, stay in its heap: the
+peak RSS then counts memory no tensor holds. ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment
+fixes the threshold, and the peak shows what the tensors need (run.py's case c reports both).
 """
 
 from __future__ import annotations
@@ -45,10 +51,10 @@ def ddp_bucket_bytes(learner) -> int:
     return sum(int(x) for x in str(sizes).split(",") if x.strip().isdigit())
 
 
-def peak_rss_mib() -> float:
+def peak_rss_mib(field: str = "VmHWM") -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -62,6 +68,7 @@ def main():
     timeout = timedelta(minutes=5)
     strategy = DDPStrategy(timeout=timeout) if args.strategy == "ddp" else \
         ModelParallelStrategy(parallelize_fn=shard_loss, timeout=timeout)
+    baseline = peak_rss_mib("VmRSS")  # imports done, no model yet
     torch.manual_seed(0)
     loss, _ = common.make_loss("ppo_big_actor")
     n_params = sum(p.numel() for p in loss.parameters())
@@ -87,7 +94,8 @@ def main():
         "loss_own_parameters": sum(local_bytes(p) for p in loss.parameters()) if args.strategy == "fsdp" else 0,
     }
     result = {"strategy": args.strategy, "rank": rank, "n_params": n_params, "bytes": held,
-              "total_mib": sum(held.values()) / 2**20, "peak_rss_mib": peak_rss_mib()}
+              "total_mib": sum(held.values()) / 2**20, "peak_rss_mib": peak_rss_mib(),
+              "peak_over_baseline_mib": peak_rss_mib() - baseline}
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, result)
     if rank == 0:
