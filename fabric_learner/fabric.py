@@ -169,6 +169,7 @@ class FabricLearner(Learner):
         object.__setattr__(self, "_direct", _wrappers_do_nothing(fabric, plugin))
         object.__setattr__(self, "_direct_forward", self._direct and type(fabric.strategy) is SingleDeviceStrategy)
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
+        self._poison_gradients = fabric.world_size > 1
         self._samples = SampleTrace()
         if fabric.world_size > 1:
             _teardown.register(self, group_existed)
@@ -206,12 +207,12 @@ class FabricLearner(Learner):
             carried, _ = wrapped_forward(self._module)(Carrier(batch, method))
         return carried.value
 
-    def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor, seed: torch.Tensor | None) -> None:
         if self._direct:
             loss.backward(seed)
             return
         loss = self._precision.convert_output(loss)
-        self.fabric.backward(loss, seed.to(loss.dtype), model=self._module)
+        self.fabric.backward(loss, *(() if seed is None else (seed.to(loss.dtype),)), model=self._module)
 
     def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
         # Only ever enter the no-sync context with enabled=True: Fabric's FSDP2 variant leaves
