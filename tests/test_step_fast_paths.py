@@ -107,3 +107,28 @@ def test_one_device_learners_equal_the_hand_written_loop_bit_for_bit(case):
     for learner in learners:
         for k, v in flat_params(hand.loss).items():
             assert torch.equal(v, flat_params(learner.loss_module)[k]), (type(learner).__name__, k)
+
+
+def test_the_trainer_logs_the_mean_of_each_scalar_over_a_batchs_updates():
+    from fabric_learner.trainer import Trainer
+
+    learner = LocalLearner(make_loss("ppo")[0], functools.partial(torch.optim.Adam, lr=1e-3))
+    trainer = Trainer(learner=learner, collector=None, total_frames=0, optim_steps_per_batch=3, num_epochs=2,
+                      progress_bar=False, log_throughput=False)
+    outputs, logged = [], []
+    update = learner.update
+
+    def recorded(batch):
+        outputs.append(update(batch))
+        return outputs[-1]
+
+    learner.update = recorded
+    trainer._post_optim_complete_log_hook = lambda steps, average: logged.append((steps, average))
+    trainer.optim_steps(make_batch("ppo", seed=5))
+    assert len(outputs) == 6 and len(logged) == 1 and logged[0][0] == 6
+    average = logged[0][1]
+    assert set(average.keys()) == set(outputs[0].keys())
+    for key in outputs[0].keys():
+        expected = sum(o.get(key).reshape(()).to(torch.float64) for o in outputs) / len(outputs)
+        assert average.get(key).dtype == torch.float32
+        torch.testing.assert_close(average.get(key), expected.float(), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{key}: {m}")
