@@ -62,6 +62,23 @@ class StageClock:
         self.cpu: dict[str, float] = {}
         self.calls: dict[str, list[float]] = {}
         self.origin: tuple[float, float] | None = None  # (wall, cpu) start of a run: "setup" ends at the first batch
+        self.stage: str | None = None  # the stage running now, for count_calls
+        self.python_calls: dict[str, int] | None = None
+
+    def count_calls(self) -> None:
+        """From now on count Python and C function calls per stage (a profile hook: slow, but exact)."""
+        self.python_calls = {}
+        counts = self.python_calls
+
+        def hook(frame, event, arg):
+            if event == "call" or event == "c_call":
+                stage = self.stage or ("rest" if "setup" in self.seconds else "setup")
+                counts[stage] = counts.get(stage, 0) + 1
+        sys.setprofile(hook)
+
+    def _enter(self, name: str):
+        outer, self.stage = self.stage, self.stage or name  # nested stages count for the outer one
+        return outer
 
     def _add(self, name: str, wall: float, cpu: float) -> float:
         self.seconds[name] = self.seconds.get(name, 0.0) + wall
@@ -70,12 +87,14 @@ class StageClock:
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
+            outer = self._enter(name)
             start, cpu = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 took = self._add(name, time.perf_counter() - start, time.process_time() - cpu)
                 self.calls.setdefault(name, []).append(took)
+                self.stage = outer
         return timed
 
     def wrap_iterator(self, name: str, make_iterator):
@@ -85,12 +104,14 @@ class StageClock:
                 start, cpu = time.perf_counter(), time.process_time()
                 if self.origin is not None and "setup" not in self.seconds:
                     self._add("setup", start - self.origin[0], cpu - self.origin[1])
+                outer = self._enter(name)
                 try:
                     item = next(it)
                 except StopIteration:
                     return
                 finally:
                     self._add(name, time.perf_counter() - start, time.process_time() - cpu)
+                    self.stage = outer
                 yield item
         return timed_iterator
 
@@ -282,11 +303,14 @@ def _instrumented_recipe(clock: StageClock):
         recipe.Collector, recipe.make_loss, recipe.TensorDictReplayBuffer = saved
 
 
-def staged_run(name: str, batches: int) -> dict:
-    """One run of ``name`` (the torchrl loop or a port) with its stages timed: wall and CPU seconds."""
+def staged_run(name: str, batches: int, count_calls: bool = False) -> dict:
+    """One run of ``name`` (the torchrl loop or a port) with its stages timed: wall and CPU seconds
+    (or, with ``count_calls``, the Python and C function calls of each stage: exact, not timed)."""
     clock = StageClock()
     start, cpu = time.perf_counter(), time.process_time()
     clock.origin = (start, cpu)
+    if count_calls:
+        clock.count_calls()
     with _instrumented_recipe(clock):
         if name == "torchrl recipe loop":
             run_torchrl_loop(batches)
@@ -298,6 +322,9 @@ def staged_run(name: str, batches: int) -> dict:
             learner.update = clock.wrap("update", learner.update)
             trainer.train()
             learner.close()
+    if count_calls:
+        sys.setprofile(None)
+        return {"calls": dict(clock.python_calls, total=sum(clock.python_calls.values()))}
     total = {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu}
     out = {}
     for kind, stages in (("wall", clock.seconds), ("cpu", clock.cpu)):
@@ -310,6 +337,12 @@ def staged_run(name: str, batches: int) -> dict:
 
 def part_stages(reps: int, batches: int) -> dict:
     names = ["torchrl recipe loop", "port, LocalLearner", "port, FabricLearner"]
+    calls = {name: staged_run(name, batches, count_calls=True)["calls"] for name in names}
+    order = ["setup", "collection", "advantage", "replay", "update", "rest", "total"]
+    print("\nfunction calls (Python and C) per stage, one run each (exact; rest: see below)")
+    print(f"  {'':24s}" + "".join(f"{s:>12s}" for s in order))
+    for name in names:
+        print(f"  {name:24s}" + "".join(f"{calls[name].get(s, 0):12d}" for s in order), flush=True)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotated, interleaved
@@ -333,7 +366,7 @@ def part_stages(reps: int, batches: int) -> dict:
         base = table[kind]["torchrl recipe loop"]["total"]
         print("  ratio of totals (loop / port, as frames/s): " + ", ".join(
             f"{n}: {base / table[kind][n]['total']:.3f}" for n in names[1:]))
-    return {"runs": runs, "medians": table}
+    return {"runs": runs, "medians": table, "calls": calls}
 
 
 def _git_head() -> str:
