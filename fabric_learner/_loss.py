@@ -60,3 +60,13 @@ def detached(output: TensorDictBase) -> TensorDictBase:
             return output.detach()
         values[key] = value.detach()
     return TensorDict._new_unsafe(values, batch_size=output.batch_size, device=output.device)
+
+
+def set_entry(result: TensorDictBase, key: str, value: torch.Tensor) -> None:
+    """``result.set(key, value)``; on an unlocked, batch-less plain ``TensorDict`` on ``value``'s device (or
+    none), where ``set`` has nothing to check or move, without its validation (~7 us of an update)."""
+    if type(result) is TensorDict and not result.batch_size and not result.is_locked \
+            and (result.device is None or result.device == value.device):
+        result._set_str(key, value, inplace=False, validated=True)
+    else:
+        result.set(key, value)

@@ -21,7 +21,7 @@ from torch import nn
 
 from fabric_learner import _rng
 from fabric_learner._compile import CompiledLoss
-from fabric_learner._loss import detached, loss_keys, total_loss
+from fabric_learner._loss import detached, loss_keys, set_entry, total_loss
 from fabric_learner.optim import coverage_error, optimizer_params, uncovered_with_grad
 from fabric_learner._stages import Stage, as_output, check_stages, groups
 from fabric_learner.checkpoint.validate import (
@@ -211,7 +211,7 @@ class Learner(nn.Module):
                     raise coverage_error(missing)
                 self._coverage_checked = True
             grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
-            result.set("grad_norm", _reported_norm(grad_norm, result.device))
+            set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
             if self._refuse_step(grad_norm):  # the step's host sync
                 self._abandon_window()
                 if self.on_nonfinite == "raise":

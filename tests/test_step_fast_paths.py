@@ -132,3 +132,24 @@ def test_the_trainer_logs_the_mean_of_each_scalar_over_a_batchs_updates():
         expected = sum(o.get(key).reshape(()).to(torch.float64) for o in outputs) / len(outputs)
         assert average.get(key).dtype == torch.float32
         torch.testing.assert_close(average.get(key), expected.float(), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["flat", "batched", "named", "locked", "lazy", "device"])
+def test_set_entry_is_set(name):
+    from fabric_learner._loss import set_entry
+
+    outputs = _outputs()
+    outputs["device"] = TensorDict({"loss": torch.tensor(1.0)}, [], device="cpu")
+    got, want = detached(outputs[name]), detached(outputs[name])
+    value = torch.tensor(2.0) if name not in ("batched", "named", "lazy") else torch.full((3,), 2.0)
+    if name == "locked":
+        with pytest.raises(RuntimeError):
+            want.set("grad_norm", value)
+        with pytest.raises(RuntimeError):
+            set_entry(got, "grad_norm", value)
+        return
+    want.set("grad_norm", value)
+    set_entry(got, "grad_norm", value)
+    assert type(got) is type(want) and got.batch_size == want.batch_size and got.device == want.device
+    assert set(got.keys(True, True)) == set(want.keys(True, True))
+    assert torch.equal(got.get("grad_norm"), want.get("grad_norm"))
