@@ -26,7 +26,7 @@ environments, collector, learner, trainer). Wall and process CPU seconds per sta
 repetitions.
 
     python benchmarks/end_to_end.py [--reps 3] [--batches 2]
-    python benchmarks/end_to_end.py --part stages --reps 5 --batches 1
+    python benchmarks/end_to_end.py --part stages --reps 5 --batches 1   # --reps 0: the call counts only
 
 Results: printed, and written to ``benchmarks/results/end_to_end.json``.
 """
@@ -343,6 +343,8 @@ def part_stages(reps: int, batches: int) -> dict:
     print(f"  {'':24s}" + "".join(f"{s:>12s}" for s in order))
     for name in names:
         print(f"  {name:24s}" + "".join(f"{calls[name].get(s, 0):12d}" for s in order), flush=True)
+    if reps == 0:  # the counts only
+        return {"calls": calls}
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotated, interleaved
