@@ -23,10 +23,11 @@ def _outputs():
     locked = TensorDict({"loss": grad.sum()}, []).lock_()
     lazy = LazyStackedTensorDict.lazy_stack([TensorDict({"loss": grad[i] * 1}, []) for i in range(3)])
     with_text = TensorDict({"loss": grad.sum(), "note": NonTensorData("x")}, [])
+    on_device = TensorDict({"loss": grad.sum() * 2, "x": grad * 1}, [], device="cpu")
     ppo_loss = make_loss("ppo")[0]
     real = ppo_loss(make_batch("ppo", seed=1))
     return {"flat": flat, "nested": nested, "batched": batched, "named": named, "locked": locked, "lazy": lazy,
-            "non-tensor": with_text, "ppo": real}
+            "non-tensor": with_text, "device": on_device, "ppo": real}
 
 
 @pytest.mark.parametrize("name", list(_outputs()))
@@ -139,7 +140,6 @@ def test_set_entry_is_set(name):
     from fabric_learner._loss import set_entry
 
     outputs = _outputs()
-    outputs["device"] = TensorDict({"loss": torch.tensor(1.0)}, [], device="cpu")
     got, want = detached(outputs[name]), detached(outputs[name])
     value = torch.tensor(2.0) if name not in ("batched", "named", "lazy") else torch.full((3,), 2.0)
     if name == "locked":
