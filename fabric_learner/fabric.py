@@ -29,7 +29,7 @@ from fabric_learner._sample_counts import SampleTrace
 from fabric_learner.backends import ReplicatedBackend, ShardedBackend, is_sharded_strategy
 from fabric_learner.backends.sharded import ShardedLoss
 from fabric_learner._stages import Stage
-from fabric_learner.learner import Capabilities, Learner
+from fabric_learner.learner import Capabilities, Learner, clipped_norm
 
 
 class FabricLearner(Learner):
@@ -224,8 +224,7 @@ class FabricLearner(Learner):
     def _clip_gradients(self, max_norm: float, optimizer=None) -> torch.Tensor:
         optimizer = optimizer or self.optimizer
         if self._direct:
-            params = optimizer_params(getattr(optimizer, "optimizer", optimizer))
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+            return clipped_norm(optimizer_params(getattr(optimizer, "optimizer", optimizer)), max_norm)
         norm = self.fabric.clip_gradients(self._module, optimizer, max_norm=max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 

@@ -733,6 +733,17 @@ def _backward_seed(loss: torch.Tensor) -> torch.Tensor:
     return (loss.detach() * 0).add_(1.0)  # 0 * x is NaN exactly when x is non-finite
 
 
+def clipped_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)``, the same norm and gradients.
+
+    With ``max_norm=inf`` (no clipping asked) only the norm is taken: the scaling by 1 that
+    ``clip_grad_norm_`` would add costs as much again (~35 us on the PPO recipe's networks).
+    """
+    if math.isinf(max_norm):
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], error_if_nonfinite=False)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+
+
 def _reported_norm(grad_norm: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """The norm as ``update`` reports it: a detached scalar on the output's device (usually as it is)."""
     if grad_norm.requires_grad or grad_norm.dim() != 0:

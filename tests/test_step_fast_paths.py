@@ -74,28 +74,31 @@ def test_on_device_agrees_with_the_generic_walk(name):
 
 
 class _Hand:
-    """The loop a user writes: loss, sum of loss keys, backward, clip_grad_norm_, Adam step, zero_grad."""
+    """The loop a user writes: loss, sum of loss keys, backward, clip_grad_norm_, Adam step, zero_grad.
+    Without clipping, ``clip_grad_norm_(params, inf)`` gives the norm (and scales gradients by 1)."""
 
-    def __init__(self, loss):
+    def __init__(self, loss, clip):
         self.loss, self.opt = loss, torch.optim.Adam(loss.parameters(), lr=1e-2)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        self.clip = float("inf") if clip is None else clip
 
     def update(self, td):
         out = self.loss(td)
         total = sum(out.get(k) for k in loss_keys(out))
         total.backward()
-        norm = torch.nn.utils.clip_grad_norm_(self.params, 0.5)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.opt.step()
         self.opt.zero_grad()
         return norm
 
 
+@pytest.mark.parametrize("clip", [0.5, None])
 @pytest.mark.parametrize("case", ["ppo", "dqn", "sac"])
-def test_one_device_learners_equal_the_hand_written_loop_bit_for_bit(case):
-    hand = _Hand(make_loss(case)[0])
+def test_one_device_learners_equal_the_hand_written_loop_bit_for_bit(case, clip):
+    hand = _Hand(make_loss(case)[0], clip)
     adam = functools.partial(torch.optim.Adam, lr=1e-2)
-    learners = [LocalLearner(make_loss(case)[0], adam, clip_grad_norm=0.5),
-                FabricLearner(make_loss(case)[0], adam, clip_grad_norm=0.5, accelerator="cpu", devices=1)]
+    learners = [LocalLearner(make_loss(case)[0], adam, clip_grad_norm=clip),
+                FabricLearner(make_loss(case)[0], adam, clip_grad_norm=clip, accelerator="cpu", devices=1)]
     for step in range(4):
         batch = make_batch(case, seed=60 + step)
         torch.manual_seed(step)
