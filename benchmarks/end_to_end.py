@@ -15,7 +15,18 @@ epoch), update (``learner.update``, gradient sync included) and gradient sync (f
 bucket's all-reduce start to its completion, so it overlaps the backward: an upper bound on
 what the sync adds); what remains is the Trainer's own bookkeeping and hooks.
 
+Part "stages" (only when asked): where the one-process gap goes. torchrl's recipe loop and the
+port (``LocalLearner``, ``FabricLearner``) run interleaved with the same seeds and the same
+instrumentation of the recipe's pieces (``ppo_mujoco``'s collector, GAE and replay buffer, timed
+alike on both sides): collection, advantage (the GAE forward), replay (extend and minibatch
+sampling), update (the port's ``learner.update``; the loop's loss, backward and Adam steps are
+what remains of its total), setup (building networks, env, collector) and the rest (the Trainer's
+hooks and bookkeeping). Setup is everything before the first batch is asked for (networks,
+environments, collector, learner, trainer). Wall and process CPU seconds per stage, medians over
+repetitions.
+
     python benchmarks/end_to_end.py [--reps 3] [--batches 2]
+    python benchmarks/end_to_end.py --part stages --reps 5 --batches 1   # --reps 0: the call counts only
 
 Results: printed, and written to ``benchmarks/results/end_to_end.json``.
 """
@@ -23,6 +34,7 @@ Results: printed, and written to ``benchmarks/results/end_to_end.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -43,34 +55,63 @@ RESULTS = ROOT / "benchmarks" / "results" / "end_to_end.json"
 
 
 class StageClock:
-    """Wall seconds spent in each wrapped call, summed."""
+    """Wall (and process CPU) seconds spent in each wrapped call, summed."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self.calls: dict[str, list[float]] = {}
+        self.origin: tuple[float, float] | None = None  # (wall, cpu) start of a run: "setup" ends at the first batch
+        self.stage: str | None = None  # the stage running now, for count_calls
+        self.python_calls: dict[str, int] | None = None
+
+    def count_calls(self) -> None:
+        """From now on count Python and C function calls per stage (a profile hook: slow, but exact)."""
+        self.python_calls = {}
+        counts = self.python_calls
+
+        def hook(frame, event, arg):
+            if event == "call" or event == "c_call":
+                stage = self.stage or ("rest" if "setup" in self.seconds else "setup")
+                counts[stage] = counts.get(stage, 0) + 1
+        sys.setprofile(hook)
+
+    def _enter(self, name: str):
+        outer, self.stage = self.stage, self.stage or name  # nested stages count for the outer one
+        return outer
+
+    def _add(self, name: str, wall: float, cpu: float) -> float:
+        self.seconds[name] = self.seconds.get(name, 0.0) + wall
+        self.cpu[name] = self.cpu.get(name, 0.0) + cpu
+        return wall
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            outer = self._enter(name)
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                took = time.perf_counter() - start
-                self.seconds[name] = self.seconds.get(name, 0.0) + took
+                took = self._add(name, time.perf_counter() - start, time.process_time() - cpu)
                 self.calls.setdefault(name, []).append(took)
+                self.stage = outer
         return timed
 
     def wrap_iterator(self, name: str, make_iterator):
         def timed_iterator():
             it = make_iterator()
             while True:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
+                if self.origin is not None and "setup" not in self.seconds:
+                    self._add("setup", start - self.origin[0], cpu - self.origin[1])
+                outer = self._enter(name)
                 try:
                     item = next(it)
                 except StopIteration:
                     return
                 finally:
-                    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                    self._add(name, time.perf_counter() - start, time.process_time() - cpu)
+                    self.stage = outer
                 yield item
         return timed_iterator
 
@@ -173,9 +214,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--batches", type=int, default=2, help="batches of 2048 frames per run (part 1)")
-    p.add_argument("--part", choices=["1", "2", "both"], default="both")
+    p.add_argument("--part", choices=["1", "2", "both", "stages"], default="both")
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/end_to_end.json; "
+                   "--part stages: end_to_end_stages.json)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.part == "stages":
+        report = {"batches": args.batches, "reps": args.reps, "git": _git_head(), "load": os.getloadavg(),
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **part_stages(args.reps, args.batches)}
+        out = Path(args.out) if args.out else RESULTS.with_name("end_to_end_stages.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        return
     modes = {
         "torchrl recipe loop": lambda: run_torchrl_loop(args.batches),
         "port, LocalLearner": lambda: run_port(args.batches, LocalLearner, {}),
@@ -219,8 +269,106 @@ def main() -> None:
         report["part 2 ratio (2 ranks / 1 process, frames/s)"] = (
             (two[2]["frames"] / two[2]["seconds"]) / (two[1]["frames"] / two[1]["seconds"]))
         print(f"  ratio 2 ranks / 1 process: {report['part 2 ratio (2 ranks / 1 process, frames/s)']:.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1))
+    out = Path(args.out) if args.out else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+
+
+@contextlib.contextmanager
+def _instrumented_recipe(clock: StageClock):
+    """The recipe's collector, GAE and replay buffer, timed; patched in ``ppo_mujoco``, which both the
+    loop (``tests/test_ppo_recipe.py``) and the port build them from, so both sides are timed alike."""
+    saved = recipe.Collector, recipe.make_loss, recipe.TensorDictReplayBuffer
+
+    def collector(*args, **kwargs):
+        built = saved[0](*args, **kwargs)
+        built.iterator = clock.wrap_iterator("collection", built.iterator)
+        return built
+
+    def make_loss(*args, **kwargs):
+        loss, gae = saved[1](*args, **kwargs)
+        gae.forward = clock.wrap("advantage", gae.forward)
+        return loss, gae
+
+    def buffer(*args, **kwargs):
+        built = saved[2](*args, **kwargs)
+        built.extend = clock.wrap("replay", built.extend)
+        built.sample = clock.wrap("replay", built.sample)
+        return built
+
+    recipe.Collector, recipe.make_loss, recipe.TensorDictReplayBuffer = collector, make_loss, buffer
+    try:
+        yield
+    finally:
+        recipe.Collector, recipe.make_loss, recipe.TensorDictReplayBuffer = saved
+
+
+def staged_run(name: str, batches: int, count_calls: bool = False) -> dict:
+    """One run of ``name`` (the torchrl loop or a port) with its stages timed: wall and CPU seconds
+    (or, with ``count_calls``, the Python and C function calls of each stage: exact, not timed)."""
+    clock = StageClock()
+    start, cpu = time.perf_counter(), time.process_time()
+    clock.origin = (start, cpu)
+    if count_calls:
+        clock.count_calls()
+    with _instrumented_recipe(clock):
+        if name == "torchrl recipe loop":
+            run_torchrl_loop(batches)
+        else:
+            cls, kwargs = (LocalLearner, {}) if name == "port, LocalLearner" else (
+                FabricLearner, {"accelerator": "cpu", "devices": 1})
+            args = _recipe_args(batches)
+            learner, trainer, _ = recipe.build(args, kwargs, learner_cls=cls)
+            learner.update = clock.wrap("update", learner.update)
+            trainer.train()
+            learner.close()
+    if count_calls:
+        sys.setprofile(None)
+        return {"calls": dict(clock.python_calls, total=sum(clock.python_calls.values()))}
+    total = {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu}
+    out = {}
+    for kind, stages in (("wall", clock.seconds), ("cpu", clock.cpu)):
+        row = dict(stages)
+        row["rest"] = total[kind] - sum(stages.values())  # the loop's own update, or the Trainer's bookkeeping
+        row["total"] = total[kind]
+        out[kind] = row
+    return out
+
+
+def part_stages(reps: int, batches: int) -> dict:
+    names = ["torchrl recipe loop", "port, LocalLearner", "port, FabricLearner"]
+    calls = {name: staged_run(name, batches, count_calls=True)["calls"] for name in names}
+    order = ["setup", "collection", "advantage", "replay", "update", "rest", "total"]
+    print("\nfunction calls (Python and C) per stage, one run each (exact; rest: see below)")
+    print(f"  {'':24s}" + "".join(f"{s:>12s}" for s in order))
+    for name in names:
+        print(f"  {name:24s}" + "".join(f"{calls[name].get(s, 0):12d}" for s in order), flush=True)
+    if reps == 0:  # the counts only
+        return {"calls": calls}
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotated, interleaved
+            runs[name].append(staged_run(name, batches))
+            print(f"rep {rep} {name}: {runs[name][-1]['wall']['total']:.2f} s wall, "
+                  f"{runs[name][-1]['cpu']['total']:.2f} s cpu", flush=True)
+    table: dict = {}
+    for kind in ("wall", "cpu"):
+        table[kind] = {}
+        for name in names:
+            keys = sorted({k for r in runs[name] for k in r[kind]})
+            table[kind][name] = {k: statistics.median(r[kind].get(k, 0.0) for r in runs[name]) for k in keys}
+            table[kind][name]["total (min)"] = min(r[kind]["total"] for r in runs[name])
+    stages = ["setup", "collection", "advantage", "replay", "update", "rest", "total", "total (min)"]
+    for kind in ("cpu", "wall"):
+        print(f"\nstages, {kind} seconds, median of {reps} (rest: the loop's own update for torchrl; "
+              "hooks and bookkeeping for the port)")
+        print(f"  {'':24s}" + "".join(f"{s:>12s}" for s in stages))
+        for name in names:
+            print(f"  {name:24s}" + "".join(f"{table[kind][name].get(s, 0.0):12.3f}" for s in stages))
+        base = table[kind]["torchrl recipe loop"]["total"]
+        print("  ratio of totals (loop / port, as frames/s): " + ", ".join(
+            f"{n}: {base / table[kind][n]['total']:.3f}" for n in names[1:]))
+    return {"runs": runs, "medians": table, "calls": calls}
 
 
 def _git_head() -> str:

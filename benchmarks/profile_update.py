@@ -12,6 +12,10 @@ Parts:
   workload's update time.
 - ``pieces``: each operation the learner adds to the hand-written loop, timed on its own
   (us per call), with the real loss output and batch.
+- ``counts``: exact, noise-free: Python function calls (cProfile's count) and aten operations
+  (a ``TorchDispatchMode`` counter) per update, the hand torchrl loop against each learner, with
+  the operations the learner adds by name. Where a shared machine's timings cannot resolve a few
+  tens of microseconds, these counts still tell what the learner does beyond the hand loop.
 - ``cprofile``: cProfile of ``update`` with the real loss, restricted to fabric_learner and
   lightning frames (per-call us; cProfile inflates every Python call, so read these relative
   to each other, not as absolute costs), and of save/load (case d).
@@ -431,9 +435,57 @@ def part_cprofile(workloads, n: int) -> None:
         os.rmdir(tmp)
 
 
+def part_counts(workloads, n: int) -> dict:
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    print(f"== counts: per update over {n} updates (exact)")
+    out = {}
+    for name in workloads:
+        batches = common.make_batches(name)
+        contenders = {
+            "hand torchrl loop": common.HandTorchrl(common.make_loss(name)[0]),
+            "LocalLearner.update": LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP),
+            "FabricLearner(cpu,1).update": FabricLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP,
+                                                         accelerator="cpu", devices=1),
+        }
+        rows = {}
+        for label, m in contenders.items():
+            for i in range(5):
+                m.update(batches[i % 4])
+            pr = cProfile.Profile()
+            pr.enable()
+            for i in range(n):
+                m.update(batches[i % 4])
+            pr.disable()
+            with CountOps() as counter:
+                for i in range(n):
+                    m.update(batches[i % 4])
+            rows[label] = (pstats.Stats(pr).total_calls / n, counter.ops)
+        hand_calls, hand_ops = rows["hand torchrl loop"]
+        print(f"-- {name}: {common.WORKLOAD_DESC[name]}")
+        for label, (calls, ops) in rows.items():
+            extra = {op: (ops[op] - hand_ops[op]) / n for op in set(ops) | set(hand_ops) if ops[op] != hand_ops[op]}
+            print(f"   {label:28s} Python calls {calls:8.1f} ({calls - hand_calls:+6.1f})   aten ops "
+                  f"{sum(ops.values()) / n:6.1f} ({(sum(ops.values()) - sum(hand_ops.values())) / n:+5.1f})"
+                  + (f"   {dict(sorted(extra.items()))}" if extra else ""))
+        out[name] = {label: {"python_calls": c, "aten_ops": sum(o.values()) / n} for label, (c, o) in rows.items()}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", default="stages,pieces,cprofile", help="any of stages,overhead,pieces,cprofile")
+    p.add_argument("--part", default="stages,pieces,cprofile", help="any of stages,overhead,pieces,counts,cprofile")
     p.add_argument("--workloads", default=",".join(common.WORKLOADS))
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--inner", type=int, default=20)
@@ -450,6 +502,8 @@ def main() -> None:
         part_overhead(workloads, args.reps, args.inner)
     if "pieces" in parts:
         part_pieces(workloads)
+    if "counts" in parts:
+        part_counts(workloads, min(args.n, 50))
     if "cprofile" in parts:
         part_cprofile(workloads, args.n)
 

@@ -3,6 +3,7 @@
     python benchmarks/run.py            # full mode (~10-15 minutes on 2 busy cores)
     python benchmarks/run.py --quick    # under 5 minutes on 2 cores
     python benchmarks/run.py --only a,d # a subset of cases (a b c d e f compile)
+    python benchmarks/run.py --only a --workloads ppo --reps 61   # one case, one workload, more repetitions
     python benchmarks/run.py --smoke    # 2 repetitions: checks that the suite runs, numbers meaningless
 
 Each case compares a learner call with the code a user would write by hand for the same work,
@@ -634,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="2 repetitions: only checks that the suite runs")
     p.add_argument("--only", default="a,b,d,e,f," + ",".join(HOOKS),
                    help="comma-separated cases to run (b, DDP get_weights and f share one launch)")
+    p.add_argument("--workloads", default=",".join(common.WORKLOADS),
+                   help=f"comma-separated workloads for cases a, b, f and compile (of {', '.join(common.WORKLOADS)})")
+    p.add_argument("--reps", type=int, default=None, help="repetitions of case a (default: the mode's)")
     p.add_argument("--out", default=os.path.join(RESULTS, "latest.json"))
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON, and print its tables")
     args = p.parse_args(argv)
@@ -642,6 +646,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.only != p.get_default("only"):
         cfg = replace(cfg, explicit=tuple(args.only.split(",")))
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    unknown = sorted(set(workloads) - set(common.WORKLOADS))
+    if unknown or not workloads:
+        p.error(f"--workloads {args.workloads!r}: unknown {unknown or 'empty'}; choose from {', '.join(common.WORKLOADS)}")
+    if workloads != common.WORKLOADS:
+        cfg = replace(cfg, workloads=workloads)
+    if args.reps is not None:
+        if args.reps < 2:
+            p.error(f"--reps must be at least 2 (a median and an interval need repetitions), got {args.reps}")
+        cfg = replace(cfg, reps=args.reps)
     only = set(args.only.split(","))
     warnings.filterwarnings("ignore")
     common.set_one_thread()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 
@@ -91,6 +91,20 @@ def _on_device(batch: TensorDictBase, device: torch.device) -> bool:
     bdev = batch.device
     if bdev is not None:
         return bdev == device
+    entries = getattr(batch, "_tensordict", None) if type(batch) is TensorDict else None
+    if entries is not None:
+        # a plain TensorDict's own entries, walked directly: ~10x cheaper than values(include_nested=True)
+        for value in entries.values():
+            if isinstance(value, torch.Tensor):
+                if value.device != device:
+                    return False
+            elif type(value) is TensorDict:
+                if not _on_device(value, device):
+                    return False
+            else:  # anything else (lazy stacks, non-tensor data): the generic walk
+                break
+        else:
+            return True
     return all(t.device == device for t in batch.values(include_nested=True, leaves_only=True))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 
 def loss_keys(output: TensorDictBase) -> list[str]:
@@ -43,3 +43,30 @@ def total_loss(output: TensorDictBase) -> torch.Tensor:
             "reduction='sum' instead of reduction='none'."
         )
     return total if total.dim() == 0 else total.reshape(())
+
+
+def detached(output: TensorDictBase) -> TensorDictBase:
+    """``output.detach()``: the same keys, batch size, device and values, none requiring grad.
+
+    A plain, unlocked, unnamed ``TensorDict`` of tensors (what torchrl losses return) is rebuilt
+    directly, about 4x cheaper than ``detach()``'s generic apply; anything else goes through it.
+    """
+    entries = getattr(output, "_tensordict", None) if type(output) is TensorDict else None
+    if entries is None or output.is_locked or getattr(output, "_td_dim_names", 0) is not None:
+        return output.detach()
+    values = {}
+    for key, value in entries.items():
+        if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
+            return output.detach()
+        values[key] = value.detach()
+    return TensorDict._new_unsafe(values, batch_size=output.batch_size, device=output.device)
+
+
+def set_entry(result: TensorDictBase, key: str, value: torch.Tensor) -> None:
+    """``result.set(key, value)``; on an unlocked, batch-less plain ``TensorDict`` on ``value``'s device (or
+    none), where ``set`` has nothing to check or move, without its validation (~7 us of an update)."""
+    if type(result) is TensorDict and not result.batch_size and not result.is_locked \
+            and (result.device is None or result.device == value.device):
+        result._set_str(key, value, inplace=False, validated=True)
+    else:
+        result.set(key, value)

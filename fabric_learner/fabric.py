@@ -29,7 +29,7 @@ from fabric_learner._sample_counts import SampleTrace
 from fabric_learner.backends import ReplicatedBackend, ShardedBackend, is_sharded_strategy
 from fabric_learner.backends.sharded import ShardedLoss
 from fabric_learner._stages import Stage
-from fabric_learner.learner import Capabilities, Learner
+from fabric_learner.learner import Capabilities, Learner, clipped_norm
 
 
 class FabricLearner(Learner):
@@ -169,6 +169,7 @@ class FabricLearner(Learner):
         object.__setattr__(self, "_direct", _wrappers_do_nothing(fabric, plugin))
         object.__setattr__(self, "_direct_forward", self._direct and type(fabric.strategy) is SingleDeviceStrategy)
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
+        self._poison_gradients = fabric.world_size > 1
         self._samples = SampleTrace()
         if fabric.world_size > 1:
             _teardown.register(self, group_existed)
@@ -206,12 +207,12 @@ class FabricLearner(Learner):
             carried, _ = wrapped_forward(self._module)(Carrier(batch, method))
         return carried.value
 
-    def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor, seed: torch.Tensor | None) -> None:
         if self._direct:
             loss.backward(seed)
             return
         loss = self._precision.convert_output(loss)
-        self.fabric.backward(loss, seed.to(loss.dtype), model=self._module)
+        self.fabric.backward(loss, *(() if seed is None else (seed.to(loss.dtype),)), model=self._module)
 
     def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
         # Only ever enter the no-sync context with enabled=True: Fabric's FSDP2 variant leaves
@@ -223,8 +224,7 @@ class FabricLearner(Learner):
     def _clip_gradients(self, max_norm: float, optimizer=None) -> torch.Tensor:
         optimizer = optimizer or self.optimizer
         if self._direct:
-            params = optimizer_params(getattr(optimizer, "optimizer", optimizer))
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+            return clipped_norm(optimizer_params(getattr(optimizer, "optimizer", optimizer)), max_norm)
         norm = self.fabric.clip_gradients(self._module, optimizer, max_norm=max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from fabric_learner import _rng
 from fabric_learner._compile import CompiledLoss
-from fabric_learner._loss import loss_keys, total_loss
+from fabric_learner._loss import detached, loss_keys, set_entry, total_loss
 from fabric_learner.optim import coverage_error, optimizer_params, uncovered_with_grad
 from fabric_learner._stages import Stage, as_output, check_stages, groups
 from fabric_learner.checkpoint.validate import (
@@ -114,13 +114,23 @@ class Learner(nn.Module):
         self.skipped_updates = 0
         self._accum_step = 0
         self._window_results: list[TensorDictBase] = []  # this window's outputs, for error messages
-        self._window_seed: torch.Tensor | None = None  # product of its backward seeds: NaN iff a loss was not finite
+        self._window_mark: torch.Tensor | None = None  # finite iff every loss of the window was (_window_loss_nonfinite)
+        # several ranks: backward from a NaN seed on a non-finite loss, so every rank sees it (_refuse_step)
+        self._poison_gradients = False
         self._window_samples = 0  # samples this rank fed in this window
         self._coverage_checked = stages is not None  # stages cover every trained parameter by construction
         self.stages: tuple[Stage, ...] = tuple(stages or ())
         self._window_batches: list[TensorDictBase] = []  # staged learners: the window's micro-batches
         self._pending_save: tuple[Any, Future] | None = None  # (path, future) of a save(blocking=False)
         self.optimizer: torch.optim.Optimizer
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The step's own counters and window state are plain values written several times per
+        # update; nn.Module.__setattr__'s parameter/buffer/module checks cost ~1.5 us each.
+        if name in _STEP_STATE:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -182,13 +192,15 @@ class Learner(nn.Module):
                     self.optimizer.zero_grad(set_to_none=True)
                 self._window_results, self._window_samples = [], 0
             self._window_samples += batch.batch_size.numel()
-            seed = _backward_seed(loss)
-            self._window_seed = seed if self._accum_step == 0 else self._window_seed * seed
+            mark = loss.detach()
+            # 0 * mark is 0, or NaN when mark is not finite: the first loss stays, or turns NaN
+            self._window_mark = mark if self._accum_step == 0 else self._window_mark + mark * 0
+            seed = _backward_seed(mark) if self._poison_gradients else None
             if self.grad_accum_steps > 1:
                 loss = loss / self.grad_accum_steps
             self._backward(loss, seed)  # even when non-finite: ranks must run the same collectives
         self._accum_step += 1
-        result = output.detach()
+        result = detached(output)
         self._window_results.append(result)
         if stepping:
             self._accum_step = 0
@@ -199,7 +211,7 @@ class Learner(nn.Module):
                     raise coverage_error(missing)
                 self._coverage_checked = True
             grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
-            result.set("grad_norm", _reported_norm(grad_norm, result.device))
+            set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
             if self._refuse_step(grad_norm):  # the step's host sync
                 self._abandon_window()
                 if self.on_nonfinite == "raise":
@@ -304,11 +316,11 @@ class Learner(nn.Module):
         dead ReLUs, leaves them finite: then every rank takes the step alike.)
         """
         refuse = not math.isfinite(grad_norm.item())  # .item(): one dispatch, where torch.isfinite is several
-        return refuse or (self.world_size == 1 and self._window_loss_nonfinite())
+        return refuse or (not self._poison_gradients and self._window_loss_nonfinite())
 
     def _window_loss_nonfinite(self) -> bool:
         """This rank's own verdict on its window's losses (a host sync)."""
-        return not math.isfinite(self._window_seed.item())
+        return not math.isfinite(self._window_mark.item())
 
     def _nonfinite_error(self, grad_norm: torch.Tensor) -> FloatingPointError:
         bad = sorted({str(k) for td in self._window_results for k in loss_keys(td)
@@ -342,8 +354,8 @@ class Learner(nn.Module):
         """The loss on ``batch`` (its ``method`` when given), through the backend."""
         raise NotImplementedError
 
-    def _backward(self, loss: torch.Tensor, seed: torch.Tensor) -> None:
-        """``loss.backward(seed)``, through the backend (``seed``: see ``_backward_seed``)."""
+    def _backward(self, loss: torch.Tensor, seed: torch.Tensor | None) -> None:
+        """``loss.backward(seed)``, through the backend (``seed``: see ``_backward_seed``; ``None``: 1)."""
         raise NotImplementedError
 
     def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
@@ -705,6 +717,12 @@ class Learner(nn.Module):
 
 NONFINITE_MODES = ("raise", "skip")
 
+# Learner attributes set on every update (never parameters, buffers or modules): see Learner.__setattr__
+_STEP_STATE = frozenset({
+    "num_updates", "skipped_updates", "_accum_step", "_window_results", "_window_mark", "_window_samples",
+    "_window_batches", "_group_seeds", "_poison_gradients",
+})
+
 
 def _backward_seed(loss: torch.Tensor) -> torch.Tensor:
     """The gradient to start ``loss``'s backward from: 1, or NaN when ``loss`` is non-finite.
@@ -713,6 +731,17 @@ def _backward_seed(loss: torch.Tensor) -> torch.Tensor:
     on; 1 and NaN are exact in every dtype. No host sync.
     """
     return (loss.detach() * 0).add_(1.0)  # 0 * x is NaN exactly when x is non-finite
+
+
+def clipped_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)``, the same norm and gradients.
+
+    With ``max_norm=inf`` (no clipping asked) only the norm is taken: the scaling by 1 that
+    ``clip_grad_norm_`` would add costs as much again (~35 us on the PPO recipe's networks).
+    """
+    if math.isinf(max_norm):
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], error_if_nonfinite=False)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
 
 
 def _reported_norm(grad_norm: torch.Tensor, device: torch.device | None) -> torch.Tensor:

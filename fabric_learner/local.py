@@ -14,7 +14,7 @@ from fabric_learner.checkpoint.files import atomic_torch_save, file_state, namin
 from fabric_learner._compile import fused_adam
 from fabric_learner.optim import OptimizerLike, build_optimizer, optimizer_params
 from fabric_learner._stages import Stage, StageOptimizers, build_stage_optimizers
-from fabric_learner.learner import Capabilities, Learner
+from fabric_learner.learner import Capabilities, Learner, clipped_norm
 
 
 class LocalLearner(Learner):
@@ -97,8 +97,7 @@ class LocalLearner(Learner):
     def _clip_gradients(self, max_norm: float, optimizer=None) -> torch.Tensor:
         # torch's default kernel choice, as a hand-written loop and Fabric's clip_gradients use:
         # forcing foreach measured a few percent slower per PPO update on CPU
-        params = optimizer_params(optimizer or self.optimizer)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+        return clipped_norm(optimizer_params(optimizer or self.optimizer), max_norm)
 
     def save(self, path: str | os.PathLike, blocking: bool = True) -> Future | None:
         """Write ``checkpoint()`` to ``path`` atomically (the same file format as FabricLearner).

@@ -87,6 +87,17 @@ _META_FILE = "meta.json"
 # ---- the trainer ----------------------------------------------------------------------------------
 
 
+def _mean(values: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of one-element tensors, summed in float64 in step order, as float32.
+
+    One stack for a batch's steps, where a running sum costs four tensor operations per step and
+    key (~0.1 ms a step on PPO's outputs); ``cumsum`` adds in order, as the running sum did.
+    """
+    same = all(v.shape == values[0].shape for v in values)
+    stacked = torch.stack(values if same else [v.reshape(()) for v in values]).detach().reshape(-1)
+    return (stacked.to(torch.float64).cumsum(0)[-1] / len(values)).float()
+
+
 class Trainer(_TorchRLTrainer):
     """torchrl's ``Trainer`` whose optimisation steps are ``learner.update(sub_batch)``.
 
@@ -399,8 +410,7 @@ class Trainer(_TorchRLTrainer):
         (torchrl counts one step more per epoch when ``process_optim_batch`` ends the epoch with
         ``StopIteration``, and its running loss average restarts each epoch: both are exact here.)
         """
-        sums: dict[str, torch.Tensor] = {}
-        counts: dict[str, int] = defaultdict(int)
+        scalars: dict[str, list[torch.Tensor]] = defaultdict(list)  # averaged once the batch is done
         self._pre_optim_hook()
         taken = 0
         for _ in range(self.num_epochs):
@@ -420,15 +430,13 @@ class Trainer(_TorchRLTrainer):
                 self._post_optim_log(sub_batch)
                 for key, item in losses.items():
                     if isinstance(item, torch.Tensor) and item.numel() == 1:
-                        value = item.detach().reshape(()).to(torch.float64)
-                        sums[key] = sums[key] + value if key in sums else value
-                        counts[key] += 1
+                        scalars[key].append(item.detach() if item.requires_grad else item)  # keep no graph alive
                 taken += 1
                 del sub_batch, losses
             self._post_epoch_log_hook(batch)
             self._post_epoch_hook()
         if taken:
-            average = TensorDict({k: (v / counts[k]).float() for k, v in sums.items()}, [])
+            average = TensorDict({k: _mean(vs) for k, vs in scalars.items()}, [])
             self._post_optim_complete_log_hook(self._optim_count, average)
 
     def _post_optim_complete_log_hook(self, optim_steps: int, average_losses: TensorDictBase | None) -> None:
