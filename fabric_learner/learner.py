@@ -690,10 +690,9 @@ class Learner(nn.Module):
         or a ``RuntimeError`` if it failed: then the checkpoint at its path is still the previous
         one. ``save``, ``load`` and ``close`` call it first, and so does a distributed run's exit hook.
         """
-        pending = getattr(self, "_pending_save", None)
-        if pending is None:
+        if self._pending_save is None:
             return
-        path, future = pending
+        path, future = self._pending_save
         try:
             future.result(timeout)
         except TimeoutError:
