@@ -183,16 +183,7 @@ def main() -> None:
         return worker(args.worker, args.width, args.out, args.case)
     if args.case == "sac":
         return main_sac(args)
-    runs = []
-    tmp = args.out + ".rank.json"
-    for rep in range(args.repeats):
-        order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]
-        for kind in order:
-            runs.append(launch(kind, args.width, tmp))
-            print(f"{kind:13s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
-                  f"({runs[-1]['seconds']:.0f} s)", flush=True)
-    os.remove(tmp)
-    median = {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in CONTENDERS}
+    runs, median = interleaved(args, CONTENDERS)
     n_params = runs[0]["n_params"]
     copy_mib = n_params * 4 / 2**20
     result = {
@@ -213,17 +204,22 @@ def main() -> None:
           f"learner fsdp / ddp = {result['fsdp_vs_ddp']:.2f} (goal <= 0.55)")
 
 
-def main_sac(args) -> None:
+def interleaved(args, contenders, *case) -> tuple[list[dict], dict[str, float]]:
+    """``args.repeats`` launches of each contender, in rotated order; every run and each one's median peak."""
     runs = []
     tmp = args.out + ".rank.json"
     for rep in range(args.repeats):
-        order = SAC_CONTENDERS[rep % 3:] + SAC_CONTENDERS[:rep % 3]
+        order = contenders[rep % 3:] + contenders[:rep % 3]
         for kind in order:
-            runs.append(launch(kind, args.width, tmp, "sac"))
+            runs.append(launch(kind, args.width, tmp, *case))
             print(f"{kind:27s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
                   f"({runs[-1]['seconds']:.0f} s)", flush=True)
     os.remove(tmp)
-    median = {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in SAC_CONTENDERS}
+    return runs, {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in contenders}
+
+
+def main_sac(args) -> None:
+    runs, median = interleaved(args, SAC_CONTENDERS, "sac")
     n_params = runs[0]["n_params"]
     copy_mib = n_params * 4 / 2**20
     result = {
