@@ -25,7 +25,7 @@ demo: venv
 	OMP_NUM_THREADS=1 $(PY) examples/ppo_pendulum.py
 
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
 
 # the repeated-launch stress: ten runs per launcher instead of two (about 4 minutes)
 test-stress: venv

@@ -89,11 +89,29 @@ def test_repeated_runs_train_and_exit_cleanly(mode):
     assert not failures, "\n\n".join(failures)
 
 
-@pytest.mark.parametrize("mode,fail_rank", [("python", 0), ("python", 1), ("torchrun", 0), ("torchrun", 1),
-                                             ("fabric-run", 1)])
-def test_a_failing_rank_ends_every_process_promptly(mode, fail_rank):
-    cmd, env = command(mode, "ddp")
-    proc = run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env)
+FAILING = [("python", 0), ("python", 1), ("torchrun", 0), ("torchrun", 1), ("fabric-run", 1)]
+
+
+@pytest.fixture(scope="module")
+def failing_runs():
+    """Every run with a failing rank, two at a time as above; a run that hangs is its own test's failure."""
+    def one(case):
+        mode, fail_rank = case
+        cmd, env = command(mode, "ddp")
+        try:
+            return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env)
+        except AssertionError as hang:
+            return hang
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(FAILING, pool.map(one, FAILING)))
+
+
+@pytest.mark.parametrize("mode,fail_rank", FAILING)
+def test_a_failing_rank_ends_every_process_promptly(failing_runs, mode, fail_rank):
+    proc = failing_runs[mode, fail_rank]
+    if isinstance(proc, AssertionError):
+        raise proc
     # status 1 (the failing rank's, passed on by rank 0 or the launcher), well before the 5-minute
     # collective timeout its peer would otherwise wait out
     assert proc.returncode == 1, (proc.returncode, proc.stdout[-3000:])
