@@ -125,7 +125,6 @@ def tensor_slots(module: nn.Module, attr: str) -> dict:
     return module.__dict__
 
 
-#: (object, attribute) pairs the functions above rely on, for tests/test_compat.py
 def batched_parts(t: Any) -> tuple[torch.Tensor, int, int] | None:
     """``(unwrapped tensor, vmap level, batch dim)`` of a tensor batched by ``vmap``, else None.
 
@@ -167,21 +166,29 @@ def outside_functorch():
     return pyfunctorch.temporarily_pop_interpreter_stack()
 
 
+#: (object, attribute) pairs the functions above rely on, for tests/test_compat.py
 def required() -> list[tuple[str, Any, str]]:
     import torch.distributed.distributed_c10d as c10d
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
     from lightning.fabric.wrappers import _FabricModule
+    from tensordict import TensorDict
+    from torch._C import _functorch
+    from torch._functorch import pyfunctorch
     from torch.amp import GradScaler
     from torch.distributed.device_mesh import DeviceMesh
     from torchrl.data.replay_buffers.samplers import PrioritizedSampler
     from torchrl.objectives import LossModule
 
     from fabric_learner.replay import TorchPrioritizedSampler
-    from torch._C import _functorch
-    from torch._functorch import pyfunctorch
 
+    plain = TensorDict({"a": torch.zeros(1)}, [])
     return [
+        # the learner's per-update fast paths for plain TensorDicts (fabric_learner._loss, _carrier)
+        ("tensordict TensorDict", TensorDict, "_new_unsafe"),
+        ("tensordict TensorDict", TensorDict, "_set_str"),
+        ("tensordict TensorDict", plain, "_tensordict"),
+        ("tensordict TensorDict", plain, "_td_dim_names"),
         *[("torch._C._functorch", _functorch, name) for name in (
             "is_batchedtensor", "get_unwrapped", "maybe_get_level", "maybe_get_bdim", "_add_batch_dim")],
         ("torch._functorch.pyfunctorch", pyfunctorch, "retrieve_all_functorch_interpreters"),

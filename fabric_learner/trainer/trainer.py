@@ -91,7 +91,8 @@ def _mean(values: list[torch.Tensor]) -> torch.Tensor:
     """The mean of one-element tensors, summed in float64 in step order, as float32.
 
     One stack for a batch's steps, where a running sum costs four tensor operations per step and
-    key (~0.1 ms a step on PPO's outputs); ``cumsum`` adds in order, as the running sum did.
+    key (~0.1 ms a step on PPO's outputs); on CPU ``cumsum`` adds in step order, as the running sum
+    did (a GPU's parallel scan may round differently in the last bits).
     """
     same = all(v.shape == values[0].shape for v in values)
     stacked = torch.stack(values if same else [v.reshape(()) for v in values]).detach().reshape(-1)
