@@ -213,6 +213,10 @@ class Learner(nn.Module):
             grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
             set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
             if self._refuse_step(grad_norm):  # the step's host sync
+                if not self._poison_gradients and self._window_loss_nonfinite():
+                    # NaN, as on several ranks, where the NaN seed reaches every gradient
+                    grad_norm = torch.full_like(grad_norm, math.nan)
+                    set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
                 self._abandon_window()
                 if self.on_nonfinite == "raise":
                     raise self._nonfinite_error(grad_norm)

@@ -69,6 +69,19 @@ def test_nonfinite_loss_entry_without_gradient_is_refused(kind):
     assert learner.num_updates == 1
 
 
+def test_a_skipped_nonfinite_loss_reports_a_nan_grad_norm_even_when_its_gradients_are_finite(kind):
+    """One process backpropagates without the NaN seed several ranks use: the reported norm of a
+    refused step is NaN all the same, so a skip reads alike under every strategy."""
+    loss = WithConstantEntry(make_loss("dqn")[0])
+    learner = make_learner(kind, loss, on_nonfinite="skip", clip_grad_norm=1.0)
+    learner.update(make_batch("dqn", seed=1))
+    before = snapshot(learner)
+    loss.value = float("inf")
+    out = learner.update(make_batch("dqn", seed=2))
+    assert torch.isnan(out["grad_norm"]) and learner.skipped_updates == 1
+    assert_unchanged(learner, before)
+
+
 def test_nonfinite_loss_is_skipped(kind):
     loss, _ = make_loss("ppo")
     learner = make_learner(kind, loss, on_nonfinite="skip")
