@@ -184,19 +184,10 @@ def main() -> None:
     if args.case == "sac":
         return main_sac(args)
     runs, median = interleaved(args, CONTENDERS)
-    n_params = runs[0]["n_params"]
-    copy_mib = n_params * 4 / 2**20
-    result = {
-        "what": "peak resident memory over the pre-model baseline, worst of 2 CPU ranks, 2 PPO updates",
-        "width": args.width, "n_params": n_params, "copy_mib": copy_mib, "repeats": args.repeats,
-        "median_peak_mib": median, "copies": {k: v / copy_mib for k, v in median.items()},
-        "fsdp_vs_hand_fsdp2": median["learner_fsdp"] / median["hand_fsdp2"],
-        "fsdp_vs_ddp": median["learner_fsdp"] / median["learner_ddp"],
-        "goals": {"fsdp_vs_hand_fsdp2": 1.1, "fsdp_vs_ddp": 0.55}, "runs": runs,
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    result = summary(args, runs, median, "PPO", fsdp_vs_hand_fsdp2=median["learner_fsdp"] / median["hand_fsdp2"],
+                     fsdp_vs_ddp=median["learner_fsdp"] / median["learner_ddp"],
+                     goals={"fsdp_vs_hand_fsdp2": 1.1, "fsdp_vs_ddp": 0.55})
+    n_params, copy_mib = result["n_params"], result["copy_mib"]
     print(f"{n_params / 1e6:.1f}M parameters, {copy_mib:.0f} MiB a copy")
     for k in CONTENDERS:
         print(f"  {k:13s} {median[k]:8.1f} MiB  ({median[k] / copy_mib:.1f} copies)")
@@ -218,21 +209,26 @@ def interleaved(args, contenders, *case) -> tuple[list[dict], dict[str, float]]:
     return runs, {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in contenders}
 
 
-def main_sac(args) -> None:
-    runs, median = interleaved(args, SAC_CONTENDERS, "sac")
+def summary(args, runs: list[dict], median: dict[str, float], algorithm: str, **ratios) -> dict:
+    """The result written to ``args.out``: the medians, in copies of the parameters too, and ``ratios``."""
     n_params = runs[0]["n_params"]
     copy_mib = n_params * 4 / 2**20
     result = {
-        "what": "peak resident memory over the pre-model baseline, worst of 2 CPU ranks, 2 SAC updates",
+        "what": f"peak resident memory over the pre-model baseline, worst of 2 CPU ranks, 2 {algorithm} updates",
         "width": args.width, "n_params": n_params, "copy_mib": copy_mib, "repeats": args.repeats,
-        "median_peak_mib": median, "copies": {k: v / copy_mib for k, v in median.items()},
-        "fsdp_vs_ddp": median["learner_fsdp"] / median["learner_ddp"],
-        "fsdp_vs_ensemble_whole": median["learner_fsdp"] / median["learner_fsdp_ensemble_whole"],
-        "runs": runs,
+        "median_peak_mib": median, "copies": {k: v / copy_mib for k, v in median.items()}, **ratios, "runs": runs,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    return result
+
+
+def main_sac(args) -> None:
+    runs, median = interleaved(args, SAC_CONTENDERS, "sac")
+    result = summary(args, runs, median, "SAC", fsdp_vs_ddp=median["learner_fsdp"] / median["learner_ddp"],
+                     fsdp_vs_ensemble_whole=median["learner_fsdp"] / median["learner_fsdp_ensemble_whole"])
+    n_params, copy_mib = result["n_params"], result["copy_mib"]
     print(f"{n_params / 1e6:.1f}M trained parameters, {copy_mib:.0f} MiB a copy")
     for k in SAC_CONTENDERS:
         print(f"  {k:27s} {median[k]:8.1f} MiB  ({median[k] / copy_mib:.1f} copies)")

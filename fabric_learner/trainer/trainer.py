@@ -94,8 +94,7 @@ def _mean(values: list[torch.Tensor]) -> torch.Tensor:
     key (~0.1 ms a step on PPO's outputs); on CPU ``cumsum`` adds in step order, as the running sum
     did (a GPU's parallel scan may round differently in the last bits).
     """
-    same = all(v.shape == values[0].shape for v in values)
-    stacked = torch.stack(values if same else [v.reshape(()) for v in values]).detach().reshape(-1)
+    stacked = torch.stack([v.reshape(()) for v in values])  # detached by the caller
     return (stacked.to(torch.float64).cumsum(0)[-1] / len(values)).float()
 
 
