@@ -6,8 +6,11 @@ import os
 import re
 import signal
 import socket
+import atexit
+import json
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -54,6 +57,59 @@ def run(cmd, timeout=300, **extra) -> Finished:
     result.seconds = time.monotonic() - start
     result.leftovers = kill_tagged(tag)
     return result
+
+
+def launch(script, *args, nproc=2, timeout=300, **extra) -> Finished:
+    """Run ``script`` on ``nproc`` ranks forked from tests/zygote.py, as torchrun would start them.
+
+    Its imports are already done, so a check's ranks start at once; for checks of what a 2-rank
+    run computes. Checks of a launcher (plain python, torchrun, ``fabric run``) launch it with
+    :func:`run`. ``returncode`` is the status of the rank that failed first (0 when none did); as under
+    torchrun, one failed rank ends the others. On timeout the test fails with the output so far.
+    """
+    cmd = ["zygote", script, *map(str, args)]
+    with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
+        request = {"script": script, "args": [str(a) for a in args], "env": env(**extra), "nproc": nproc,
+                   "output": log.name, "timeout": timeout}
+        start = time.monotonic()
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.settimeout(timeout + 60)
+            conn.connect(_zygote())
+            conn.sendall((json.dumps(request) + "\n").encode())
+            reply = json.loads(conn.makefile().readline())
+        out = log.read()
+    if reply["timed_out"]:
+        raise AssertionError(f"{cmd} did not finish within {timeout}s:\n{out[-4000:]}")
+    result = Finished(cmd, next((c for c in reply["returncodes"] if c != 0), 0), out, None)
+    result.seconds = time.monotonic() - start
+    result.leftovers = reply["leftovers"]
+    return result
+
+
+_ZYGOTE: dict = {}
+
+
+def _zygote() -> str:
+    """The socket of this test session's zygote, started on first use; it ends with the session."""
+    if "socket" not in _ZYGOTE:
+        path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), path], cwd=ROOT, env=env(),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        line = proc.stdout.readline()
+        if line.strip() != "READY":
+            proc.kill()
+            raise AssertionError(f"the test zygote did not start: {line}{proc.stdout.read()[-4000:]}")
+        atexit.register(_end_zygote, proc)
+        _ZYGOTE.update(socket=path, proc=proc)
+    return _ZYGOTE["socket"]
+
+
+def _end_zygote(proc) -> None:
+    proc.stdin.close()  # it exits when its standard input closes
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def tagged_pids(tag: str) -> list[int]:

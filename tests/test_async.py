@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from multiproc import WORKERS, python, run
+from multiproc import WORKERS, launch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
@@ -125,7 +125,7 @@ def test_backpressure_bounds_what_waits_while_the_learner_is_slow(forked_collect
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("async_2ranks")
-    proc = run(python(os.path.join(WORKERS, "async_checks.py"), str(out)), timeout=600)
+    proc = launch(os.path.join(WORKERS, "async_checks.py"), out, timeout=600)
     assert proc.returncode == 0 and proc.leftovers == 0, proc.stdout[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
@@ -176,7 +176,7 @@ def test_resume_discards_in_flight_work_and_says_so(ranks):
 
 
 def test_a_rank_that_stops_fails_its_peer_naming_the_round_instead_of_hanging(tmp_path):
-    proc = run(python(os.path.join(WORKERS, "async_checks.py"), str(tmp_path), "stops"), timeout=300)
+    proc = launch(os.path.join(WORKERS, "async_checks.py"), tmp_path, "stops", timeout=300)
     assert proc.returncode != 0 and proc.leftovers == 0, proc.stdout[-4000:]
     assert "Rank 0: asynchronous round" in proc.stdout and "could not complete a collective" in proc.stdout, \
         proc.stdout[-4000:]

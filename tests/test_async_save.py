@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from multiproc import WORKERS, python, run
+from multiproc import WORKERS, launch, python, run
 from rl_cases import make_loss
 
 from fabric_learner import LocalLearner
@@ -22,7 +22,7 @@ SCRIPT = os.path.join(WORKERS, "async_save_checks.py")
 @pytest.fixture(scope="module")
 def main(tmp_path_factory):
     out = tmp_path_factory.mktemp("async_main")
-    proc = run(python(SCRIPT, "main", str(out)), timeout=300)
+    proc = launch(SCRIPT, "main", out, timeout=300)
     assert proc.returncode == 0 and proc.leftovers == 0, proc.stdout[-6000:]
     return {"ranks": [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], "dir": out}
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from multiproc import WORKERS, python, run
+from multiproc import WORKERS, launch
 from rl_cases import CASES, CLIP, LR, STEPS, flat_params, make_batch, make_loss, run_steps
 
 from fabric_learner import LocalLearner
@@ -22,7 +22,7 @@ def ddp(tmp_path_factory):
         torch.manual_seed(s)
         local.update(make_batch("sac", seed=50 + s))
     local.save(out / "local_sac.pt")
-    proc = run(python(os.path.join(WORKERS, "ddp_checks.py"), str(out), str(out / "local_sac.pt")), timeout=420)
+    proc = launch(os.path.join(WORKERS, "ddp_checks.py"), out, out / "local_sac.pt", timeout=420)
     assert proc.returncode == 0, proc.stdout[-6000:]
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     return {"ranks": ranks, "dir": out, "local": local}

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from multiproc import WORKERS, python, run
+from multiproc import WORKERS, launch
 
 sys.path.insert(0, WORKERS)
 import algorithm_trainers as A  # noqa: E402
@@ -128,9 +128,9 @@ def _priorities(sampler, n):
 @functools.cache
 def _ranks(strategy: str, out: str):
     os.makedirs(out, exist_ok=True)
-    proc = run(python(os.path.join(WORKERS, "algorithm_trainers.py"), out, strategy), timeout=540)
+    proc = launch(os.path.join(WORKERS, "algorithm_trainers.py"), out, strategy, timeout=540)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    assert proc.leftovers == 0
+    assert proc.leftovers == 0, proc.stdout[-2000:]
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in (0, 1)]
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import tamper
 import torch
-from multiproc import WORKERS, python, run
+from multiproc import WORKERS, launch
 from rl_cases import CASES, CLIP, LR, STEPS, make_batch, make_loss, run_steps
 from tensordict import TensorDict
 
@@ -29,7 +29,7 @@ def fsdp(tmp_path_factory):
     cases = {name: str(tamper.prepare({c: change}, fixture, out / "tampered" / str(i))[c])
              for i, (name, (fixture, c, change)) in enumerate(TAMPERED.items())}
     (out / "tampered" / "cases.json").write_text(json.dumps(cases))
-    proc = run(python(os.path.join(WORKERS, "fsdp_checks.py"), str(out)), timeout=480, FL_MARKER=str(marker))
+    proc = launch(os.path.join(WORKERS, "fsdp_checks.py"), out, timeout=480, FL_MARKER=str(marker))
     assert proc.returncode == 0, proc.stdout[-6000:]
     return {"ranks": [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], "dir": out,
             "marker": marker}

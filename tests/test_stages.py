@@ -195,10 +195,10 @@ DETERMINISTIC = {"ddpg_stages", "ddpg_method_stages"}
 def ranks(tmp_path_factory):
     import os
 
-    from multiproc import WORKERS, python, run
+    from multiproc import WORKERS, launch
 
     out = tmp_path_factory.mktemp("stages")
-    proc = run(python(os.path.join(WORKERS, "stages_checks.py"), str(out)), timeout=480)
+    proc = launch(os.path.join(WORKERS, "stages_checks.py"), out, timeout=480)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 

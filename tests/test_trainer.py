@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from multiproc import WORKERS, python, run
+from multiproc import WORKERS, launch
 from tensordict import TensorDict
 from torchrl.trainers import OptimizationStepper
 
@@ -424,7 +424,7 @@ def test_partition_sampler_resumes_with_the_partitions_of_the_uninterrupted_run(
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer_2ranks")
-    proc = run(python(os.path.join(WORKERS, "trainer_ddp.py"), str(out)), timeout=300)
+    proc = launch(os.path.join(WORKERS, "trainer_ddp.py"), out, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [{**torch.load(out / f"rank{r}.pt", weights_only=False), "dir": out} for r in (0, 1)]
 
@@ -654,7 +654,7 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_with_every_sample_once(ran
 def four_ranks(ranks, tmp_path_factory):
     """Run B's 2-rank checkpoints (DDP and FSDP) resumed on 4 ranks, one launch."""
     out = tmp_path_factory.mktemp("trainer_4ranks")
-    proc = run(python(os.path.join(WORKERS, "trainer_resize4.py"), str(ranks[0]["dir"]), str(out)), timeout=400)
+    proc = launch(os.path.join(WORKERS, "trainer_resize4.py"), ranks[0]["dir"], out, nproc=4, timeout=400)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from multiproc import WORKERS, python, run
+from multiproc import WORKERS, launch
 
 pytest.importorskip("gymnasium")
 sys.path.insert(0, WORKERS)
@@ -27,7 +27,8 @@ LAUNCH_LIMIT = {1: 180, 2: 300}  # seconds for a whole launch; each case has em.
 
 def _launch(tmp_path_factory, world: int):
     out = tmp_path_factory.mktemp(f"env_matrix_{world}")
-    proc = run(python(os.path.join(WORKERS, "env_matrix.py"), str(out), str(world)), timeout=LAUNCH_LIMIT[world])
+    proc = launch(os.path.join(WORKERS, "env_matrix.py"), out, world, nproc=world,
+                  timeout=LAUNCH_LIMIT[world])
     return proc, out
 
 

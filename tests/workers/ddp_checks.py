@@ -1,4 +1,4 @@
-"""Many DDP checks in one 2-rank launch (plain ``python``: the learner starts rank 1 itself).
+"""Many DDP checks in one 2-rank launch (forked from tests/zygote.py; plain ``python`` runs it too).
 
 Usage: python ddp_checks.py OUT_DIR LOCAL_CKPT
 Writes OUT_DIR/rank{r}.pt with everything the tests compare against LocalLearner.

@@ -1,4 +1,5 @@
-"""FSDP (FSDP2 over the loss's parameters) checks in one 2-rank launch (plain ``python``).
+"""FSDP (FSDP2 over the loss's parameters) checks in one 2-rank launch (forked from tests/zygote.py;
+plain ``python`` runs it too).
 
 Usage: python fsdp_checks.py OUT_DIR
 Writes OUT_DIR/rank{r}.pt with what the tests compare against LocalLearner.

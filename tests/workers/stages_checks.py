@@ -1,4 +1,5 @@
-"""Several optimizers (stages) on 2 ranks under DDP and FSDP, in one launch (plain ``python``).
+"""Several optimizers (stages) on 2 ranks under DDP and FSDP, in one launch (forked from tests/zygote.py;
+plain ``python`` runs it too).
 
 Usage: python stages_checks.py OUT_DIR   -> OUT_DIR/rank{r}.pt, compared by tests/test_stages.py
 """

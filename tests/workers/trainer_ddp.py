@@ -1,4 +1,5 @@
-"""Trainer checks on 2 ranks, DDP then FSDP, in one launch (plain ``python``: the learner starts rank 1).
+"""Trainer checks on 2 ranks, DDP then FSDP, in one launch (forked from
+tests/zygote.py; plain ``python`` runs it too).
 
 Usage: python trainer_ddp.py OUT_DIR
 Writes OUT_DIR/rank{r}.pt with what tests/test_trainer.py compares.

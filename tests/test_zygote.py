@@ -1,0 +1,40 @@
+"""The launcher most multi-rank checks use (tests/zygote.py) starts real ranks as torchrun
+would, reports what they left running, and ends a launch whose rank failed or hung."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from multiproc import WORKERS, launch
+
+PROBE = os.path.join(WORKERS, "zygote_probe.py")
+
+
+def test_ranks_are_separate_processes_with_torchruns_environment_and_imports_done(tmp_path):
+    proc = launch(PROBE, "report", tmp_path, nproc=2, FL_PROBE="given")
+    assert (proc.returncode, proc.leftovers) == (0, 0), proc.stdout
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"]) for r in ranks] == [("0", "0", "2"), ("1", "1", "2")]
+    assert ranks[0]["MASTER_PORT"] == ranks[1]["MASTER_PORT"] and ranks[0]["pid"] != ranks[1]["pid"]
+    assert all(r["FL_PROBE"] == "given" and r["preloaded"] and r["argv"] == [PROBE, "report", str(tmp_path)]
+               for r in ranks)
+    assert "rank 0 reported" in proc.stdout and "rank 1 reported" in proc.stdout
+
+
+def test_a_process_left_running_is_counted_and_killed(tmp_path):
+    proc = launch(PROBE, "orphan", tmp_path, nproc=2, timeout=60)
+    assert proc.returncode == 0 and proc.leftovers == 1, proc.stdout
+    assert proc.seconds < 30  # it holds the output pipe: the launch ends with the ranks, not with it
+
+
+def test_a_failed_rank_ends_its_peers_and_the_launch_fails(tmp_path):
+    proc = launch(PROBE, "fail", tmp_path, nproc=2, timeout=60)
+    assert proc.returncode == 1 and proc.leftovers == 0 and proc.seconds < 30, proc.stdout
+    assert "rank 1 fails on purpose" in proc.stdout
+
+
+def test_a_hung_launch_fails_the_test_at_its_timeout(tmp_path):
+    with pytest.raises(AssertionError, match="did not finish within 2s"):
+        launch(PROBE, "hang", tmp_path, nproc=2, timeout=2)

@@ -1,0 +1,26 @@
+"""What tests/test_zygote.py launches. Usage: zygote_probe.py report|orphan|fail|hang OUT_DIR"""
+
+import json
+import os
+import sys
+import time
+
+mode, out = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+if mode == "report":
+    seen = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "FL_PROBE")}
+    seen.update(argv=sys.argv, cwd=os.getcwd(), preloaded="fabric_learner" in sys.modules, pid=os.getpid())
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    print(f"rank {rank} reported", flush=True)
+elif mode == "orphan" and rank == 1:
+    if os.fork() == 0:  # a process the rank leaves behind
+        os.setpgid(0, 0)
+        time.sleep(120)
+        os._exit(0)
+elif mode == "fail":
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    time.sleep(120)  # what a peer blocked in a collective looks like
+elif mode == "hang":
+    time.sleep(120)

@@ -1,0 +1,212 @@
+"""A process that imports torch, lightning, torchrl and fabric_learner once and forks the ranks
+of each multi-rank check from there.
+
+Under plain ``python`` a 2-rank check pays the ~4 s import twice in a row (rank 0 imports, then
+the learner starts rank 1, which imports again); forked from here, both ranks start at once with
+everything imported. The ranks are still real processes in a real gloo group, started the way
+torchrun starts them (LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, so Fabric
+creates no process); the launchers themselves are tested by launches of their own
+(tests/test_launch.py, test_launcher_options.py, test_examples.py, test_configs.py).
+
+Hazard: a fork copies the forking process's memory, held locks included, but only its calling
+thread. It is safe here because this process does no torch work and runs one thread when it
+forks, which it checks before it serves anything.
+
+Protocol: ``python zygote.py SOCKET``; it prints ``READY`` once imported and listening, and
+exits when its standard input closes. Each connection sends one JSON request line (script,
+args, env, nproc, output, timeout) and gets one JSON line back (returncodes, leftovers,
+timed_out) once every rank has ended; a manager process forked per connection runs the ranks,
+so launches can run concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import select
+import selectors
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import lightning  # noqa: E402,F401
+import tensordict  # noqa: E402,F401
+import torch  # noqa: E402,F401
+import torchrl  # noqa: E402,F401
+
+import fabric_learner  # noqa: E402,F401
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+class _Rank(BaseException):
+    """Unwinds a forked rank out of the server loop before it runs its script."""
+
+    def __init__(self, request, rank, port, output):
+        self.request, self.rank, self.port, self.output = request, rank, port, output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _session_members(sid: int) -> list[int]:
+    """The live processes of session ``sid`` but this one; one whose memory is already released
+    (an empty command line) is exiting, not left running."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, _, session = f.read().rsplit(")", 1)[1].split()[:4]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                exiting = not f.read(1)
+        except OSError:
+            continue
+        if int(session) == sid and state not in "ZX" and not exiting:
+            found.append(int(entry))
+    return found
+
+
+def _describe(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} state {state}: {cmd}"
+
+
+def _reap(ranks: dict, status: dict, block: bool) -> None:
+    for pid, rank in ranks.items():
+        if rank not in status:
+            done, raw = os.waitpid(pid, 0 if block else os.WNOHANG)
+            if done:
+                status[rank] = os.waitstatus_to_exitcode(raw)
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _manage(conn: socket.socket) -> None:
+    """Run one launch's ranks to their end and answer on ``conn``; a forked rank raises instead.
+
+    The ranks share one pipe for their output, as they would under a launcher, and the launch
+    ends when every holder of the pipe has closed it: a process the ranks left behind keeps it
+    open and is counted as a leftover only if it is still alive then.
+    """
+    os.setsid()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    request = json.loads(conn.makefile().readline())
+    nproc, port = request["nproc"], _free_port()
+    read, write = os.pipe()
+    ranks = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            os.close(read)
+            raise _Rank(request, rank, port, write)
+        ranks[pid] = rank
+    os.close(write)
+    status: dict[int, int] = {}  # rank: exit status, in the order the ranks ended
+    deadline, ended, timed_out = time.monotonic() + request["timeout"], False, False
+    with open(request["output"], "wb") as log:
+        while True:
+            if select.select([read], [], [], 0.1)[0]:
+                chunk = os.read(read, 1 << 16)
+                if not chunk:
+                    break
+                log.write(chunk)
+            _reap(ranks, status, block=False)
+            if len(status) == nproc and not ended:  # what still holds the pipe gets a moment, then is a leftover
+                deadline, ended = min(deadline, time.monotonic() + 5), True
+            elif time.monotonic() > deadline or (any(status.values()) and not ended):
+                if ended:
+                    break
+                ended, timed_out = True, time.monotonic() > deadline  # as torchrun: a failed rank ends the rest
+                _kill(_session_members(os.getsid(0)))
+    _reap(ranks, status, block=True)
+    leftovers = _session_members(os.getsid(0))
+    described = [_describe(pid) for pid in leftovers]
+    _kill(leftovers)
+    if described:
+        with open(request["output"], "a") as log:
+            log.write("".join(f"\nzygote: left running after the launch: {d}" for d in described))
+    reply = {"returncodes": list(status.values()), "leftovers": len(leftovers), "timed_out": timed_out}
+    conn.sendall((json.dumps(reply) + "\n").encode())
+    conn.close()
+    os._exit(0)
+
+
+def _serve(path: str) -> None:
+    if _threads() != 1:
+        raise SystemExit(f"zygote: {_threads()} threads after the imports; forking would copy a half-held lock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(16)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # managers are reaped by the kernel
+    print("READY", flush=True)
+    events = selectors.DefaultSelector()
+    events.register(server, selectors.EVENT_READ)
+    events.register(sys.stdin, selectors.EVENT_READ)
+    while True:
+        for key, _ in events.select():
+            if key.fileobj is sys.stdin:
+                if not sys.stdin.readline():
+                    return
+                continue
+            conn, _ = server.accept()
+            if os.fork() == 0:
+                events.close()
+                server.close()
+                _manage(conn)
+            conn.close()
+
+
+def _run_rank(rank: _Rank) -> None:
+    request, n = rank.request, rank.request["nproc"]
+    os.dup2(rank.output, 1)
+    os.dup2(rank.output, 2)
+    os.close(rank.output)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ.update({"LOCAL_RANK": str(rank.rank), "RANK": str(rank.rank), "NODE_RANK": "0", "GROUP_RANK": "0",
+                       "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(rank.port)})
+    tempfile.tempdir = None  # TMPDIR may differ from the zygote's
+    os.chdir(ROOT)
+    sys.argv = [request["script"], *request["args"]]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(request["script"])))  # as `python script` puts it
+    runpy.run_path(request["script"], run_name="__main__")
+
+
+if __name__ == "__main__":
+    forked = None
+    try:
+        _serve(sys.argv[1])
+    except _Rank as rank:
+        forked = rank
+    if forked is not None:
+        _run_rank(forked)
