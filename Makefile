@@ -24,8 +24,9 @@ venv: $(VENV)/.installed
 demo: venv
 	OMP_NUM_THREADS=1 $(PY) examples/ppo_pendulum.py
 
+# two workers, each taking whole modules (their launches share module fixtures); see tests/conftest.py
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # the repeated-launch stress: ten runs per launcher instead of two (about 4 minutes)
 test-stress: venv

@@ -112,6 +112,19 @@ def _end_zygote(proc) -> None:
         proc.kill()
 
 
+def child_pids() -> set[int]:
+    """This process's live child processes."""
+    mine = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    mine.add(int(entry))
+        except OSError:
+            continue
+    return mine
+
+
 def tagged_pids(tag: str) -> list[int]:
     needle = f"FL_RUN_ID={tag}".encode()
     pids = []

@@ -10,7 +10,7 @@ import argparse
 import os
 
 import pytest
-from multiproc import ROOT, fabric_run, run, torchrun
+from multiproc import ROOT, child_pids, fabric_run, run, torchrun
 
 import fabric_learner
 from fabric_learner._launch import agree_with_launcher
@@ -88,12 +88,14 @@ def test_under_torchrun_devices_and_nodes_come_from_the_launched_world(launched)
 def test_a_fabric_learner_that_disagrees_with_the_launcher_starts_nothing(launched):
     from rl_cases import make_loss
 
-    launched("torchrun", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    with pytest.raises(ValueError, match="devices=1"):
-        fabric_learner.FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=1)
     import torch.distributed as dist
 
-    assert not dist.is_initialized()
+    launched("torchrun", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    group = dist.group.WORLD if dist.is_initialized() else None  # earlier in-process tests may leave one
+    children = child_pids()
+    with pytest.raises(ValueError, match="devices=1"):
+        fabric_learner.FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=1)
+    assert (dist.group.WORLD if dist.is_initialized() else None) is group and child_pids() <= children
 
 
 def test_script_defaults_apply_under_plain_python_only(launched):

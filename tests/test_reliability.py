@@ -526,27 +526,16 @@ def test_16_mixed_by_name_under_fsdp_is_refused_before_anything_is_launched():
     """docs/reliability.md, ``16-mixed``: Fabric's FSDP2 strategy takes no ``16-mixed`` by name (on any
     device); the error names the precisions it takes, and no rank was started, no group changed."""
     import torch.distributed as dist
+    from multiproc import child_pids
 
     from fabric_learner import FabricLearner
 
     group = dist.group.WORLD if dist.is_initialized() else None  # earlier in-process tests may leave one
-    children = _children()
+    children = child_pids()
     with pytest.raises(ValueError, match=r"does not support .*'16-mixed'.*32-true, bf16-mixed, bf16-true, 16-true"):
         FabricLearner(make_loss("dqn")[0], accelerator="cpu", strategy="fsdp", devices=2, precision="16-mixed")
     assert (dist.group.WORLD if dist.is_initialized() else None) is group
-    assert _children() <= children  # Fabric's launcher would have started rank 1 as a child
-
-
-def _children() -> set[int]:
-    mine = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    mine.append(int(entry))
-        except OSError:
-            continue
-    return set(mine)
+    assert child_pids() <= children  # Fabric's launcher would have started rank 1 as a child
 
 
 def assert_unchanged_params(learner, before):
