@@ -329,12 +329,12 @@ def test_save_replaces_its_own_checkpoint_from_either_backend(kind, tmp_path):
 
 def _resume_results(tmp_path, world):
     """Run resume_checks.py: ``first`` dies mid-save, leaving only what a crash may leave."""
-    from multiproc import WORKERS, python, run
+    from multiproc import WORKERS, launch
 
     script = os.path.join(WORKERS, "resume_checks.py")
     temp = tmp_path / "system_temp"  # the workers' TMPDIR: a save must not leave files there
     temp.mkdir()
-    first = run(python(script, "first", str(world), str(tmp_path)), timeout=300, TMPDIR=str(temp))
+    first = launch(script, "first", world, tmp_path, nproc=world, timeout=300, TMPDIR=str(temp))
     assert first.returncode != 0 and first.leftovers == 0, first.stdout[-4000:]
     assert "was not interrupted" not in first.stdout and list(temp.iterdir()) == []
     if world == 1:
@@ -344,7 +344,7 @@ def _resume_results(tmp_path, world):
         assert len([p for p in (tmp_path / "fsdp.ckpt").iterdir() if p.is_dir()]) == 2  # complete + killed
     if world == 2:
         ddp_file = (tmp_path / "ddp.ckpt").read_bytes()
-    resumed = run(python(script, "resume", str(world), str(tmp_path)), timeout=300)
+    resumed = launch(script, "resume", world, tmp_path, nproc=world, timeout=300)
     assert resumed.leftovers == 0, resumed.stdout[-4000:]
     if world == 1:
         assert resumed.returncode == 0, resumed.stdout[-4000:]
