@@ -212,21 +212,42 @@ def test_a_strategy_object_keeps_its_timeout():
     assert fabric.strategy is given and given._timeout == timedelta(seconds=90) and not owns
 
 
-@pytest.mark.parametrize("scenario,strategy,launcher", [
+OUT_OF_STEP = [
     ("returns", "ddp", "python"),  # rank 1 calls update() once fewer and ends its program
     ("busy", "fabric=", "torchrun"),  # through fabric= whose strategy has a 10 s timeout; the learner says 1 h
     ("busy", "fsdp", "python"),  # ... and works on elsewhere, past the timeout
     ("busy", "ddp", "fabric"),  # the same under `fabric run`, which builds the group inside Fabric()
     ("dies", "ddp", "python"),  # rank 1 is SIGKILLed
-])
-def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(scenario, strategy, launcher):
+]
+
+
+@pytest.fixture(scope="module")
+def out_of_step_runs():
+    """Every launch below, two at a time (each waits out a collective timeout); a run that hangs is
+    its own test's failure."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from multiproc import WORKERS, fabric_run, python, run, torchrun
 
-    script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
-    # fabric=: the Fabric's own 10 s timeout must hold, not the learner's 1 h (docs/reliability.md)
-    cmd = {"python": python, "torchrun": torchrun}.get(launcher, functools.partial(fabric_run, strategy=strategy))(*script)
-    # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
-    proc = run(cmd, timeout=150)
+    def one(case):
+        scenario, strategy, launcher = case
+        script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
+        # fabric=: the Fabric's own 10 s timeout must hold, not the learner's 1 h (docs/reliability.md)
+        how = {"python": python, "torchrun": torchrun}.get(launcher, functools.partial(fabric_run, strategy=strategy))
+        try:  # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
+            return run(how(*script), timeout=150)
+        except AssertionError as hang:
+            return hang
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(OUT_OF_STEP, pool.map(one, OUT_OF_STEP)))
+
+
+@pytest.mark.parametrize("scenario,strategy,launcher", OUT_OF_STEP)
+def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(out_of_step_runs, scenario, strategy, launcher):
+    proc = out_of_step_runs[scenario, strategy, launcher]
+    if isinstance(proc, AssertionError):
+        raise proc
     assert proc.returncode != 0 and proc.leftovers == 0, proc.stdout[-4000:]
     # the bound torch's group really has (timeout=5, or the fabric= strategy's 10 s over the learner's 1 h)
     seconds = 10 if strategy == "fabric=" else 5

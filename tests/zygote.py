@@ -138,7 +138,7 @@ def _manage(conn: socket.socket) -> None:
                 log.write(chunk)
             _reap(ranks, status, block=False)
             if len(status) == nproc and not ended:  # what still holds the pipe gets a moment, then is a leftover
-                deadline, ended = min(deadline, time.monotonic() + 5), True
+                deadline, ended = min(deadline, time.monotonic() + 2), True
             elif time.monotonic() > deadline or (any(status.values()) and not ended):
                 if ended:
                     break
