@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import atexit
@@ -99,17 +100,18 @@ def _zygote() -> str:
         if line.strip() != "READY":
             proc.kill()
             raise AssertionError(f"the test zygote did not start: {line}{proc.stdout.read()[-4000:]}")
-        atexit.register(_end_zygote, proc)
+        atexit.register(_end_zygote, proc, os.path.dirname(path))
         _ZYGOTE.update(socket=path, proc=proc)
     return _ZYGOTE["socket"]
 
 
-def _end_zygote(proc) -> None:
+def _end_zygote(proc, folder: str) -> None:
     proc.stdin.close()  # it exits when its standard input closes
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def child_pids() -> set[int]:
