@@ -21,6 +21,8 @@ def test_ranks_are_separate_processes_with_torchruns_environment_and_imports_don
     assert all(r["FL_PROBE"] == "given" and r["preloaded"] and r["argv"] == [PROBE, "report", str(tmp_path)]
                for r in ranks)
     assert "rank 0 reported" in proc.stdout and "rank 1 reported" in proc.stdout
+    # seeded afresh, as separate interpreters are: forked ranks would otherwise draw alike
+    assert all(a != b for a, b in zip(ranks[0]["draws"], ranks[1]["draws"]))
 
 
 def test_a_process_left_running_is_counted_and_killed(tmp_path):

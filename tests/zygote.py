@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import runpy
 import select
 import selectors
@@ -36,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import lightning  # noqa: E402,F401
+import numpy  # noqa: E402
 import tensordict  # noqa: E402,F401
 import torch  # noqa: E402,F401
 import torchrl  # noqa: E402,F401
@@ -196,6 +198,8 @@ def _run_rank(rank: _Rank) -> None:
                        "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(rank.port)})
     tempfile.tempdir = None  # TMPDIR may differ from the zygote's
+    random.seed()  # a fresh interpreter seeds these from the OS; forked ranks would share the zygote's state
+    numpy.random.seed()
     os.chdir(ROOT)
     sys.argv = [request["script"], *request["args"]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(request["script"])))  # as `python script` puts it
