@@ -33,6 +33,7 @@ class Finished(subprocess.CompletedProcess):
 
     leftovers: int = 0
     seconds: float = 0.0
+    tag: str = ""  # FL_RUN_ID in the run's environment
 
 
 def run(cmd, timeout=300, **extra) -> Finished:
@@ -61,17 +62,21 @@ def run(cmd, timeout=300, **extra) -> Finished:
 
 
 def launch(script, *args, nproc=2, timeout=300, **extra) -> Finished:
-    """Run ``script`` on ``nproc`` ranks forked from tests/zygote.py, as torchrun would start them.
+    """Run ``script`` on ``nproc`` ranks forked from tests/zygote.py, for checks of what ranks compute.
 
-    Its imports are already done, so a check's ranks start at once; for checks of what a 2-rank
-    run computes. Checks of a launcher (plain python, torchrun, ``fabric run``) launch it with
-    :func:`run`. ``returncode`` is the status of the rank that failed first (0 when none did); as under
-    torchrun, one failed rank ends the others. On timeout the test fails with the output so far.
+    The ranks get the variables Fabric gives the ranks it starts itself (LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT; the learner sees the plain ``python`` launcher) and start at once,
+    their imports done. They share the zygote's hash seed and whatever its imports read from the
+    environment (a launch that changes such a variable fails, naming it). Checks of a launcher
+    (plain python, torchrun, ``fabric run``) launch it with :func:`run`. ``returncode`` is the
+    status of the first rank seen to fail (0 when none did); one failed rank ends the others, as
+    under torchrun. On timeout the test fails with the output so far.
     """
     cmd = ["zygote", script, *map(str, args)]
     with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
-        request = {"script": script, "args": [str(a) for a in args], "env": env(**extra), "nproc": nproc,
-                   "output": log.name, "timeout": timeout}
+        tag = uuid.uuid4().hex
+        request = {"script": script, "args": [str(a) for a in args], "env": env(FL_RUN_ID=tag, **extra),
+                   "nproc": nproc, "output": log.name, "timeout": timeout}
         start = time.monotonic()
         with socket.socket(socket.AF_UNIX) as conn:
             conn.settimeout(timeout + 60)
@@ -83,7 +88,7 @@ def launch(script, *args, nproc=2, timeout=300, **extra) -> Finished:
         raise AssertionError(f"{cmd} did not finish within {timeout}s:\n{out[-4000:]}")
     result = Finished(cmd, next((c for c in reply["returncodes"] if c != 0), 0), out, None)
     result.seconds = time.monotonic() - start
-    result.leftovers = reply["leftovers"]
+    result.leftovers, result.tag = reply["leftovers"], tag
     return result
 
 

@@ -1,5 +1,6 @@
-"""The launcher most multi-rank checks use (tests/zygote.py) starts real ranks as torchrun
-would, reports what they left running, and ends a launch whose rank failed or hung."""
+"""The launcher most multi-rank checks use (tests/zygote.py) starts real ranks as Fabric starts
+the ranks it launches itself, reports what they left running, and ends a launch whose rank failed
+or hung."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import json
 import os
 
 import pytest
-from multiproc import WORKERS, launch
+from multiproc import WORKERS, launch, tagged_pids
 
 PROBE = os.path.join(WORKERS, "zygote_probe.py")
 
 
-def test_ranks_are_separate_processes_with_torchruns_environment_and_imports_done(tmp_path):
+def test_ranks_are_separate_processes_with_a_launchers_environment_and_imports_done(tmp_path):
     proc = launch(PROBE, "report", tmp_path, nproc=2, FL_PROBE="given")
     assert (proc.returncode, proc.leftovers) == (0, 0), proc.stdout
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -25,10 +26,16 @@ def test_ranks_are_separate_processes_with_torchruns_environment_and_imports_don
     assert all(a != b for a, b in zip(ranks[0]["draws"], ranks[1]["draws"]))
 
 
-def test_a_process_left_running_is_counted_and_killed(tmp_path):
+def test_a_process_left_running_is_counted_and_killed_even_in_a_session_of_its_own(tmp_path):
     proc = launch(PROBE, "orphan", tmp_path, nproc=2, timeout=60)
     assert proc.returncode == 0 and proc.leftovers == 1, proc.stdout
     assert proc.seconds < 30  # it holds the output pipe: the launch ends with the ranks, not with it
+    assert tagged_pids(proc.tag) == []
+
+
+def test_a_variable_the_imports_already_read_cannot_be_changed_by_a_launch(tmp_path):
+    proc = launch(PROBE, "report", tmp_path, nproc=1, OMP_NUM_THREADS="2")
+    assert proc.returncode != 0 and "['OMP_NUM_THREADS'] differ from this zygote's" in proc.stdout, proc.stdout
 
 
 def test_a_failed_rank_ends_its_peers_and_the_launch_fails(tmp_path):

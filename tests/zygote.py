@@ -3,27 +3,28 @@ of each multi-rank check from there.
 
 Under plain ``python`` a 2-rank check pays the ~4 s import twice in a row (rank 0 imports, then
 the learner starts rank 1, which imports again); forked from here, both ranks start at once with
-everything imported. The ranks are still real processes in a real gloo group, started the way
-torchrun starts them (LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, so Fabric
-creates no process); the launchers themselves are tested by launches of their own
-(tests/test_launch.py, test_launcher_options.py, test_examples.py, test_configs.py).
+everything imported. The ranks are still real processes in a real gloo group, with the variables
+Fabric gives the ranks it starts itself (LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so
+Fabric creates no process; the launchers themselves are tested by launches of their own
+(tests/test_launch.py, test_launcher_options.py, test_multinode.py, test_elastic.py, ...).
 
-Hazard: a fork copies the forking process's memory, held locks included, but only its calling
-thread. It is safe here because this process does no torch work and runs one thread when it
-forks, which it checks before it serves anything.
+Hazards: a fork copies the forking process's memory, held locks included, but only its calling
+thread; it is safe here because this process does no torch work and runs one thread when it
+forks, which it checks before it serves anything. Forked ranks share this process's hash seed
+and what its imports read from the environment: a launch may not change such a variable
+(``_READ_AT_IMPORT``), and numpy's global generator is reseeded in each rank.
 
 Protocol: ``python zygote.py SOCKET``; it prints ``READY`` once imported and listening, and
 exits when its standard input closes. Each connection sends one JSON request line (script,
-args, env, nproc, output, timeout) and gets one JSON line back (returncodes, leftovers,
-timed_out) once every rank has ended; a manager process forked per connection runs the ranks,
-so launches can run concurrently.
+args, env with FL_RUN_ID, nproc, output, timeout) and gets one JSON line back (returncodes,
+leftovers, timed_out) once the launch has ended; a manager process forked per connection runs
+the ranks, so launches can run concurrently, and ends them if the connection closes first.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import runpy
 import select
 import selectors
@@ -34,6 +35,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STARTUP_ENV = dict(os.environ)
+# variables the imports below read (or that shape the interpreter): a launch may not change them
+_READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "TORCH", "CUDA", "RL_WARNINGS")
+_SCRIPT_GLOBALS: dict = {}
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import lightning  # noqa: E402,F401
@@ -62,10 +67,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session_members(sid: int) -> list[int]:
-    """The live processes of session ``sid`` but this one; one whose memory is already released
-    (an empty command line) is exiting, not left running."""
-    found = []
+def _members(tag: str) -> list[int]:
+    """The live processes of this launch but this one: those of this session, and those that
+    left it (setsid) but carry the launch's tag in the environment they were started with.
+    One whose memory is already released (an empty command line) is exiting, not left running."""
+    found, sid, needle = [], os.getsid(0), f"FL_RUN_ID={tag}".encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
@@ -74,9 +80,13 @@ def _session_members(sid: int) -> list[int]:
                 state, _, _, session = f.read().rsplit(")", 1)[1].split()[:4]
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 exiting = not f.read(1)
+            if int(session) != sid:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle not in f.read().split(b"\0"):
+                        continue
         except OSError:
             continue
-        if int(session) == sid and state not in "ZX" and not exiting:
+        if state not in "ZX" and not exiting:
             found.append(int(entry))
     return found
 
@@ -111,14 +121,15 @@ def _kill(pids) -> None:
 def _manage(conn: socket.socket) -> None:
     """Run one launch's ranks to their end and answer on ``conn``; a forked rank raises instead.
 
-    The ranks share one pipe for their output, as they would under a launcher, and the launch
-    ends when every holder of the pipe has closed it: a process the ranks left behind keeps it
-    open and is counted as a leftover only if it is still alive then.
+    The ranks share one pipe for their output, as under a launcher. The launch ends when every
+    rank has exited and the pipe is closed; a failed rank, the timeout or the test hanging up
+    kills the launch's processes first (as torchrun ends the others when one fails). Whatever
+    still runs 2 s after that, or after the last rank exited, is a leftover: counted and killed.
     """
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     request = json.loads(conn.makefile().readline())
-    nproc, port = request["nproc"], _free_port()
+    nproc, port, tag = request["nproc"], _free_port(), request["env"]["FL_RUN_ID"]
     read, write = os.pipe()
     ranks = {}
     for rank in range(nproc):
@@ -129,33 +140,39 @@ def _manage(conn: socket.socket) -> None:
             raise _Rank(request, rank, port, write)
         ranks[pid] = rank
     os.close(write)
-    status: dict[int, int] = {}  # rank: exit status, in the order the ranks ended
-    deadline, ended, timed_out = time.monotonic() + request["timeout"], False, False
+    status: dict[int, int] = {}  # rank: exit status, in the order the ranks were seen to end
+    deadline, ended, timed_out, eof = time.monotonic() + request["timeout"], False, False, False
     with open(request["output"], "wb") as log:
-        while True:
-            if select.select([read], [], [], 0.1)[0]:
+        while not (eof and len(status) == nproc):
+            ready = select.select(([] if eof else [read]) + ([] if ended else [conn]), [], [], 0.1)[0]
+            if read in ready:
                 chunk = os.read(read, 1 << 16)
-                if not chunk:
-                    break
+                eof = not chunk
                 log.write(chunk)
             _reap(ranks, status, block=False)
-            if len(status) == nproc and not ended:  # what still holds the pipe gets a moment, then is a leftover
-                deadline, ended = min(deadline, time.monotonic() + 2), True
-            elif time.monotonic() > deadline or (any(status.values()) and not ended):
-                if ended:
+            now = time.monotonic()
+            if ended:
+                if now > deadline:
                     break
-                ended, timed_out = True, time.monotonic() > deadline  # as torchrun: a failed rank ends the rest
-                _kill(_session_members(os.getsid(0)))
+                continue
+            failed = conn in ready or any(status.values()) or now > deadline  # conn is readable once closed
+            if failed or len(status) == nproc:
+                ended, timed_out, deadline = True, now > deadline, now + 2
+                if failed:
+                    _kill(_members(tag))
+    _kill([pid for pid, rank in ranks.items() if rank not in status])
     _reap(ranks, status, block=True)
-    leftovers = _session_members(os.getsid(0))
+    leftovers = _members(tag)
     described = [_describe(pid) for pid in leftovers]
     _kill(leftovers)
     if described:
         with open(request["output"], "a") as log:
             log.write("".join(f"\nzygote: left running after the launch: {d}" for d in described))
     reply = {"returncodes": list(status.values()), "leftovers": len(leftovers), "timed_out": timed_out}
-    conn.sendall((json.dumps(reply) + "\n").encode())
-    conn.close()
+    try:
+        conn.sendall((json.dumps(reply) + "\n").encode())
+    except OSError:
+        pass  # the test is gone
     os._exit(0)
 
 
@@ -192,18 +209,23 @@ def _run_rank(rank: _Rank) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    stale = sorted(k for k in {*request["env"], *_STARTUP_ENV} if k.startswith(_READ_AT_IMPORT)
+                   and request["env"].get(k) != _STARTUP_ENV.get(k))
+    if stale:
+        sys.exit(f"zygote: {stale} differ from this zygote's, whose imports already read them: "
+                 "launch this script with multiproc.run instead")
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ.update({"LOCAL_RANK": str(rank.rank), "RANK": str(rank.rank), "NODE_RANK": "0", "GROUP_RANK": "0",
                        "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(rank.port)})
     tempfile.tempdir = None  # TMPDIR may differ from the zygote's
-    random.seed()  # a fresh interpreter seeds these from the OS; forked ranks would share the zygote's state
-    numpy.random.seed()
+    numpy.random.seed()  # from the OS, as at a fresh import (CPython reseeds `random` after a fork itself)
     os.chdir(ROOT)
     sys.argv = [request["script"], *request["args"]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(request["script"])))  # as `python script` puts it
-    runpy.run_path(request["script"], run_name="__main__")
+    # kept, as a script's globals live until after its exit handlers
+    _SCRIPT_GLOBALS.update(runpy.run_path(request["script"], run_name="__main__"))
 
 
 if __name__ == "__main__":

@@ -18,11 +18,10 @@ if mode == "report":
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
     print(f"rank {rank} reported", flush=True)
-elif mode == "orphan" and rank == 1:
-    if os.fork() == 0:  # a process the rank leaves behind
-        os.setpgid(0, 0)
-        time.sleep(120)
-        os._exit(0)
+elif mode == "orphan" and rank == 1:  # a process the rank leaves behind, in a session of its own
+    import subprocess
+
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
 elif mode == "fail":
     if rank == 1:
         raise RuntimeError("rank 1 fails on purpose")
