@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
+import json
 import os
 import re
 import shutil
 import signal
 import socket
-import atexit
-import json
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
@@ -72,11 +74,12 @@ def launch(script, *args, nproc=2, timeout=300, **extra) -> Finished:
     status of the first rank seen to fail (0 when none did); one failed rank ends the others, as
     under torchrun. On timeout the test fails with the output so far.
     """
-    cmd = ["zygote", script, *map(str, args)]
+    args = [str(a) for a in args]
+    cmd = ["zygote", script, *args]
     with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as log:
         tag = uuid.uuid4().hex
-        request = {"script": script, "args": [str(a) for a in args], "env": env(FL_RUN_ID=tag, **extra),
-                   "nproc": nproc, "output": log.name, "timeout": timeout}
+        request = {"script": script, "args": args, "env": env(FL_RUN_ID=tag, **extra), "nproc": nproc,
+                   "output": log.name, "timeout": timeout}
         start = time.monotonic()
         with socket.socket(socket.AF_UNIX) as conn:
             conn.settimeout(timeout + 60)
@@ -92,22 +95,18 @@ def launch(script, *args, nproc=2, timeout=300, **extra) -> Finished:
     return result
 
 
-_ZYGOTE: dict = {}
-
-
+@functools.cache
 def _zygote() -> str:
     """The socket of this test session's zygote, started on first use; it ends with the session."""
-    if "socket" not in _ZYGOTE:
-        path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), path], cwd=ROOT, env=env(),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-        line = proc.stdout.readline()
-        if line.strip() != "READY":
-            proc.kill()
-            raise AssertionError(f"the test zygote did not start: {line}{proc.stdout.read()[-4000:]}")
-        atexit.register(_end_zygote, proc, os.path.dirname(path))
-        _ZYGOTE.update(socket=path, proc=proc)
-    return _ZYGOTE["socket"]
+    path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), path], cwd=ROOT, env=env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    line = proc.stdout.readline()
+    if line.strip() != "READY":
+        proc.kill()
+        raise AssertionError(f"the test zygote did not start: {line}{proc.stdout.read()[-4000:]}")
+    atexit.register(_end_zygote, proc, os.path.dirname(path))
+    return path
 
 
 def _end_zygote(proc, folder: str) -> None:
@@ -119,32 +118,55 @@ def _end_zygote(proc, folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def two_at_a_time(cases: list, start) -> dict:
+    """``{case: start(case)}`` with two runs at a time (they overlap their start-up); a run that
+    timed out is kept as its AssertionError, for :func:`finished` to raise in that case's test."""
+    def one(case):
+        try:
+            return start(case)
+        except AssertionError as hang:
+            return hang
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(cases, pool.map(one, cases)))
+
+
+def finished(result: Finished | AssertionError) -> Finished:
+    if isinstance(result, AssertionError):
+        raise result
+    return result
+
+
 def child_pids() -> set[int]:
     """This process's live child processes."""
-    mine = set()
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    mine.add(int(entry))
-        except OSError:
-            continue
-    return mine
+    return {pid for pid in pids() if (stat := proc_stat(pid)) and int(stat[1]) == os.getpid()}
+
+
+def pids() -> list[int]:
+    """Every other process's id."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != os.getpid()]
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, pgrp, session, ...); None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
 
 
 def tagged_pids(tag: str) -> list[int]:
     needle = f"FL_RUN_ID={tag}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
+    found = []
+    for pid in pids():
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 if needle in f.read().split(b"\0"):
-                    pids.append(int(entry))
+                    found.append(pid)
         except OSError:
             continue
-    return pids
+    return found
 
 
 def kill_tagged(tag: str) -> int:
@@ -159,11 +181,8 @@ def kill_tagged(tag: str) -> int:
 
 
 def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    stat = proc_stat(pid)
+    return stat is None or stat[0] == "Z"
 
 
 def python(*args):

@@ -16,7 +16,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from multiproc import WORKERS, elastic_exit_codes, fabric_run, python, run, torchrun
+from multiproc import WORKERS, elastic_exit_codes, fabric_run, finished, python, run, torchrun, two_at_a_time
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
 # (first learner's strategy, timeout=None, the script closes its learners). `make test`: two runs
@@ -98,20 +98,14 @@ def failing_runs():
     def one(case):
         mode, fail_rank = case
         cmd, env = command(mode, "ddp")
-        try:
-            return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env)
-        except AssertionError as hang:
-            return hang
+        return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(FAILING, pool.map(one, FAILING)))
+    return two_at_a_time(FAILING, one)
 
 
 @pytest.mark.parametrize("mode,fail_rank", FAILING)
 def test_a_failing_rank_ends_every_process_promptly(failing_runs, mode, fail_rank):
-    proc = failing_runs[mode, fail_rank]
-    if isinstance(proc, AssertionError):
-        raise proc
+    proc = finished(failing_runs[mode, fail_rank])
     # status 1 (the failing rank's, passed on by rank 0 or the launcher), well before the 5-minute
     # collective timeout its peer would otherwise wait out
     assert proc.returncode == 1, (proc.returncode, proc.stdout[-3000:])

@@ -225,29 +225,24 @@ OUT_OF_STEP = [
 def out_of_step_runs():
     """Every launch below, two at a time (each waits out a collective timeout); a run that hangs is
     its own test's failure."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from multiproc import WORKERS, fabric_run, python, run, torchrun
+    from multiproc import WORKERS, fabric_run, python, run, torchrun, two_at_a_time
 
     def one(case):
         scenario, strategy, launcher = case
         script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
         # fabric=: the Fabric's own 10 s timeout must hold, not the learner's 1 h (docs/reliability.md)
         how = {"python": python, "torchrun": torchrun}.get(launcher, functools.partial(fabric_run, strategy=strategy))
-        try:  # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
-            return run(how(*script), timeout=150)
-        except AssertionError as hang:
-            return hang
+        # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
+        return run(how(*script), timeout=150)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(OUT_OF_STEP, pool.map(one, OUT_OF_STEP)))
+    return two_at_a_time(OUT_OF_STEP, one)
 
 
 @pytest.mark.parametrize("scenario,strategy,launcher", OUT_OF_STEP)
 def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(out_of_step_runs, scenario, strategy, launcher):
-    proc = out_of_step_runs[scenario, strategy, launcher]
-    if isinstance(proc, AssertionError):
-        raise proc
+    from multiproc import finished
+
+    proc = finished(out_of_step_runs[scenario, strategy, launcher])
     assert proc.returncode != 0 and proc.leftovers == 0, proc.stdout[-4000:]
     # the bound torch's group really has (timeout=5, or the fabric= strategy's 10 s over the learner's 1 h)
     seconds = 10 if strategy == "fabric=" else 5

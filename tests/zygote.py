@@ -48,6 +48,7 @@ import torch  # noqa: E402,F401
 import torchrl  # noqa: E402,F401
 
 import fabric_learner  # noqa: E402,F401
+from multiproc import pids, proc_stat, tagged_pids  # noqa: E402
 
 
 def _threads() -> int:
@@ -71,35 +72,28 @@ def _members(tag: str) -> list[int]:
     """The live processes of this launch but this one: those of this session, and those that
     left it (setsid) but carry the launch's tag in the environment they were started with.
     One whose memory is already released (an empty command line) is exiting, not left running."""
-    found, sid, needle = [], os.getsid(0), f"FL_RUN_ID={tag}".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                state, _, _, session = f.read().rsplit(")", 1)[1].split()[:4]
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                exiting = not f.read(1)
-            if int(session) != sid:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle not in f.read().split(b"\0"):
-                        continue
-        except OSError:
-            continue
-        if state not in "ZX" and not exiting:
-            found.append(int(entry))
-    return found
+    sid = os.getsid(0)
+    session = [pid for pid in pids() if (stat := proc_stat(pid)) and int(stat[3]) == sid]
+    return [pid for pid in {*session, *tagged_pids(tag)} if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            exiting = not f.read(1)
+    except OSError:
+        return False
+    stat = proc_stat(pid)
+    return not exiting and stat is not None and stat[0] not in "ZX"
 
 
 def _describe(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return f"{pid} (gone)"
-    return f"{pid} state {state}: {cmd}"
+    return f"{pid} state {(proc_stat(pid) or ['gone'])[0]}: {cmd}"
 
 
 def _reap(ranks: dict, status: dict, block: bool) -> None:
@@ -165,6 +159,9 @@ def _manage(conn: socket.socket) -> None:
     leftovers = _members(tag)
     described = [_describe(pid) for pid in leftovers]
     _kill(leftovers)
+    gone_by = time.monotonic() + 5
+    while any(map(_running, leftovers)) and time.monotonic() < gone_by:  # none survives the reply
+        time.sleep(0.01)
     if described:
         with open(request["output"], "a") as log:
             log.write("".join(f"\nzygote: left running after the launch: {d}" for d in described))
