@@ -521,6 +521,26 @@ def test_logging_and_progress_bar_on_rank0_only(ranks, strategy):
     assert r1["A"]["logged"] == []
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_logged_losses_and_grad_norm_are_the_mean_over_ranks_of_each_ranks_batch_average(ranks, strategy):
+    r0, r1 = runs(ranks, strategy)
+    averages = []  # per rank: {collected frames at the batch: {name: mean over that batch's updates}}
+    for r in (r0, r1):
+        by_batch: dict[int, dict[str, list[float]]] = {}
+        for frames, out in r["A_update_outputs"]:
+            for name, value in out.items():
+                by_batch.setdefault(frames, {}).setdefault(name, []).append(value)
+        averages.append({f: {n: sum(v) / len(v) for n, v in outs.items()} for f, outs in by_batch.items()})
+    assert averages[0].keys() == averages[1].keys() and len(averages[0]) == 6
+    logged = {(name, step): value for name, value, step in r0["A"]["logged"]}
+    for frames in averages[0]:
+        for name in ("loss", "grad_norm"):
+            own = [averages[r][frames][name] for r in (0, 1)]
+            if name == "loss":  # the ranks' batches differ (grad_norm, taken after the gradient sync, does not)
+                assert own[0] != own[1]
+            assert logged[name, frames] == pytest.approx(sum(own) / 2, rel=1e-5, abs=1e-7), (name, frames, own)
+
+
 def test_global_log_scalar_averages_over_ranks(ranks):
     (s0, n0), (s1, n1) = (r["A"]["local_reward"] for r in ranks)
     for r in ranks:

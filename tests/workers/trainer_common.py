@@ -125,6 +125,21 @@ def build_dqn(learner_factory, *, total_frames: int, save_file=None, seed: int =
     return trainer, learner, loss, qnet, rb, collector
 
 
+def record_update_outputs(trainer, learner) -> list[tuple[int, dict[str, float]]]:
+    """A list that receives, for each ``learner.update`` the trainer makes on this rank, the frames the
+    trainer had collected then (one value per batch) and the update's scalar outputs."""
+    calls = []
+    update = learner.update
+
+    def recorded(batch):
+        out = update(batch)
+        calls.append((trainer.collected_frames, {k: out.get(k).item() for k in out.keys() if out.get(k).numel() == 1}))
+        return out
+
+    learner.update = recorded
+    return calls
+
+
 class _LocalRewardStats:
     """Remembers this rank's reward sum and count of the last batch (to check GlobalLogScalar)."""
 

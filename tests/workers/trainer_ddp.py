@@ -54,9 +54,10 @@ def dqn_runs(out_dir, make, name, own_policy_copy=False):
     kw = {"own_policy_copy": own_policy_copy}
     a = tc.build_dqn(make, total_frames=total, record=record, logger=tc.RecordingLogger(), progress_bar=True, **kw)
     seeded = torch.initial_seed()  # what Trainer(seed=0) seeded this rank's torch with
+    outputs = tc.record_update_outputs(a[0], a[1])
     a[0].train()
     res = {"A": tc.snapshot(*a), "last_minibatch": record[-1], "record_len": len(record),
-           "sharded": a[1].capabilities.sharded, "seeded": seeded}
+           "sharded": a[1].capabilities.sharded, "seeded": seeded, "A_update_outputs": outputs}
     ckpt = os.path.join(out_dir, f"trainer_ckpt_{name}")
     b = tc.build_dqn(make, total_frames=total // 2, save_file=ckpt, **kw)
     b[0].train()
