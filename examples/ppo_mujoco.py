@@ -233,21 +233,10 @@ def parse_args(argv=None):
 
 
 def plot(curve, path, title):
-    import matplotlib
+    from _plot import learning_curve
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    frames, rets, _ = zip(*curve)
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(frames, rets, marker=".")
-    ax.set_xlabel("environment steps (all ranks)")
-    ax.set_ylabel("mean training episode return")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    learning_curve(curve, path, title=title, xlabel="environment steps (all ranks)",
+                   ylabel="mean training episode return")
 
 
 def main(argv=None):

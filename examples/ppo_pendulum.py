@@ -187,21 +187,10 @@ def build(args, learner_kwargs: dict):
 
 
 def plot(curve, path, world_size):  # rank 0, after training
-    import matplotlib
+    from _plot import learning_curve
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    frames, rets, secs = zip(*curve)
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(frames, rets, marker=".")
-    ax.set_xlabel(f"environment steps (all {world_size} ranks)")
-    ax.set_ylabel("mean episode return (200 steps)")
-    ax.set_title(f"PPO on Pendulum, fabric_learner.Trainer, DDP on {world_size} CPU ranks")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    learning_curve(curve, path, title=f"PPO on Pendulum, fabric_learner.Trainer, DDP on {world_size} CPU ranks",
+                   xlabel=f"environment steps (all {world_size} ranks)", ylabel="mean episode return (200 steps)")
 
 
 def main(argv=None):
