@@ -1,7 +1,7 @@
 """The examples' ``--plot``: a learning curve that names the command and the commit that drew it.
 
 The figure's footnote and its PNG text chunks (``Source``, ``Description``) carry ``git <commit>``
-(``+dirty`` for uncommitted changes) and the command line, so a published curve can be traced to the
+(``+dirty`` for uncommitted changes outside docs/, where the curves go) and the command line, so a published curve can be traced to the
 code and the run behind it (``tests/test_claims.py`` reads them). Needs matplotlib
 (``pip install -e ".[bench]"``).
 """
@@ -23,7 +23,7 @@ def provenance() -> tuple[str, str]:
         return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = "+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
+    dirty = "+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs") else ""
     script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(here))
     return f"git {commit}{dirty}", shlex.join(["python", script, *sys.argv[1:]])
 
