@@ -1,4 +1,4 @@
-"""The README's published numbers: honest verdicts, and a table no older than the code it times."""
+"""The README's published numbers: honest verdicts, a table no older than the code it times, curves that name their run."""
 
 from __future__ import annotations
 
@@ -51,6 +51,37 @@ def test_the_published_performance_table_is_no_older_than_the_update_path(page):
     assert not older, (
         f"{page}'s benchmark table was measured at {named.group(1)}, before the update path last changed "
         f"({last[:7]}: {' '.join(UPDATE_PATH)}). Rerun `python benchmarks/run.py` at HEAD and copy its table.")
+
+
+def _png_text(path) -> dict[str, str]:
+    """The ``tEXt`` chunks of a PNG file (where matplotlib's ``savefig(metadata=...)`` writes)."""
+    import struct
+
+    data, chunks, at = open(path, "rb").read(), {}, 8
+    while at < len(data):
+        (length,), kind = struct.unpack(">I", data[at:at + 4]), data[at + 4:at + 8]
+        if kind == b"tEXt":
+            key, _, value = data[at + 8:at + 8 + length].partition(b"\0")
+            chunks[key.decode("latin-1")] = value.decode("latin-1")
+        at += 12 + length
+    return chunks
+
+
+@pytest.mark.parametrize("image", ["docs/ppo_pendulum.png", "docs/ppo_mujoco.png"])
+def test_a_published_learning_curve_names_the_committed_code_and_the_command_that_drew_it(image):
+    text = _png_text(os.path.join(ROOT, image))
+    command, source = text.get("Description", ""), text.get("Source", "")
+    assert command.startswith("python examples/") and "--plot " + image in command, (image, text)
+    docs = open(os.path.join(ROOT, "docs/examples.md")).read()
+    assert command.partition(" --plot")[0] in docs, f"docs/examples.md does not give the command {command!r}"
+    named = re.fullmatch(r"git ([0-9a-f]{7,40})", source)
+    assert named, f"{image} was drawn from {source!r}, not from a clean commit: rerun {command!r} on a clean tree"
+    if _git("rev-parse", "--git-dir").returncode != 0:
+        pytest.skip("no git repository here: the curve's commit cannot be checked")
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("shallow git history: the curve's commit may lie before the cut")
+    assert _git("rev-parse", "--verify", "--quiet", named.group(1) + "^{commit}").returncode == 0, (
+        f"{image} names {named.group(1)}, which is not in this history")
 
 
 def _functions(path):
