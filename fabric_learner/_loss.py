@@ -49,7 +49,8 @@ def detached(output: TensorDictBase) -> TensorDictBase:
     """``output.detach()``: the same keys, batch size, device and values, none requiring grad.
 
     A plain, unlocked, unnamed ``TensorDict`` of tensors (what torchrl losses return) is rebuilt
-    directly, about 4x cheaper than ``detach()``'s generic apply; anything else goes through it.
+    directly, about 4x cheaper than ``detach()``'s generic apply, keeping the entries that already
+    require no grad as they are; anything else goes through ``detach()``.
     """
     entries = getattr(output, "_tensordict", None) if type(output) is TensorDict else None
     if entries is None or output.is_locked or getattr(output, "_td_dim_names", 0) is not None:
@@ -58,7 +59,7 @@ def detached(output: TensorDictBase) -> TensorDictBase:
     for key, value in entries.items():
         if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
             return output.detach()
-        values[key] = value.detach()
+        values[key] = value.detach() if value.requires_grad else value  # most metrics come detached
     return TensorDict._new_unsafe(values, batch_size=output.batch_size, device=output.device)
 
 

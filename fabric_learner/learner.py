@@ -129,8 +129,10 @@ class Learner(nn.Module):
         # update; nn.Module.__setattr__'s parameter/buffer/module checks cost ~1.5 us each.
         if name in _STEP_STATE:
             object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
+            return
+        if name == "optimizer":  # what the step zeroes and checks for gradients (FabricLearner unwraps it)
+            object.__setattr__(self, "_torch_optimizer", value)
+        super().__setattr__(name, value)
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -188,8 +190,8 @@ class Learner(nn.Module):
                 raise named from err
             loss = total_loss(output)
             if self._accum_step == 0:
-                if any(p.grad is not None for p in optimizer_params(self.optimizer)):  # not left by a step
-                    self.optimizer.zero_grad(set_to_none=True)
+                if any(p.grad is not None for p in optimizer_params(self._torch_optimizer)):  # not left by a step
+                    self._torch_optimizer.zero_grad(set_to_none=True)
                 self._window_results, self._window_samples = [], 0
             self._window_samples += batch.batch_size.numel()
             mark = loss.detach()
@@ -226,7 +228,7 @@ class Learner(nn.Module):
             self._window_results = []
             self._optimizer_step()
             # as a hand-written loop does: gradients freed before the next forward allocates
-            self.optimizer.zero_grad(set_to_none=True)
+            self._torch_optimizer.zero_grad(set_to_none=True)
             self.num_updates += 1
             self._weights_changed()
         return result
@@ -808,10 +810,20 @@ def _missing_keys_error(err: Exception, batch: TensorDictBase, loss_module: nn.M
     )
 
 
+def _has_no_entries(batch: TensorDictBase) -> bool:
+    """``batch.is_empty()``; a plain ``TensorDict`` whose first entry is a tensor is answered without its nested walk."""
+    if type(batch) is TensorDict:
+        for value in batch._tensordict.values():
+            if type(value) is torch.Tensor:
+                return False
+            break
+    return batch.is_empty()
+
+
 def _check_batch(batch: Any) -> None:
     if not isinstance(batch, TensorDictBase):
         raise TypeError(f"update() takes a TensorDict batch, got {type(batch).__name__}.")
-    if batch.batch_size.numel() == 0 or batch.is_empty():
+    if batch.batch_size.numel() == 0 or _has_no_entries(batch):
         raise ValueError(
             f"update() got an empty batch (batch_size {tuple(batch.batch_size)}, keys "
             f"{sorted(map(str, batch.keys()))}); a loss over no samples has nothing to learn from. "

@@ -449,8 +449,9 @@ def test_a_malformed_random_state_is_refused_before_anything_loads():
 def test_a_batch_with_no_entries_is_refused_before_the_forward(kind):
     learner = make_learner(kind, make_loss("dqn")[0])
     before = snapshot(learner)
-    with pytest.raises(ValueError, match=r"empty batch \(batch_size \(16,\)"):
-        learner.update(TensorDict({}, [16]))
+    for empty in (TensorDict({}, [16]), TensorDict({"next": TensorDict({}, [16])}, [16])):  # nested: no leaf either
+        with pytest.raises(ValueError, match=r"empty batch \(batch_size \(16,\)"):
+            learner.update(empty)
     assert_unchanged(learner, before)
     assert learner._accum_step == 0 and learner.num_updates == 0
 
