@@ -191,7 +191,7 @@ def _stage_steps(name: str):
         for attr, stage in (("_forward", "forward"), ("_backward", "backward"), ("_clip_gradients", "clip"),
                             ("_refuse_step", "non-finite check"), ("_optimizer_step", "optimizer step")):
             object.__setattr__(lr, attr, clock.wrap(stage, getattr(lr, attr)))
-        lr.optimizer.zero_grad = clock.wrap("zero_grad", lr.optimizer.zero_grad)
+        lr._torch_optimizer.zero_grad = clock.wrap("zero_grad", lr._torch_optimizer.zero_grad)
         functions = {"_check_batch": "batch checks", "total_loss": "sum losses", "detached": "detach output",
                      "_reported_norm": "set grad_norm", "set_entry": "set grad_norm"}
 
