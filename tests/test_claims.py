@@ -33,21 +33,27 @@ def _git(*args):
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
 
 
+def _commit(short: str, what: str) -> str:
+    """The full hash of ``short``, which ``what`` names; skips where no full git history is here."""
+    if _git("rev-parse", "--git-dir").returncode != 0:
+        pytest.skip(f"no git repository here: {what}'s commit cannot be checked")
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip(f"shallow git history: {what}'s commit may lie before the cut")
+    found = _git("rev-parse", "--verify", "--quiet", short + "^{commit}")
+    assert found.returncode == 0, f"{what} names {short}, which is not in this history"
+    return found.stdout.strip()
+
+
 @pytest.mark.parametrize("page", ["README.md", "docs/performance.md"])
 def test_the_published_performance_table_is_no_older_than_the_update_path(page):
     text = open(os.path.join(ROOT, page)).read()
     section = text[text.index("# Performance"):]
     named = re.search(r"git `([0-9a-f]{7,40})`", section)
     assert named, f"{page}'s Performance section names no commit"
-    if _git("rev-parse", "--git-dir").returncode != 0:
-        pytest.skip("no git repository here: the table's commit cannot be checked")
-    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
-        pytest.skip("shallow git history: the commits before the cut cannot be ordered")
+    table = _commit(named.group(1), f"{page}'s table")
     last = _git("log", "-1", "--format=%H", "--", *UPDATE_PATH).stdout.strip()
     assert last, "git log found no commit touching the update path"
-    table = _git("rev-parse", "--verify", "--quiet", named.group(1) + "^{commit}")
-    assert table.returncode == 0, f"{page}'s table names {named.group(1)}, which is not in this history"
-    older = _git("merge-base", "--is-ancestor", last, table.stdout.strip()).returncode != 0
+    older = _git("merge-base", "--is-ancestor", last, table).returncode != 0
     assert not older, (
         f"{page}'s benchmark table was measured at {named.group(1)}, before the update path last changed "
         f"({last[:7]}: {' '.join(UPDATE_PATH)}). Rerun `python benchmarks/run.py` at HEAD and copy its table.")
@@ -76,12 +82,7 @@ def test_a_published_learning_curve_names_the_committed_code_and_the_command_tha
     assert command.partition(" --plot")[0] in docs, f"docs/examples.md does not give the command {command!r}"
     named = re.fullmatch(r"git ([0-9a-f]{7,40})", source)
     assert named, f"{image} was drawn from {source!r}, not from a clean commit: rerun {command!r} on a clean tree"
-    if _git("rev-parse", "--git-dir").returncode != 0:
-        pytest.skip("no git repository here: the curve's commit cannot be checked")
-    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
-        pytest.skip("shallow git history: the curve's commit may lie before the cut")
-    assert _git("rev-parse", "--verify", "--quiet", named.group(1) + "^{commit}").returncode == 0, (
-        f"{image} names {named.group(1)}, which is not in this history")
+    _commit(named.group(1), image)
 
 
 def _functions(path):
