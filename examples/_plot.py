@@ -23,7 +23,7 @@ def provenance() -> tuple[str, str]:
         return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = "+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs") else ""
+    dirty = "+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)docs") else ""
     script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(here))
     return f"git {commit}{dirty}", shlex.join(["python", script, *sys.argv[1:]])
 

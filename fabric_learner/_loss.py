@@ -49,8 +49,8 @@ def detached(output: TensorDictBase) -> TensorDictBase:
     """``output.detach()``: the same keys, batch size, device and values, none requiring grad.
 
     A plain, unlocked, unnamed ``TensorDict`` of tensors (what torchrl losses return) is rebuilt
-    directly, about 4x cheaper than ``detach()``'s generic apply, keeping the entries that already
-    require no grad as they are; anything else goes through ``detach()``.
+    directly, about 4x cheaper than ``detach()``'s generic apply, keeping the plain tensors that
+    already require no grad as they are; anything else goes through ``detach()``.
     """
     entries = getattr(output, "_tensordict", None) if type(output) is TensorDict else None
     if entries is None or output.is_locked or getattr(output, "_td_dim_names", 0) is not None:
@@ -59,7 +59,8 @@ def detached(output: TensorDictBase) -> TensorDictBase:
     for key, value in entries.items():
         if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
             return output.detach()
-        values[key] = value.detach() if value.requires_grad else value  # most metrics come detached
+        # a plain tensor that needs no grad (most metrics) is kept as it is; a Parameter becomes a tensor
+        values[key] = value if type(value) is torch.Tensor and not value.requires_grad else value.detach()
     return TensorDict._new_unsafe(values, batch_size=output.batch_size, device=output.device)
 
 

@@ -16,7 +16,8 @@ from fabric_learner._loss import detached, loss_keys
 
 def _outputs():
     grad = torch.randn(3, requires_grad=True)
-    flat = TensorDict({"loss_a": grad.sum() * 2, "metric": torch.tensor(1.0)}, [])
+    flat = TensorDict({"loss_a": grad.sum() * 2, "metric": torch.tensor(1.0),
+                       "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False)}, [])
     nested = TensorDict({"loss": grad.sum(), "info": TensorDict({"x": grad * 3}, [])}, [])
     batched = TensorDict({"loss": grad * 2}, [3])
     named = TensorDict({"loss": grad * 2}, [3], names=["n"])
@@ -43,6 +44,7 @@ def test_detached_is_detach(name):
         a, b = got.get(key), want.get(key)
         if isinstance(b, torch.Tensor):
             assert not a.requires_grad and torch.equal(a, b), key
+            assert type(a) is type(b), key  # a Parameter in the output comes back a plain tensor, as from detach()
             if name != "lazy":  # a lazy stack's get() stacks anew on every call
                 assert a.data_ptr() == b.data_ptr(), key
     if name == "ppo":

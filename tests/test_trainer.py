@@ -522,7 +522,7 @@ def test_logging_and_progress_bar_on_rank0_only(ranks, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_logged_losses_and_grad_norm_are_the_mean_over_ranks_of_each_ranks_batch_average(ranks, strategy):
+def test_logged_losses_are_the_mean_over_ranks_of_each_ranks_batch_average(ranks, strategy):
     r0, r1 = runs(ranks, strategy)
     averages = []  # per rank: {collected frames at the batch: {name: mean over that batch's updates}}
     for r in (r0, r1):
@@ -534,11 +534,13 @@ def test_logged_losses_and_grad_norm_are_the_mean_over_ranks_of_each_ranks_batch
     assert averages[0].keys() == averages[1].keys() and len(averages[0]) == 6
     logged = {(name, step): value for name, value, step in r0["A"]["logged"]}
     for frames in averages[0]:
-        for name in ("loss", "grad_norm"):
-            own = [averages[r][frames][name] for r in (0, 1)]
-            if name == "loss":  # the ranks' batches differ (grad_norm, taken after the gradient sync, does not)
-                assert own[0] != own[1]
-            assert logged[name, frames] == pytest.approx(sum(own) / 2, rel=1e-5, abs=1e-7), (name, frames, own)
+        own = [averages[r][frames]["loss"] for r in (0, 1)]
+        assert logged["loss", frames] == pytest.approx(sum(own) / 2, rel=1e-5, abs=1e-7), (frames, own)
+        # the ranks' batches differ, so neither rank's own average is what was logged
+        assert all(logged["loss", frames] != pytest.approx(x, rel=1e-4) for x in own), (frames, own)
+        # grad_norm is taken after the gradient sync: equal on every rank, and logged as it is
+        norms = [averages[r][frames]["grad_norm"] for r in (0, 1)]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-5) and logged["grad_norm", frames] == pytest.approx(norms[0])
 
 
 def test_global_log_scalar_averages_over_ranks(ranks):
