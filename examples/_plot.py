@@ -1,9 +1,9 @@
 """The examples' ``--plot``: a learning curve that names the command and the commit that drew it.
 
 The figure's footnote and its PNG text chunks (``Source``, ``Description``) carry ``git <commit>``
-(``+dirty`` for uncommitted changes outside docs/, where the curves go) and the command line, so a published curve can be traced to the
-code and the run behind it (``tests/test_claims.py`` reads them). Needs matplotlib
-(``pip install -e ".[bench]"``).
+(``+dirty`` for uncommitted changes outside docs/, where the curves go) and the command line, so a
+published curve can be traced to the code and the run behind it (``tests/test_claims.py`` reads
+them). Needs matplotlib (``pip install -e ".[bench]"``).
 """
 
 from __future__ import annotations

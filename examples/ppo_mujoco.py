@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import time
 
 import torch
