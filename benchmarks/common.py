@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import statistics
 import time
 from typing import Callable, Sequence
@@ -200,9 +201,13 @@ class HandDDP:
 
 
 def order_for(rep: int, names: Sequence[str]) -> list[str]:
-    """Rotate the contenders each repetition, so none is always first (same on every rank)."""
-    k = rep % len(names)
-    return list(names[k:]) + list(names[:k])
+    """A random order of the contenders for repetition ``rep``, the same on every rank.
+
+    Shuffled rather than rotated: in a rotation each contender nearly always follows the same
+    one, and what a block leaves in the caches then biases its successor (an A/A pair of
+    identical loops measured 0.99 that way, 1.00 shuffled).
+    """
+    return random.Random(rep).sample(list(names), len(names))
 
 
 def interleaved(
@@ -217,11 +222,15 @@ def interleaved(
     """Per-call wall seconds for each contender, ``reps`` samples each.
 
     ``contenders[name](i)`` does the i-th unit of work. Each repetition runs every contender
-    once, ``inner`` calls timed together with ``time.perf_counter``, in a rotated order.
-    ``sync`` (a barrier) runs before and after each timed block when given (multi-rank).
-    When ``cpu`` is a dict, it receives the same samples in process CPU seconds
-    (``time.process_time``): on a shared machine that excludes the time this process waited
-    for a core, so it resolves small differences that wall time drowns in scheduling noise.
+    once, ``inner`` calls timed together with ``time.perf_counter``, in a random order
+    (``order_for``). ``sync`` (a barrier) runs before and after each timed block when given
+    (multi-rank). When ``cpu`` is a dict, it receives the same samples in process CPU seconds
+    (``time.process_time``), which leaves out the time this process waited for a core.
+
+    The garbage collector runs once per repetition, between repetitions, and never inside one:
+    what the warm-up left alive is frozen out of its scans (``gc.freeze``), so a collection costs
+    little and many short repetitions (``inner=1``) are affordable; many short, paired blocks
+    resolve a difference far better than a few long ones on a noisy machine.
     """
     names = list(contenders)
     for name in names:
@@ -229,25 +238,33 @@ def interleaved(
             contenders[name](i)
     samples: dict[str, list[float]] = {n: [] for n in names}
     counters = {n: warmup for n in names}
-    for rep in range(reps):
-        for name in order_for(rep, names):
-            fn = contenders[name]
+    gc.collect()
+    gc.freeze()
+    try:
+        for rep in range(reps):
             gc.collect()
-            if sync is not None:
-                sync()
-            i0 = counters[name]
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            for i in range(i0, i0 + inner):
-                fn(i)
-            if sync is not None:
-                sync()
-            t1 = time.perf_counter()
-            c1 = time.process_time()
-            samples[name].append((t1 - t0) / inner)
-            if cpu is not None:
-                cpu.setdefault(name, []).append((c1 - c0) / inner)
-            counters[name] = i0 + inner
+            gc.disable()
+            for name in order_for(rep, names):
+                fn = contenders[name]
+                if sync is not None:
+                    sync()
+                i0 = counters[name]
+                c0 = time.process_time()
+                t0 = time.perf_counter()
+                for i in range(i0, i0 + inner):
+                    fn(i)
+                if sync is not None:
+                    sync()
+                t1 = time.perf_counter()
+                c1 = time.process_time()
+                samples[name].append((t1 - t0) / inner)
+                if cpu is not None:
+                    cpu.setdefault(name, []).append((c1 - c0) / inner)
+                counters[name] = i0 + inner
+            gc.enable()
+    finally:
+        gc.enable()
+        gc.unfreeze()
     return samples
 
 
@@ -262,8 +279,6 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
 
 def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% bootstrap interval of ``paired_ratio``: how far noise alone moves it."""
-    import random
-
     rng = random.Random(seed)
     ratios = [a / b for a, b in zip(num, den)]
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))

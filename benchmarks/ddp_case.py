@@ -2,8 +2,8 @@
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/ddp_case.py --out r.json
 
-Both contenders live in the same launch and take turns, each repetition in a rotated order,
-with a barrier around every timed block:
+Both contenders live in the same launch and take turns, each repetition in a random order,
+the same on every rank (`common.order_for`), with a barrier around every timed block:
 - case b: ``FabricLearner(strategy="ddp")`` vs a hand-written ``DistributedDataParallel`` loop
   over the same loss (wrapped in ``SumLoss``), same seeds, same per-rank batches, and a second,
   identical hand loop as an A/A control;

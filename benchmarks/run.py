@@ -8,8 +8,9 @@
 
 Each case compares a learner call with the code a user would write by hand for the same work,
 same seeds, same data. Contenders take turns: every repetition runs each of them once (``inner``
-calls timed together with ``time.perf_counter``), in a rotated order, so slow phases of a noisy
-machine hit all of them. Reported: the median per call over the repetitions, ``ratio`` =
+calls timed together with ``time.perf_counter``; one update per block in case a), in a random
+order, so slow phases of a noisy machine hit all of them; the garbage collector runs between
+repetitions, never inside one (``common.interleaved``). Reported: the median per call over the repetitions, ``ratio`` =
 learner median / hand-written median, and ``paired`` = the median of the per-repetition
 ratios (adjacent blocks, so it cancels shared noise best). Results go to
 ``benchmarks/results/latest.json`` and ``benchmarks/results/latest.png``.
@@ -71,9 +72,9 @@ class Config:
     explicit: tuple = ()  # cases named with --only; quick mode runs c and compile only then
 
 
-QUICK = Config(quick=True, reps=9, inner=4, warmup=2, ddp_reps=5, ddp_inner=4, ddp_timeout_s=200,
+QUICK = Config(quick=True, reps=150, inner=1, warmup=2, ddp_reps=10, ddp_inner=4, ddp_timeout_s=200,
                ckpt_reps=4, ckpt_inner=1, gw_reps=4, gw_inner=1)
-FULL = Config(quick=False, reps=31, inner=6, warmup=4, ddp_reps=15, ddp_inner=6, ddp_timeout_s=600,
+FULL = Config(quick=False, reps=600, inner=1, warmup=4, ddp_reps=60, ddp_inner=4, ddp_timeout_s=600,
               ckpt_reps=10, ckpt_inner=2, gw_reps=10, gw_inner=2)
 SMOKE = Config(quick=True, reps=2, inner=2, warmup=1, ddp_reps=2, ddp_inner=2, ddp_timeout_s=200,
                ckpt_reps=2, ckpt_inner=1, gw_reps=2, gw_inner=1)  # checks the suite runs; numbers meaningless
