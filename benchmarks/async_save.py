@@ -3,7 +3,7 @@
     python benchmarks/async_save.py --out benchmarks/results/async_save.json   # starts rank 1 itself
 
 An FSDP learner on the 21M-parameter PPO loss (``common.make_loss("ppo_big_actor")``). Each
-repetition, in rotated order:
+repetition, in a random order (`common.order_for`):
 
 - sync: ``save(path)``, timed from the call to its return (barriers around it);
 - async: ``save(path, blocking=False)``, then ``M`` training steps, then ``wait_for_save()``;
