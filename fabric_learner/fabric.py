@@ -173,6 +173,7 @@ class FabricLearner(Learner):
         # LocalLearner; on one device the forward skips the module wrapper too (DDP needs its own).
         object.__setattr__(self, "_direct", _wrappers_do_nothing(fabric, plugin))
         object.__setattr__(self, "_direct_forward", self._direct and type(fabric.strategy) is SingleDeviceStrategy)
+        object.__setattr__(self, "_device", fabric.device)  # fixed once launched; read on every forward
         self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
         self._poison_gradients = fabric.world_size > 1
         self._samples = SampleTrace()
@@ -204,7 +205,7 @@ class FabricLearner(Learner):
     def _forward(self, batch, method=None):
         if self._direct_forward:
             call = self._loss_call if method is None else getattr(self.loss_module, method)
-            return run_loss(call, batch, self.fabric.device, None)
+            return run_loss(call, batch, self._device, None)
         # The strategy's module (DDP, FSDP2, or the forwarder) under the precision's forward
         # context: what `_FabricModule.forward` adds beyond that (input/output conversion,
         # backward-hook checks) is done by the carrier or not needed, and costs ~0.1-0.3 ms.
@@ -227,20 +228,23 @@ class FabricLearner(Learner):
         return self.fabric.no_backward_sync(self._module, enabled=True)
 
     def _clip_gradients(self, max_norm: float, optimizer=None) -> torch.Tensor:
-        optimizer = optimizer or self.optimizer
         if self._direct:
-            return clipped_norm(optimizer_params(getattr(optimizer, "optimizer", optimizer)), max_norm)
+            direct = self._torch_optimizer if optimizer is None else getattr(optimizer, "optimizer", optimizer)
+            return clipped_norm(optimizer_params(direct), max_norm)
+        optimizer = optimizer or self.optimizer
         norm = self.fabric.clip_gradients(self._module, optimizer, max_norm=max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _optimizer_step(self, optimizer=None) -> None:
-        optimizer = optimizer or self.optimizer
-        (getattr(optimizer, "optimizer", optimizer) if self._direct else optimizer).step()
+        if self._direct:
+            (self._torch_optimizer if optimizer is None else getattr(optimizer, "optimizer", optimizer)).step()
+        else:
+            (optimizer or self.optimizer).step()
 
     def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
         # A grad scaler owns inf gradients (it skips such steps itself), so then only a non-finite
         # loss refuses the step, and whether any rank saw one takes a collective.
-        scaler = self._scaler_handles_overflow()
+        scaler = self._scaler is not None  # _scaler_handles_overflow, inlined on the step's path
         flag = self._window_loss_nonfinite() if scaler else super()._refuse_step(grad_norm)
         if not self.capabilities.distributed:
             return flag

@@ -178,59 +178,73 @@ class Learner(nn.Module):
         """
         if self.stages:
             return self._update_staged(batch)
-        _check_batch(batch)
-        stepping = self._accum_step + 1 == self.grad_accum_steps
-        with self._sync_context(stepping):
-            try:
-                output = self._forward(batch)
-            except (KeyError, AttributeError, TypeError, RuntimeError) as err:
-                named = _input_error(err, batch, self.loss_module)
-                if named is err:
-                    raise
-                raise named from err
-            loss = total_loss(output)
-            if self._accum_step == 0:
-                if any(p.grad is not None for p in optimizer_params(self._torch_optimizer)):  # not left by a step
-                    self._torch_optimizer.zero_grad(set_to_none=True)
-                self._window_results, self._window_samples = [], 0
-            self._window_samples += batch.batch_size.numel()
-            mark = loss.detach()
+        samples = _check_batch(batch)
+        if self._accum_step + 1 == self.grad_accum_steps:  # gradients are synchronised on this one
+            return self._step(self._micro_step(batch, samples))
+        with self._sync_context(False):
+            result = self._micro_step(batch, samples)
+        return result
+
+    def _micro_step(self, batch: TensorDictBase, samples: int) -> TensorDictBase:
+        """Forward and backward of one micro-batch; returns its output, detached."""
+        # the step's own state, written past Module.__setattr__ (one Python call each, see _STEP_STATE)
+        state = self.__dict__
+        try:
+            output = self._forward(batch)
+        except (KeyError, AttributeError, TypeError, RuntimeError) as err:
+            named = _input_error(err, batch, self.loss_module)
+            if named is err:
+                raise
+            raise named from err
+        loss = total_loss(output)
+        mark = loss.detach()
+        if self._accum_step == 0:
+            if _has_gradients(self._torch_optimizer):  # not left by a step: someone else's backward
+                self._torch_optimizer.zero_grad(set_to_none=True)
+            state["_window_results"], state["_window_samples"] = [], samples
+            state["_window_mark"] = mark
+        else:
+            state["_window_samples"] += samples
             # 0 * mark is 0, or NaN when mark is not finite: the first loss stays, or turns NaN
-            self._window_mark = mark if self._accum_step == 0 else self._window_mark + mark * 0
-            seed = _backward_seed(mark) if self._poison_gradients else None
-            if self.grad_accum_steps > 1:
-                loss = loss / self.grad_accum_steps
-            self._backward(loss, seed)  # even when non-finite: ranks must run the same collectives
-        self._accum_step += 1
+            state["_window_mark"] = self._window_mark + mark * 0
+        seed = _backward_seed(mark) if self._poison_gradients else None
+        if self.grad_accum_steps > 1:
+            loss = loss / self.grad_accum_steps
+        self._backward(loss, seed)  # even when non-finite: ranks must run the same collectives
+        state["_accum_step"] += 1
         result = detached(output)
         self._window_results.append(result)
-        if stepping:
-            self._accum_step = 0
-            if not self._coverage_checked:
-                missing = uncovered_with_grad(self._named_parameters(), self.optimizer)
-                if missing:
-                    self._abandon_window()
-                    raise coverage_error(missing)
-                self._coverage_checked = True
-            grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
-            set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
-            if self._refuse_step(grad_norm):  # the step's host sync
-                if not self._poison_gradients and self._window_loss_nonfinite():
-                    # NaN, as on several ranks, where the NaN seed reaches every gradient
-                    grad_norm = torch.full_like(grad_norm, math.nan)
-                    set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
+        return result
+
+    def _step(self, result: TensorDictBase) -> TensorDictBase:
+        """The window's end: check coverage, clip, refuse a non-finite step or take it."""
+        state = self.__dict__
+        state["_accum_step"] = 0
+        if not self._coverage_checked:
+            missing = uncovered_with_grad(self._named_parameters(), self.optimizer)
+            if missing:
                 self._abandon_window()
-                if self.on_nonfinite == "raise":
-                    raise self._nonfinite_error(grad_norm)
-                self.skipped_updates += 1
-                self._window_results = []
-                return result
+                raise coverage_error(missing)
+            self._coverage_checked = True
+        grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
+        set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
+        if self._refuse_step(grad_norm):  # the step's host sync
+            if not self._poison_gradients and self._window_loss_nonfinite():
+                # NaN, as on several ranks, where the NaN seed reaches every gradient
+                grad_norm = torch.full_like(grad_norm, math.nan)
+                set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
+            self._abandon_window()
+            if self.on_nonfinite == "raise":
+                raise self._nonfinite_error(grad_norm)
+            self.skipped_updates += 1
             self._window_results = []
-            self._optimizer_step()
-            # as a hand-written loop does: gradients freed before the next forward allocates
-            self._torch_optimizer.zero_grad(set_to_none=True)
-            self.num_updates += 1
-            self._weights_changed()
+            return result
+        state["_window_results"] = []
+        self._optimizer_step()
+        # as a hand-written loop does: gradients freed before the next forward allocates
+        self._torch_optimizer.zero_grad(set_to_none=True)
+        state["num_updates"] += 1
+        self._weights_changed()
         return result
 
     # ---- several optimizers (see _stages) -----------------------------------------------------
@@ -810,25 +824,34 @@ def _missing_keys_error(err: Exception, batch: TensorDictBase, loss_module: nn.M
     )
 
 
-def _has_no_entries(batch: TensorDictBase) -> bool:
-    """``batch.is_empty()``; a plain ``TensorDict`` whose first entry is a tensor is answered without its nested walk."""
-    if type(batch) is TensorDict:
-        for value in batch._tensordict.values():
-            if type(value) is torch.Tensor:
-                return False
-            break
-    return batch.is_empty()
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter of ``optimizer`` holds a gradient."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return True
+    return False
 
 
-def _check_batch(batch: Any) -> None:
-    if not isinstance(batch, TensorDictBase):
+def _check_batch(batch: Any) -> int:
+    """The number of samples in ``batch``; raises when it is not a TensorDict or holds nothing."""
+    plain = type(batch) is TensorDict
+    if not plain and not isinstance(batch, TensorDictBase):
         raise TypeError(f"update() takes a TensorDict batch, got {type(batch).__name__}.")
-    if batch.batch_size.numel() == 0 or _has_no_entries(batch):
-        raise ValueError(
-            f"update() got an empty batch (batch_size {tuple(batch.batch_size)}, keys "
-            f"{sorted(map(str, batch.keys()))}); a loss over no samples has nothing to learn from. "
-            "Skip empty batches before calling update()."
-        )
+    samples = batch.batch_size.numel()
+    if samples:
+        if plain:  # a first entry that is a tensor answers is_empty() without its nested walk
+            for value in batch._tensordict.values():
+                if type(value) is torch.Tensor:
+                    return samples
+                break
+        if not batch.is_empty():
+            return samples
+    raise ValueError(
+        f"update() got an empty batch (batch_size {tuple(batch.batch_size)}, keys "
+        f"{sorted(map(str, batch.keys()))}); a loss over no samples has nothing to learn from. "
+        "Skip empty batches before calling update()."
+    )
 
 
 def plain_weights(loss_module: nn.Module, policy: nn.Module | None, cpu_offload: bool) -> TensorDictBase:

@@ -32,7 +32,11 @@ def build_optimizer(optimizer: OptimizerLike, params: Iterable[nn.Parameter]) ->
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+    """Every parameter of ``optimizer``, in group order (the group's own list when there is one: do not mutate)."""
+    groups = optimizer.param_groups
+    if len(groups) == 1:
+        return groups[0]["params"]
+    return [p for group in groups for p in group["params"]]
 
 
 def uncovered_with_grad(
