@@ -18,6 +18,7 @@ from torch import nn
 
 from fabric_learner.checkpoint import sharded as sharded_files
 from fabric_learner._carrier import LossForwarder
+from fabric_learner._compat import wrapped_forward
 from fabric_learner.checkpoint.files import FORMAT, AtomicCheckpointIO, overwrite_error
 from fabric_learner._compile import fused_adam
 from fabric_learner.optim import build_optimizer
@@ -48,6 +49,8 @@ class ReplicatedBackend:
             self.module = fabric.setup_module(wrapper)
             default = fused_adam if compile and optimizer is None else optimizer
             self.optimizer = fabric.setup_optimizers(build_optimizer(default, self.module.parameters()))
+        ddp = wrapped_forward(self.module)  # DDP reads the output's tensors only for these two options
+        wrapper.expose_leaves = bool(getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False))
 
     def named_parameters(self):
         return self.loss_module.named_parameters()
