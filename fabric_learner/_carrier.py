@@ -32,9 +32,9 @@ class LossForwarder(nn.Module):
     ``convert`` maps each batch tensor to what the loss must see (device move and precision
     cast) or is ``None`` when the batch goes in untouched. ``call`` replaces ``loss_module(batch)``
     when given (a ``CompiledLoss``). The output is returned as ``(Carrier(output), leaves)``: the
-    leaves let DDP's unused-parameter search (and its static graph) see the graph. Where nothing
-    looks at them (plain DDP, no wrapper), ``expose_leaves = False`` saves their walk over the
-    output: ~150 Python calls of a PPO update.
+    leaves let DDP's unused-parameter search see the graph. Where nothing looks at them (plain DDP,
+    no wrapper), ``expose_leaves = False`` saves their walk over the output: ~150 Python calls of a
+    PPO update.
     """
 
     def __init__(self, loss_module: nn.Module, device: torch.device, convert: Callable | None,

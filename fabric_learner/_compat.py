@@ -69,6 +69,11 @@ def allow_unused_parameters(strategy: Any) -> None:
     strategy._ddp_kwargs["find_unused_parameters"] = True
 
 
+def ddp_option(strategy: Any, name: str) -> Any:
+    """A keyword argument a Fabric ``DDPStrategy`` will pass to ``DistributedDataParallel`` (no public getter)."""
+    return getattr(strategy, "_ddp_kwargs", {}).get(name)
+
+
 def release_ddp_group(ddp: Any) -> None:
     """Drop a ``DistributedDataParallel``'s internal references to its process group.
 

@@ -22,7 +22,7 @@ from fabric_learner import _rng, _teardown
 from fabric_learner.checkpoint import sharded as sharded_files
 from fabric_learner._carrier import Carrier, run_loss
 from fabric_learner.checkpoint.files import naming, read_learner_file
-from fabric_learner._compat import allow_unused_parameters, fabric_callbacks, scaler_unscaled_this_step, strategy_timeout, wrapped_forward
+from fabric_learner._compat import allow_unused_parameters, ddp_option, fabric_callbacks, scaler_unscaled_this_step, strategy_timeout, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
 from fabric_learner.optim import OptimizerLike, optimizer_params
 from fabric_learner._sample_counts import SampleTrace
@@ -136,6 +136,12 @@ class FabricLearner(Learner):
                 timeout=timeout,
             )
         sharded = is_sharded_strategy(fabric.strategy)
+        if ddp_option(fabric.strategy, "static_graph"):
+            raise ValueError(
+                "DDP with static_graph=True is not supported: DDP then synchronises gradients through hooks on the "
+                "tensors its module returns, which the learner's loss output does not pass through, so the ranks "
+                "would silently train apart. Nothing was launched. Build the DDPStrategy without static_graph."
+            )
         if sharded and compile:
             raise ValueError(
                 "compile=True is not supported with sharded strategies (FSDP) yet; nothing was launched. Use "

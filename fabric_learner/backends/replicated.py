@@ -15,6 +15,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from tensordict import TensorDictBase
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from fabric_learner.checkpoint import sharded as sharded_files
 from fabric_learner._carrier import LossForwarder
@@ -49,8 +50,11 @@ class ReplicatedBackend:
             self.module = fabric.setup_module(wrapper)
             default = fused_adam if compile and optimizer is None else optimizer
             self.optimizer = fabric.setup_optimizers(build_optimizer(default, self.module.parameters()))
-        ddp = wrapped_forward(self.module)  # DDP reads the output's tensors only for these two options
-        wrapper.expose_leaves = bool(getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False))
+        # the output's tensors go unread by the bare forwarder and by DDP without find_unused_parameters
+        # (static_graph is refused); any other wrapper keeps them
+        inner = wrapped_forward(self.module)
+        wrapper.expose_leaves = not (inner is wrapper or (
+            type(inner) is DistributedDataParallel and not inner.find_unused_parameters))
 
     def named_parameters(self):
         return self.loss_module.named_parameters()
