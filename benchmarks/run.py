@@ -639,7 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default=",".join(common.WORKLOADS),
                    help=f"comma-separated workloads for cases a, b, f and compile (of {', '.join(common.WORKLOADS)})")
     p.add_argument("--reps", type=int, default=None, help="repetitions of case a (default: the mode's)")
-    p.add_argument("--out", default=os.path.join(RESULTS, "latest.json"))
+    p.add_argument("--out", default=None,
+                   help="results JSON (default: results/latest.json for a full run of every case, the one the "
+                        "docs cite; results/partial.json for --quick, --smoke, --only, --workloads or --reps)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON, and print its tables")
     args = p.parse_args(argv)
     if args.replot:
@@ -657,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.reps < 2:
             p.error(f"--reps must be at least 2 (a median and an interval need repetitions), got {args.reps}")
         cfg = replace(cfg, reps=args.reps)
+    if args.out is None:
+        whole = not (args.quick or args.smoke) and cfg == FULL
+        args.out = os.path.join(RESULTS, "latest.json" if whole else "partial.json")
     only = set(args.only.split(","))
     warnings.filterwarnings("ignore")
     common.set_one_thread()
