@@ -659,9 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.reps < 2:
             p.error(f"--reps must be at least 2 (a median and an interval need repetitions), got {args.reps}")
         cfg = replace(cfg, reps=args.reps)
-    if args.out is None:
-        whole = not (args.quick or args.smoke) and cfg == FULL
-        args.out = os.path.join(RESULTS, "latest.json" if whole else "partial.json")
+    if args.out is None:  # any change to the full configuration (mode, --only, --workloads, --reps) makes it partial
+        args.out = os.path.join(RESULTS, "latest.json" if cfg == FULL else "partial.json")
     only = set(args.only.split(","))
     warnings.filterwarnings("ignore")
     common.set_one_thread()

@@ -555,7 +555,6 @@ def test_16_mixed_by_name_under_fsdp_is_refused_before_anything_is_launched():
     assert child_pids() <= children  # Fabric's launcher would have started rank 1 as a child
 
 
-
 def test_ddp_static_graph_is_refused_before_anything_is_launched():
     """DDP's ``static_graph=True`` synchronises gradients through hooks on the tensors its module returns,
     which the learner's loss output does not pass through: 2 gloo ranks trained apart from the first
@@ -572,6 +571,7 @@ def test_ddp_static_graph_is_refused_before_anything_is_launched():
         FabricLearner(make_loss("dqn")[0], accelerator="cpu", strategy=DDPStrategy(static_graph=True), devices=2)
     assert (dist.group.WORLD if dist.is_initialized() else None) is group
     assert child_pids() <= children
+
 
 def assert_unchanged_params(learner, before):
     for k, v in flat_params(learner.loss_module).items():
