@@ -33,6 +33,15 @@ import common  # noqa: E402
 from fabric_learner import FabricLearner  # noqa: E402
 
 
+def _summed_over_ranks(cpu: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each block's process CPU seconds summed over the ranks (a collective)."""
+    if not dist.is_initialized():
+        return cpu
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, cpu)
+    return {name: [sum(samples) for samples in zip(*(rank_cpu[name] for rank_cpu in every))] for name in cpu}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -51,27 +60,37 @@ def main() -> None:
     rank = world = None
     for name in [w for w in args.workloads.split(",") if w]:
         batches = common.make_batches(name, seed=1 + 7919 * int(os.environ.get("RANK", "0")))
-        loss_l, _ = common.make_loss(name, seed=0)
-        learner = FabricLearner(loss_l, None, clip_grad_norm=common.CLIP, accelerator="cpu", strategy="ddp")
-        rank, world = learner.global_rank, learner.world_size
-        loss_h, _ = common.make_loss(name, seed=0)
-        hand = common.HandDDP(loss_h)
-        twin = common.HandDDP(common.make_loss(name, seed=0)[0])  # A/A control: the same loop again
-        k = len(batches)
+        learners, hands = [], []
+
+        def learner():
+            built = FabricLearner(common.make_loss(name, seed=0)[0], None, clip_grad_norm=common.CLIP,
+                                  accelerator="cpu", strategy="ddp")
+            learners.append(built)
+            return built
+
+        def hand():
+            hands.append(common.HandDDP(common.make_loss(name, seed=0)[0]))
+            return hands[-1]
+
         contenders = {
-            "FabricLearner(ddp)": lambda i: learner.update(batches[i % k]),
-            "hand DDP": lambda i: hand.update(batches[i % k]),
-            "hand DDP (twin)": lambda i: twin.update(batches[i % k]),
+            "FabricLearner(ddp)": common.rotating(learner, batches),
+            "hand DDP": common.rotating(hand, batches),
+            # A/A control: the same loop again
+            "hand DDP (twin)": common.rotating(lambda: common.HandDDP(common.make_loss(name, seed=0)[0]), batches),
         }
+        rank, world = learners[0].global_rank, learners[0].world_size
         cpu: dict[str, list[float]] = {}
         samples = common.interleaved(contenders, reps=args.reps, inner=args.inner, warmup=args.warmup,
                                      sync=dist.barrier, cpu=cpu)
-        # Both contenders took the same steps on the same batches; DQN is deterministic, so their
-        # weights must still agree (PPO's and SAC's losses sample, so theirs drift apart).
+        # Each learner copy and the hand copy beside it took the same steps on the same batches; DQN is
+        # deterministic, so their weights must still agree (PPO's and SAC's losses sample: they drift apart).
         same = None
         if name == "dqn":
             same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-                       for a, b in zip(loss_l.parameters(), loss_h.parameters()))
+                       for copy, h in zip(learners, hands)
+                       for a, b in zip(copy.loss_module.parameters(), h.ddp.module.loss.parameters()))
+        # the work of a block is what every rank spent on it: their CPU seconds, summed
+        cpu = _summed_over_ranks(cpu)
         results["updates"][name] = {"samples_s": samples, "cpu_s": cpu, "same_weights": same,
                                     "threads": torch.get_num_threads()}
 

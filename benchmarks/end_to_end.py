@@ -1,14 +1,16 @@
 """End to end: the ported PPO MuJoCo recipe (Trainer + learner) against torchrl's recipe loop.
 
-Part 1, one process, interleaved repetitions: frames per second of torchrl's recipe loop
-(rewritten in ``tests/test_ppo_recipe.py``, the test that shows both give the same updates)
-against the port (``examples/ppo_mujoco.py``) on ``LocalLearner``, on
-``FabricLearner(devices=1)`` and on ``FabricLearner(devices=1, compile=True)``. Each run builds
-its networks, environments and collector, collects ``--batches`` batches of 2048 frames and
-takes the recipe's 10 epochs x 32 minibatch updates per batch; the clock covers all of it.
-Goal: the port at least 0.97 of the recipe loop: met when the 95% bootstrap interval of the
-per-repetition ratio lies at or above 0.97 (modes run in a random order each repetition, the
-garbage collector between runs). The median ``update`` call is reported beside it: ``compile=True`` pays its warm-up (tens of seconds, once) inside a short run's frames/s.
+Part 1, one process, in lockstep: frames per second of torchrl's recipe loop (rewritten in
+``tests/test_ppo_recipe.py``, the test that shows both give the same updates) against the port
+(``examples/ppo_mujoco.py``) on ``LocalLearner``, on ``FabricLearner(devices=1)`` and on
+``FabricLearner(devices=1, compile=True)``. Each run builds its networks, environments and
+collector, collects ``--batches`` batches of 2048 frames and takes the recipe's 10 epochs x 32
+minibatch updates per batch; the clock covers all of it. The runs go side by side, one thread
+each, taking turns of ~20 ms (``Lockstep``), so each stretch of one run is timed next to the
+same stretch of the others. Goal: the port at least 0.97 of the recipe loop in thread CPU time, met
+when the 95% bootstrap interval (over paired turns) lies at or above it; wall time is reported
+beside it. The median ``update`` call is reported too: ``compile=True`` pays its warm-up (tens of
+seconds, once) inside a short run's frames/s.
 
 Part 2, the same total frames on 2 DDP ranks and on 1 process (``FabricLearner``), each with a
 per-stage profile of rank 0: collection (the collector's iterator), advantage (GAE before each
@@ -27,6 +29,7 @@ environments, collector, learner, trainer). Wall and process CPU seconds per sta
 repetitions.
 
     python benchmarks/end_to_end.py [--reps 3] [--batches 2]
+    python benchmarks/end_to_end.py --part 1 --reps 3 --batches 6 --out benchmarks/results/end_to_end_part1.json
     python benchmarks/end_to_end.py --part stages --reps 5 --batches 1   # --reps 0: the call counts only
 
 Results: printed, and written to ``benchmarks/results/end_to_end.json``.
@@ -36,18 +39,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
+import itertools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
 
+import numpy  # noqa: E402
 import torch  # noqa: E402
 
 import common  # noqa: E402
@@ -56,6 +65,12 @@ from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "end_to_end.json"
 GOAL = 0.97  # the port's frames/s at least this share of the recipe loop's (part 1)
+# Part 1's turns (``Lockstep``): ~15-25 ms of work each. Turns of one step measured every run at
+# half its speed alone (four runs' data evicting each other from the caches); turns of a whole
+# batch (~4 s) no longer shared the host's speed, which drifts faster than that.
+ENV_STEPS_PER_PAUSE = 16
+DRAWS_PER_PAUSE = 4
+TURN_TIMEOUT_S = 600  # a turn is ~20 ms; compile=True's first one compiles
 
 
 class StageClock:
@@ -118,6 +133,152 @@ class StageClock:
                     self.stage = outer
                 yield item
         return timed_iterator
+
+
+class Lockstep:
+    """Runs whole runs side by side in one process, one thread each, taking short turns.
+
+    Whole runs, interleaved, could not decide a 3% goal here: the host's speed drifts by ~20%
+    within seconds, so two runs a minute apart, or even two batches 4 s apart, see different
+    machines. Here a run pauses at points that every run reaches in the same order (``_pausing``:
+    every 16th environment step, every 4th minibatch draw) and the next run takes the core:
+    segment ``s`` of every run (its setup for ``s = 0``) runs back to back with the others', in a
+    random order per round, and the runs are compared segment by segment. Only one thread runs at
+    a time, so a segment's thread CPU time and its wall time belong to its run alone. Each run's
+    RNG state (torch, numpy, ``random``) is put aside at a pause and restored at its turn, so it
+    draws what it would draw alone; a full garbage collection runs every 500 rounds, between
+    segments, never inside one.
+    """
+
+    def __init__(self, runs: dict[str, Callable[[], Any]]) -> None:
+        self.runs = runs
+        self._turn = {name: threading.Semaphore(0) for name in runs}
+        self._back = threading.Semaphore(0)
+        self._names: dict[int, str] = {}  # thread id -> run
+        self._rng: dict[str, tuple] = {}
+        self._start: dict[str, float] = {}
+        self.cpu: dict[str, list[float]] = {name: [] for name in runs}
+        self.wall: dict[str, list[float]] = {name: [] for name in runs}
+        self.results: dict[str, Any] = {}
+
+    def pause(self) -> None:
+        """Called from a run's thread: end its segment and wait for its next turn."""
+        name = self._names.get(threading.get_ident())
+        if name is None:  # not a lockstep run
+            return
+        self._end_segment(name)
+        self._back.release()
+        self._turn[name].acquire()
+        self._begin_segment(name)
+
+    def _begin_segment(self, name: str) -> None:
+        if name in self._rng:
+            torch_state, numpy_state, python_state = self._rng[name]
+            torch.set_rng_state(torch_state)
+            numpy.random.set_state(numpy_state)
+            random.setstate(python_state)
+        self._start[name] = time.thread_time()
+
+    def _end_segment(self, name: str) -> None:
+        self.cpu[name].append(time.thread_time() - self._start[name])
+        self._rng[name] = (torch.get_rng_state(), numpy.random.get_state(), random.getstate())
+
+    def _thread(self, name: str) -> None:
+        self._names[threading.get_ident()] = name
+        self._turn[name].acquire()
+        self._begin_segment(name)
+        try:
+            self.results[name] = self.runs[name]()
+        except BaseException as err:  # noqa: BLE001 - reported by run() in the main thread
+            self.results[name] = err
+        self._end_segment(name)
+        self._back.release()
+
+    def run(self) -> None:
+        """Every run to its end, one segment each per round; raises the first run's error."""
+        threads = {name: threading.Thread(target=self._thread, args=(name,), daemon=True) for name in self.runs}
+        for thread in threads.values():
+            thread.start()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for segment in itertools.count():
+                active = [name for name in self.runs if name not in self.results]
+                if not active:
+                    break
+                if segment % 500 == 0:  # a full collection costs ~0.1 s with four runs alive
+                    gc.collect()
+                for name in common.order_for(segment, active):
+                    start = time.perf_counter()
+                    self._turn[name].release()
+                    if not self._back.acquire(timeout=TURN_TIMEOUT_S):
+                        raise RuntimeError(f"lockstep run {name!r} did not pause or end within {TURN_TIMEOUT_S} s")
+                    self.wall[name].append(time.perf_counter() - start)
+        finally:
+            if was_enabled:
+                gc.enable()
+        for name, result in self.results.items():
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"lockstep run {name!r} failed") from result
+        lengths = {name: len(v) for name, v in self.cpu.items()}
+        if len(set(lengths.values())) != 1:
+            raise RuntimeError(f"the runs took different numbers of segments: {lengths}")
+
+
+def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000, seed: int = 0) -> tuple[float, tuple]:
+    """sum(num) / sum(den) over every repetition's paired segments, and its 95% bootstrap interval.
+
+    Resampled in two stages: repetitions, then segments in pairs within each, because a run
+    keeps its speed relative to the others for its whole life (runs of the same code differed by
+    2-5% per repetition where their paired segments alone gave intervals of ±1%), so the interval
+    must see how many runs it rests on, not only how many segments.
+    """
+    rng = numpy.random.default_rng(seed)
+    reps = [(numpy.asarray(a), numpy.asarray(b)) for a, b in zip(num, den)]
+    boot = numpy.empty(n)
+    for i in range(n):
+        tops = bottoms = 0.0
+        for r in rng.integers(0, len(reps), size=len(reps)):
+            a, b = reps[r]
+            picks = rng.integers(0, len(a), size=len(a))
+            tops += a[picks].sum()
+            bottoms += b[picks].sum()
+        boot[i] = tops / bottoms
+    boot.sort()
+    total = sum(a.sum() for a, _ in reps) / sum(b.sum() for _, b in reps)
+    return float(total), (float(boot[int(0.025 * n)]), float(boot[int(0.975 * n) - 1]))
+
+
+@contextlib.contextmanager
+def _pausing(lockstep: Lockstep):
+    """Every environment step and every minibatch draw pauses its run: the recipe's environments and
+    replay buffers, which the loop and the port alike build from ``ppo_mujoco``."""
+    saved = recipe.make_env, recipe.TensorDictReplayBuffer
+
+    def pausing(call, every: int):
+        calls = itertools.count()
+
+        def paused(*args, **kwargs):
+            if next(calls) % every == 0:
+                lockstep.pause()
+            return call(*args, **kwargs)
+        return paused
+
+    def make_env(*args, **kwargs):
+        env = saved[0](*args, **kwargs)
+        env.step_and_maybe_reset = pausing(env.step_and_maybe_reset, ENV_STEPS_PER_PAUSE)
+        return env
+
+    def buffer(*args, **kwargs):
+        built = saved[1](*args, **kwargs)
+        built.sample = pausing(built.sample, DRAWS_PER_PAUSE)
+        return built
+
+    recipe.make_env, recipe.TensorDictReplayBuffer = make_env, buffer
+    try:
+        yield
+    finally:
+        recipe.make_env, recipe.TensorDictReplayBuffer = saved
 
 
 def _recipe_args(batches: int, world: int = 1):
@@ -231,42 +392,16 @@ def main() -> None:
         out.write_text(json.dumps(report, indent=1))
         return
     modes = {
-        "torchrl recipe loop": lambda: run_torchrl_loop(args.batches),
-        "port, LocalLearner": lambda: run_port(args.batches, LocalLearner, {}),
-        "port, FabricLearner": lambda: run_port(args.batches, FabricLearner, {"accelerator": "cpu", "devices": 1}),
-        "port, FabricLearner compile=True": lambda: run_port(
-            args.batches, FabricLearner, {"accelerator": "cpu", "devices": 1, "compile": True}),
+        "torchrl recipe loop": run_torchrl_loop,
+        "port, LocalLearner": lambda batches: run_port(batches, LocalLearner, {}),
+        "port, FabricLearner": lambda batches: run_port(batches, FabricLearner, {"accelerator": "cpu", "devices": 1}),
+        "port, FabricLearner compile=True": lambda batches: run_port(
+            batches, FabricLearner, {"accelerator": "cpu", "devices": 1, "compile": True}),
     }
     report: dict = {"batches": args.batches, "reps": args.reps, "git": _git_head(),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.part in ("1", "both"):
-        runs: dict[str, list] = {name: [] for name in modes}
-        for rep in range(args.reps):
-            for name in common.order_for(rep, list(modes)):  # every mode once per repetition, in a random order
-                gc.collect()
-                runs[name].append(modes[name]())
-                r = runs[name][-1]
-                print(f"rep {rep} {name}: {r['frames'] / r['seconds']:.0f} frames/s ({r['seconds']:.1f} s)", flush=True)
-        fps = {name: [r["frames"] / r["seconds"] for r in rs] for name, rs in runs.items()}
-        base = fps["torchrl recipe loop"]
-        report["part 1"] = {
-            name: {"frames/s median": statistics.median(v), "frames/s": v,
-                   "ratio to the recipe loop (per repetition)": [x / b for x, b in zip(v, base)],
-                   "ratio median": statistics.median([x / b for x, b in zip(v, base)]),
-                   "ratio 95% interval": common.bootstrap_ci(v, base),
-                   "update ms, median call (median over repetitions)": (statistics.median(
-                       [r["update ms (median call)"] for r in runs[name]]) if "stages" in runs[name][0] else None)}
-            for name, v in fps.items()}
-        print("\npart 1: one process, frames/s (median) and ratio to torchrl's recipe loop (goal >= 0.97)"
-              + ("; with under 10 repetitions the interval is close to the range of the ratios" if args.reps < 10 else ""))
-        for name, row in report["part 1"].items():
-            ms = row["update ms, median call (median over repetitions)"]
-            lo, hi = row["ratio 95% interval"]
-            # the goal is a floor: met when the whole interval is at or above it (run.decide's rule, mirrored)
-            if name != "torchrl recipe loop":
-                row["verdict"] = "met" if lo >= GOAL else "NOT met" if hi < GOAL else "undecided"
-            print(f"  {name:36s} {row['frames/s median']:7.0f}  ratio {row['ratio median']:.3f} [{lo:.3f}, {hi:.3f}]"
-                  + (f"  update {ms:.2f} ms" if ms else "") + ("" if name == "torchrl recipe loop" else f"  {row['verdict']}"))
+        report["part 1"] = part_one(modes, args.reps, args.batches)
     if args.part in ("2", "both"):
         two = part_two(2 * args.batches)
         report["part 2"] = two
@@ -283,6 +418,64 @@ def main() -> None:
     out = Path(args.out) if args.out else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
+
+
+def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -> dict:
+    """Every mode run ``reps`` times in lockstep (``Lockstep``); frames/s and the ratio to the loop.
+
+    A first lockstep round of one batch, not counted, pays the process's one-time costs (lazy
+    imports, the first environment), which would otherwise land on whichever run went first.
+    The ratio is the loop's time over the run's (its frames/s over the loop's, the frames being
+    equal), summed over segments, with a bootstrap interval over repetitions and the paired
+    segments within them (``ratio_of_sums``). The verdict
+    reads thread CPU time: one thread runs at a time, so a segment's CPU time is its run's work,
+    while its wall time also holds the waits for a core that other jobs on the host cause.
+    """
+    cpu: dict[str, list[list[float]]] = {name: [] for name in modes}  # per repetition, per segment
+    wall: dict[str, list[list[float]]] = {name: [] for name in modes}
+    results: dict[str, list[dict]] = {name: [] for name in modes}
+    for rep in range(-1, reps):
+        lockstep = Lockstep({name: functools.partial(run, 1 if rep < 0 else batches) for name, run in modes.items()})
+        with _pausing(lockstep):
+            lockstep.run()
+        if rep < 0:
+            continue
+        for name in modes:
+            cpu[name].append(lockstep.cpu[name])
+            wall[name].append(lockstep.wall[name])
+            results[name].append(lockstep.results[name])
+        print(f"rep {rep}: " + ", ".join(f"{name} {sum(lockstep.wall[name]):.1f} s" for name in modes), flush=True)
+    base = "torchrl recipe loop"
+    print(f"\npart 1: one process, {reps} lockstep repetitions of {len(cpu[base][0])} paired segments; frames/s "
+          f"and the ratio to torchrl's recipe loop (its time / the run's), goal >= {GOAL} in thread CPU time")
+    table = {}
+    for name in modes:
+        frames = sum(r["frames"] for r in results[name])
+        seconds = {kind: sum(map(sum, samples[name])) for kind, samples in (("cpu", cpu), ("wall", wall))}
+        row: dict[str, Any] = {
+            "frames": frames, "frames/s (cpu)": frames / seconds["cpu"], "frames/s (wall)": frames / seconds["wall"],
+            "segments cpu s": cpu[name], "segments wall s": wall[name],
+            "ratio per repetition (cpu)": [sum(b) / sum(a) for a, b in zip(cpu[name], cpu[base])],
+        }
+        if "stages" in results[name][0]:
+            row["update ms, median call (median over repetitions)"] = statistics.median(
+                r["update ms (median call)"] for r in results[name])
+        if name != base:
+            for kind, samples in (("cpu", cpu), ("wall", wall)):
+                ratio, (lo, hi) = ratio_of_sums(samples[base], samples[name])
+                row[f"ratio ({kind})"], row[f"ratio 95% interval ({kind})"] = ratio, (lo, hi)
+            lo, hi = row["ratio 95% interval (cpu)"]
+            # the goal is a floor: met when the whole interval is at or above it (run.decide's rule, mirrored)
+            row["verdict"] = "met" if lo >= GOAL else "NOT met" if hi < GOAL else "undecided"
+        table[name] = row
+        line = f"  {name:36s} {row['frames/s (cpu)']:6.0f} frames/s cpu, {row['frames/s (wall)']:6.0f} wall"
+        if name != base:
+            line += (f"  ratio cpu {row['ratio (cpu)']:.3f} [{row['ratio 95% interval (cpu)'][0]:.3f}, "
+                     f"{row['ratio 95% interval (cpu)'][1]:.3f}], wall {row['ratio (wall)']:.3f} "
+                     f"[{row['ratio 95% interval (wall)'][0]:.3f}, {row['ratio 95% interval (wall)'][1]:.3f}]"
+                     f"  {row['verdict']}")
+        print(line, flush=True)
+    return table
 
 
 @contextlib.contextmanager
