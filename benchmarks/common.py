@@ -273,7 +273,7 @@ def interleaved(
     return samples
 
 
-INSTANCES = 3  # copies of each contender, taking turns (``rotating``)
+INSTANCES = 5  # copies of each contender, taking turns (``rotating``); coprime with the 4 batches
 
 
 def rotating(build: Callable[[], Any], batches: Sequence[TensorDict],
@@ -281,11 +281,14 @@ def rotating(build: Callable[[], Any], batches: Sequence[TensorDict],
     """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``.
 
     Two identical contenders, built the same way from the same seeds, can differ by 1-3% for
-    their whole life (measured: two LocalLearners at 1.010 and 1.024 of one hand loop in one
-    process, two FabricLearners under DDP at 1.037 and 1.003 of one hand DDP loop), most likely
-    from where their tensors land in memory (not isolated here). More repetitions do not average
-    that away; several copies taking turns do. Every contender gets the same number of copies and
-    sees the same batch on the same call, so call ``i`` of two contenders is still the same work.
+    their whole life, most likely from where their tensors land in memory (not isolated here):
+    in one full run with three copies, LocalLearner's copies measured 1.003, 1.014 and 1.032 of the
+    hand loop on PPO, and under DDP the A/A twin's copies 0.972, 0.977 and 1.017 on DQN. More
+    repetitions of one copy do not average that away; several copies taking turns do, and
+    ``bootstrap_ci(..., copies=...)`` counts how many there were. Every contender gets the same
+    number of copies and sees the same batch on the same call, so call ``i`` of two contenders is
+    still the same work; with ``inner=1`` and a warm-up that is a multiple of ``instances``,
+    repetition ``r`` is copy ``r % instances``.
     """
     updates = [build().update for _ in range(instances)]
     k = len(batches)
@@ -301,11 +304,24 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
 
 
-def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of ``paired_ratio``: how far noise alone moves it."""
+def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: int = 0,
+                 copies: int = 1) -> tuple[float, float]:
+    """95% bootstrap interval of ``paired_ratio``: how far noise alone moves it.
+
+    With ``copies`` > 1 (samples from ``rotating``: sample ``r`` came from copy ``r % copies``) it
+    resamples in two stages, copies and then repetitions within each, so the interval also holds
+    the copy-to-copy spread, which repetitions of the same copies cannot shrink.
+    """
     rng = random.Random(seed)
-    ratios = [a / b for a, b in zip(num, den)]
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    groups = [group for group in (ratios[c::copies] for c in range(copies)) if group]
+    meds = []
+    for _ in range(n):
+        drawn = []
+        for group in rng.choices(groups, k=len(groups)):
+            drawn += rng.choices(group, k=len(group))
+        meds.append(statistics.median(drawn))
+    meds.sort()
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 

@@ -2,8 +2,9 @@
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/ddp_case.py --out r.json
 
-Both contenders live in the same launch and take turns, each repetition in a random order,
-the same on every rank (`common.order_for`), with a barrier around every timed block:
+The contenders live in the same launch and take turns, each repetition in a random order,
+the same on every rank (`common.order_for`), with a barrier around every timed block; each is
+five copies taking turns (`common.rotating`), and each block's CPU seconds are summed over the ranks:
 - case b: ``FabricLearner(strategy="ddp")`` vs a hand-written ``DistributedDataParallel`` loop
   over the same loss (wrapped in ``SumLoss``), same seeds, same per-rank batches, and a second,
   identical hand loop as an A/A control;
@@ -39,7 +40,8 @@ def _summed_over_ranks(cpu: dict[str, list[float]]) -> dict[str, list[float]]:
         return cpu
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, cpu)
-    return {name: [sum(samples) for samples in zip(*(rank_cpu[name] for rank_cpu in every))] for name in cpu}
+    return {name: [sum(samples) for samples in zip(*(rank_cpu[name] for rank_cpu in every), strict=True)]
+            for name in cpu}
 
 
 def main() -> None:
@@ -87,8 +89,8 @@ def main() -> None:
         same = None
         if name == "dqn":
             same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-                       for copy, h in zip(learners, hands)
-                       for a, b in zip(copy.loss_module.parameters(), h.ddp.module.loss.parameters()))
+                       for copy, h in zip(learners, hands, strict=True)
+                       for a, b in zip(copy.loss_module.parameters(), h.ddp.module.loss.parameters(), strict=True))
         # the work of a block is what every rank spent on it: their CPU seconds, summed
         cpu = _summed_over_ranks(cpu)
         results["updates"][name] = {"samples_s": samples, "cpu_s": cpu, "same_weights": same,

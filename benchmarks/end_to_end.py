@@ -6,11 +6,12 @@ Part 1, one process, in lockstep: frames per second of torchrl's recipe loop (re
 ``FabricLearner(devices=1, compile=True)``. Each run builds its networks, environments and
 collector, collects ``--batches`` batches of 2048 frames and takes the recipe's 10 epochs x 32
 minibatch updates per batch; the clock covers all of it. The runs go side by side, one thread
-each, taking turns of ~20 ms (``Lockstep``), so each stretch of one run is timed next to the
-same stretch of the others. Goal: the port at least 0.97 of the recipe loop in thread CPU time, met
-when the 95% bootstrap interval (over paired turns) lies at or above it; wall time is reported
-beside it. The median ``update`` call is reported too: ``compile=True`` pays its warm-up (tens of
-seconds, once) inside a short run's frames/s.
+each, taking turns of ~30 ms (``Lockstep``), so each stretch of one run is timed next to the
+same stretch of the others, beside a second run of the loop as an A/A control. Goal: the port at
+least 0.97 of the recipe loop in thread CPU time, met when the 95% bootstrap interval (over
+repetitions and the paired turns within them) lies at or above it; wall time is reported beside
+it, and the median ``update`` call. A first round of one batch, not counted, pays the process's
+one-time costs, ``compile=True``'s compilation among them: its figure is the steady state.
 
 Part 2, the same total frames on 2 DDP ranks and on 1 process (``FabricLearner``), each with a
 per-stage profile of rank 0: collection (the collector's iterator), advantage (GAE before each
@@ -32,7 +33,8 @@ repetitions.
     python benchmarks/end_to_end.py --part 1 --reps 3 --batches 6 --out benchmarks/results/end_to_end_part1.json
     python benchmarks/end_to_end.py --part stages --reps 5 --batches 1   # --reps 0: the call counts only
 
-Results: printed, and written to ``benchmarks/results/end_to_end.json``.
+Results: printed, and written to ``benchmarks/results/end_to_end.json`` (or ``--out``), with the
+commit, marked ``+dirty`` when the working tree differs from it.
 """
 
 from __future__ import annotations
@@ -65,12 +67,13 @@ from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "end_to_end.json"
 GOAL = 0.97  # the port's frames/s at least this share of the recipe loop's (part 1)
-# Part 1's turns (``Lockstep``): ~15-25 ms of work each. Turns of one step measured every run at
-# half its speed alone (four runs' data evicting each other from the caches); turns of a whole
-# batch (~4 s) no longer shared the host's speed, which drifts faster than that.
+# Part 1's turns (``Lockstep``): ~30 ms of work each. Turns of one step (2,369 a batch) cost about
+# as much switching as work; turns of a whole batch (~4 s) no longer shared the host's speed,
+# which drifts faster than that.
 ENV_STEPS_PER_PAUSE = 16
 DRAWS_PER_PAUSE = 4
-TURN_TIMEOUT_S = 600  # a turn is ~20 ms; compile=True's first one compiles
+TWIN = "torchrl recipe loop (twin)"  # part 1's A/A control: the same loop again
+TURN_TIMEOUT_S = 600  # a turn is ~30 ms; compile=True's first one compiles
 
 
 class StageClock:
@@ -146,12 +149,14 @@ class Lockstep:
     random order per round, and the runs are compared segment by segment. Only one thread runs at
     a time, so a segment's thread CPU time and its wall time belong to its run alone. Each run's
     RNG state (torch, numpy, ``random``) is put aside at a pause and restored at its turn, so it
-    draws what it would draw alone; a full garbage collection runs every 500 rounds, between
-    segments, never inside one.
+    keeps drawing from its own streams; a full garbage collection runs every 100 rounds,
+    between turns, never inside one, so no run pays for its own collections (about 4 per run).
     """
 
-    def __init__(self, runs: dict[str, Callable[[], Any]]) -> None:
+    def __init__(self, runs: dict[str, Callable[[], Any]], seed: int = 0) -> None:
         self.runs = runs
+        self.seed = seed  # with the round, seeds each round's order
+        self.process_cpu = 0.0  # the whole process's CPU seconds over run(): the turns' sum plus the switching
         self._turn = {name: threading.Semaphore(0) for name in runs}
         self._back = threading.Semaphore(0)
         self._names: dict[int, str] = {}  # thread id -> run
@@ -201,20 +206,22 @@ class Lockstep:
             thread.start()
         was_enabled = gc.isenabled()
         gc.disable()
+        start_cpu = time.process_time()
         try:
             for segment in itertools.count():
                 active = [name for name in self.runs if name not in self.results]
                 if not active:
                     break
-                if segment % 500 == 0:  # a full collection costs ~0.1 s with four runs alive
+                if segment % 100 == 0:  # a full collection costs ~0.1 s with the runs alive
                     gc.collect()
-                for name in common.order_for(segment, active):
+                for name in common.order_for(self.seed * 1_000_003 + segment, active):
                     start = time.perf_counter()
                     self._turn[name].release()
                     if not self._back.acquire(timeout=TURN_TIMEOUT_S):
                         raise RuntimeError(f"lockstep run {name!r} did not pause or end within {TURN_TIMEOUT_S} s")
                     self.wall[name].append(time.perf_counter() - start)
         finally:
+            self.process_cpu = time.process_time() - start_cpu
             if was_enabled:
                 gc.enable()
         for name, result in self.results.items():
@@ -334,7 +341,7 @@ def run_port(batches: int, learner_cls, learner_kwargs: dict, world: int = 1) ->
     seconds = time.perf_counter() - start
     out = {"seconds": seconds, "setup seconds": built - start, "frames": trainer.collected_frames,
            "updates": learner.num_updates, "stages": clock.seconds, "rank": learner.global_rank,
-           # the median update: compile's warm-up (tens of seconds, once) is in the sums, not here
+           # the median update: leaves out compile's warm-up (tens of seconds, once) where a run pays it
            "update ms (median call)": 1e3 * statistics.median(clock.calls["update"])}
     learner.close()
     return out
@@ -393,6 +400,7 @@ def main() -> None:
         return
     modes = {
         "torchrl recipe loop": run_torchrl_loop,
+        TWIN: run_torchrl_loop,
         "port, LocalLearner": lambda batches: run_port(batches, LocalLearner, {}),
         "port, FabricLearner": lambda batches: run_port(batches, FabricLearner, {"accelerator": "cpu", "devices": 1}),
         "port, FabricLearner compile=True": lambda batches: run_port(
@@ -434,8 +442,10 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
     cpu: dict[str, list[list[float]]] = {name: [] for name in modes}  # per repetition, per segment
     wall: dict[str, list[list[float]]] = {name: [] for name in modes}
     results: dict[str, list[dict]] = {name: [] for name in modes}
+    outside: list[float] = []  # per repetition: process CPU seconds not in any run's turns
     for rep in range(-1, reps):
-        lockstep = Lockstep({name: functools.partial(run, 1 if rep < 0 else batches) for name, run in modes.items()})
+        lockstep = Lockstep({name: functools.partial(run, 1 if rep < 0 else batches) for name, run in modes.items()},
+                            seed=rep)
         with _pausing(lockstep):
             lockstep.run()
         if rep < 0:
@@ -444,6 +454,7 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
             cpu[name].append(lockstep.cpu[name])
             wall[name].append(lockstep.wall[name])
             results[name].append(lockstep.results[name])
+        outside.append(lockstep.process_cpu - sum(sum(v) for v in lockstep.cpu.values()))
         print(f"rep {rep}: " + ", ".join(f"{name} {sum(lockstep.wall[name]):.1f} s" for name in modes), flush=True)
     base = "torchrl recipe loop"
     print(f"\npart 1: one process, {reps} lockstep repetitions of {len(cpu[base][0])} paired segments; frames/s "
@@ -466,7 +477,8 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
                 row[f"ratio ({kind})"], row[f"ratio 95% interval ({kind})"] = ratio, (lo, hi)
             lo, hi = row["ratio 95% interval (cpu)"]
             # the goal is a floor: met when the whole interval is at or above it (run.decide's rule, mirrored)
-            row["verdict"] = "met" if lo >= GOAL else "NOT met" if hi < GOAL else "undecided"
+            row["verdict"] = ("A/A control" if name == TWIN else
+                              "met" if lo >= GOAL else "NOT met" if hi < GOAL else "undecided")
         table[name] = row
         line = f"  {name:36s} {row['frames/s (cpu)']:6.0f} frames/s cpu, {row['frames/s (wall)']:6.0f} wall"
         if name != base:
@@ -475,6 +487,8 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
                      f"[{row['ratio 95% interval (wall)'][0]:.3f}, {row['ratio 95% interval (wall)'][1]:.3f}]"
                      f"  {row['verdict']}")
         print(line, flush=True)
+    table["process CPU s outside the turns, per repetition"] = outside
+    print(f"  process CPU outside the runs' turns (switching, collections): at most {max(outside):.2f} s a repetition")
     return table
 
 
@@ -576,11 +590,16 @@ def part_stages(reps: int, batches: int) -> dict:
 
 
 def _git_head() -> str:
+    """The commit, with ``+dirty`` when the package, benchmarks, examples or tests differ from it."""
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "fabric_learner",
+                                  "benchmarks/*.py", "examples", "tests"], capture_output=True, text=True,
+                                 check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+dirty" if changed else "")
 
 
 if __name__ == "__main__":
