@@ -201,9 +201,8 @@ class Lockstep:
 
     def run(self) -> None:
         """Every run to its end, one segment each per round; raises the first run's error."""
-        threads = {name: threading.Thread(target=self._thread, args=(name,), daemon=True) for name in self.runs}
-        for thread in threads.values():
-            thread.start()
+        for name in self.runs:
+            threading.Thread(target=self._thread, args=(name,), daemon=True).start()
         was_enabled = gc.isenabled()
         gc.disable()
         start_cpu = time.process_time()
