@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in found:
                 lo, hi = row["ci95"]
                 lines.append(f"   {row['contender']:30s} / hand: {row['ratio']:.4f} [{lo:.4f}, {hi:.4f}] "
-                             f"(+{row['extra_per_update'] / 1e3:.0f} k)  goal {row['goal']}  {row['verdict']}")
+                             f"({row['extra_per_update'] / 1e3:+.0f} k)  goal {row['goal']}  {row['verdict']}")
             print("\n".join(lines), flush=True)
             return per_update, found
 

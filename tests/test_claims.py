@@ -50,13 +50,30 @@ def test_the_published_performance_table_is_no_older_than_the_update_path(page):
     section = text[text.index("# Performance"):]
     named = re.search(r"git `([0-9a-f]{7,40})`", section)
     assert named, f"{page}'s Performance section names no commit"
-    table = _commit(named.group(1), f"{page}'s table")
+    _assert_not_older_than_the_update_path(named.group(1), f"{page}'s benchmark table", "benchmarks/run.py")
+
+
+def _assert_not_older_than_the_update_path(short: str, what: str, script: str) -> None:
+    measured = _commit(short, what)
     last = _git("log", "-1", "--format=%H", "--", *UPDATE_PATH).stdout.strip()
     assert last, "git log found no commit touching the update path"
-    older = _git("merge-base", "--is-ancestor", last, table).returncode != 0
+    older = _git("merge-base", "--is-ancestor", last, measured).returncode != 0
     assert not older, (
-        f"{page}'s benchmark table was measured at {named.group(1)}, before the update path last changed "
-        f"({last[:7]}: {' '.join(UPDATE_PATH)}). Rerun `python benchmarks/run.py` at HEAD and copy its table.")
+        f"{what} was measured at {short}, before the update path last changed "
+        f"({last[:7]}: {' '.join(UPDATE_PATH)}). Rerun `python {script}` at HEAD and copy its figures.")
+
+
+def test_the_published_instruction_counts_are_the_files_and_no_older_than_the_update_path():
+    import json
+
+    result = json.load(open(os.path.join(ROOT, "benchmarks", "results", "instructions.json")))
+    assert result["machine"]["fabric_learner_dirty"] is False, "counted with uncommitted changes to fabric_learner/"
+    fabric = {row["workload"]: row["ratio"] for row in result["rows"] if row["contender"].startswith("FabricLearner")}
+    published = " / ".join(f"{fabric[w]:.3f}" for w in ("ppo", "dqn", "sac"))
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert f"| same, instructions (callgrind) | {published} |" in readme, (published, "README.md's instructions row")
+    _assert_not_older_than_the_update_path(result["machine"]["git_head"], "benchmarks/results/instructions.json",
+                                           "benchmarks/instructions.py")
 
 
 def _png_text(path) -> dict[str, str]:
