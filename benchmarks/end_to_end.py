@@ -30,7 +30,7 @@ environments, collector, learner, trainer). Wall and process CPU seconds per sta
 repetitions.
 
     python benchmarks/end_to_end.py [--reps 3] [--batches 2]
-    python benchmarks/end_to_end.py --part 1 --reps 3 --batches 6 --out benchmarks/results/end_to_end_part1.json
+    python benchmarks/end_to_end.py --part 1 --reps 8 --batches 2 --out benchmarks/results/end_to_end_part1.json
     python benchmarks/end_to_end.py --part stages --reps 5 --batches 1   # --reps 0: the call counts only
 
 Results: printed, and written to ``benchmarks/results/end_to_end.json`` (or ``--out``), with the
