@@ -66,13 +66,25 @@ def _assert_not_older_than_the_update_path(short: str, what: str, script: str) -
 def test_the_published_instruction_counts_are_the_files_and_no_older_than_the_update_path():
     import json
 
+    from instructions import rows_for
+
     result = json.load(open(os.path.join(ROOT, "benchmarks", "results", "instructions.json")))
-    assert result["machine"]["fabric_learner_dirty"] is False, "counted with uncommitted changes to fabric_learner/"
-    fabric = {row["workload"]: row["ratio"] for row in result["rows"] if row["contender"].startswith("FabricLearner")}
-    published = " / ".join(f"{fabric[w]:.3f}" for w in ("ppo", "dqn", "sac"))
+    machine = result["machine"]
+    assert machine.get("fabric_learner_dirty") is False, (
+        f"counted at {machine.get('git_head')} with fabric_learner/ uncommitted or unknown "
+        f"(fabric_learner_dirty={machine.get('fabric_learner_dirty')!r}): rerun benchmarks/instructions.py on a clean tree")
+    rows = {(row["workload"], row["contender"].split(".")[0]): row
+            for name, counts in result["per_update"].items() for row in rows_for(name, counts)}
+    assert list(rows.values()) == result["rows"], "the stored rows do not follow from the stored counts"
+    fabric = [rows[w, "FabricLearner(cpu,1)"] for w in ("ppo", "dqn", "sac")]
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert f"| same, instructions (callgrind) | {published} |" in readme, (published, "README.md's instructions row")
-    _assert_not_older_than_the_update_path(result["machine"]["git_head"], "benchmarks/results/instructions.json",
+    published = " / ".join(f"{row['ratio']:.3f}" for row in fabric)
+    assert f"| same, instructions (callgrind, `{machine['git_head']}`) | {published} |" in readme, published
+    performance = open(os.path.join(ROOT, "docs", "performance.md")).read()
+    for row in fabric:
+        lo, hi = row["range"]
+        assert f"{row['ratio']:.4f} (" in performance and f"{lo:.4f}-{hi:.4f})" in performance, row
+    _assert_not_older_than_the_update_path(machine["git_head"], "benchmarks/results/instructions.json",
                                            "benchmarks/instructions.py")
 
 
