@@ -273,6 +273,23 @@ def interleaved(
     return samples
 
 
+def case_a_contenders(name: str) -> dict[str, Callable[[], Any]]:
+    """Case a's contenders on workload ``name``, by label, each a builder of one fresh copy: the same
+    loss and seeds everywhere, clipping at ``CLIP``, Adam; the twin is the A/A control."""
+    from fabric_learner import FabricLearner, LocalLearner
+
+    def loss():
+        return make_loss(name)[0]
+
+    return {
+        "hand torchrl loop": lambda: HandTorchrl(loss()),
+        "hand torchrl loop (twin)": lambda: HandTorchrl(loss()),
+        "hand Fabric loop": lambda: HandFabric(loss()),
+        "LocalLearner.update": lambda: LocalLearner(loss(), clip_grad_norm=CLIP),
+        "FabricLearner(cpu,1).update": lambda: FabricLearner(loss(), clip_grad_norm=CLIP, accelerator="cpu", devices=1),
+    }
+
+
 INSTANCES = 5  # copies of each contender, taking turns (``rotating``); coprime with the 4 batches
 
 

@@ -40,7 +40,6 @@ commit, marked ``+dirty`` when the working tree differs from it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import gc
 import itertools
@@ -54,6 +53,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
@@ -255,12 +255,18 @@ def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000,
     return float(total), (float(boot[int(0.025 * n)]), float(boot[int(0.975 * n) - 1]))
 
 
-@contextlib.contextmanager
+def _adjusted_builders(**adjust: Callable[[Any], Any]):
+    """``ppo_mujoco``'s builders named in ``adjust`` patched for a ``with`` block, each result passed
+    through its adjuster: the loop (``tests/test_ppo_recipe.py``) and the ports build from them alike."""
+    def through(name: str, original: Callable) -> Callable:
+        return lambda *args, **kwargs: adjust[name](original(*args, **kwargs))
+
+    return mock.patch.multiple(recipe, **{name: through(name, getattr(recipe, name)) for name in adjust})
+
+
 def _pausing(lockstep: Lockstep):
     """Every environment step and every minibatch draw pauses its run: the recipe's environments and
     replay buffers, which the loop and the port alike build from ``ppo_mujoco``."""
-    saved = recipe.make_env, recipe.TensorDictReplayBuffer
-
     def pausing(call, every: int):
         calls = itertools.count()
 
@@ -270,21 +276,15 @@ def _pausing(lockstep: Lockstep):
             return call(*args, **kwargs)
         return paused
 
-    def make_env(*args, **kwargs):
-        env = saved[0](*args, **kwargs)
-        env.step_and_maybe_reset = pausing(env.step_and_maybe_reset, ENV_STEPS_PER_PAUSE)
-        return env
+    def env(built):
+        built.step_and_maybe_reset = pausing(built.step_and_maybe_reset, ENV_STEPS_PER_PAUSE)
+        return built
 
-    def buffer(*args, **kwargs):
-        built = saved[1](*args, **kwargs)
+    def buffer(built):
         built.sample = pausing(built.sample, DRAWS_PER_PAUSE)
         return built
 
-    recipe.make_env, recipe.TensorDictReplayBuffer = make_env, buffer
-    try:
-        yield
-    finally:
-        recipe.make_env, recipe.TensorDictReplayBuffer = saved
+    return _adjusted_builders(make_env=env, TensorDictReplayBuffer=buffer)
 
 
 def _recipe_args(batches: int, world: int = 1):
@@ -491,33 +491,23 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
     return table
 
 
-@contextlib.contextmanager
 def _instrumented_recipe(clock: StageClock):
-    """The recipe's collector, GAE and replay buffer, timed; patched in ``ppo_mujoco``, which both the
-    loop (``tests/test_ppo_recipe.py``) and the port build them from, so both sides are timed alike."""
-    saved = recipe.Collector, recipe.make_loss, recipe.TensorDictReplayBuffer
-
-    def collector(*args, **kwargs):
-        built = saved[0](*args, **kwargs)
+    """The recipe's collector, GAE and replay buffer, timed alike on both sides (``_adjusted_builders``)."""
+    def collector(built):
         built.iterator = clock.wrap_iterator("collection", built.iterator)
         return built
 
-    def make_loss(*args, **kwargs):
-        loss, gae = saved[1](*args, **kwargs)
+    def loss_and_gae(built):
+        gae = built[1]
         gae.forward = clock.wrap("advantage", gae.forward)
-        return loss, gae
+        return built
 
-    def buffer(*args, **kwargs):
-        built = saved[2](*args, **kwargs)
+    def buffer(built):
         built.extend = clock.wrap("replay", built.extend)
         built.sample = clock.wrap("replay", built.sample)
         return built
 
-    recipe.Collector, recipe.make_loss, recipe.TensorDictReplayBuffer = collector, make_loss, buffer
-    try:
-        yield
-    finally:
-        recipe.Collector, recipe.make_loss, recipe.TensorDictReplayBuffer = saved
+    return _adjusted_builders(Collector=collector, make_loss=loss_and_gae, TensorDictReplayBuffer=buffer)
 
 
 def staged_run(name: str, batches: int, count_calls: bool = False) -> dict:

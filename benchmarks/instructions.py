@@ -72,22 +72,12 @@ def _child(lib: str, name: str, reps: int, updates: int, warmup: int) -> None:
 
     warnings.filterwarnings("ignore")
     import common
-    from fabric_learner import FabricLearner, LocalLearner
 
     common.set_one_thread()
     helper = ctypes.CDLL(lib)
     batches = common.make_batches(name)
-
-    def loss():
-        return common.make_loss(name)[0]
-
-    steps = {
-        "hand": common.rotating(lambda: common.HandTorchrl(loss()), batches),
-        "twin": common.rotating(lambda: common.HandTorchrl(loss()), batches),
-        "local": common.rotating(lambda: LocalLearner(loss(), clip_grad_norm=common.CLIP), batches),
-        "fabric": common.rotating(
-            lambda: FabricLearner(loss(), clip_grad_norm=common.CLIP, accelerator="cpu", devices=1), batches),
-    }
+    builders = common.case_a_contenders(name)
+    steps = {key: common.rotating(builders[label], batches) for key, (label, _, _) in CONTENDERS.items()}
     calls = dict.fromkeys(steps, 0)
     for key, step in steps.items():
         for _ in range(warmup * common.INSTANCES):

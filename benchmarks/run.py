@@ -183,22 +183,9 @@ def case_a(cfg: Config) -> list[Row]:
     rows = []
     for name in cfg.workloads:
         batches = common.make_batches(name)
-
-        def loss():
-            return common.make_loss(name)[0]
-
         cpu: dict[str, list[float]] = {}
         samples = common.interleaved(
-            {
-                "hand torchrl loop": common.rotating(lambda: common.HandTorchrl(loss()), batches),
-                # A/A control: the same loop again
-                "hand torchrl loop (twin)": common.rotating(lambda: common.HandTorchrl(loss()), batches),
-                "hand Fabric loop": common.rotating(lambda: common.HandFabric(loss()), batches),
-                "LocalLearner.update": common.rotating(
-                    lambda: LocalLearner(loss(), clip_grad_norm=common.CLIP), batches),
-                "FabricLearner(cpu,1).update": common.rotating(
-                    lambda: FabricLearner(loss(), clip_grad_norm=common.CLIP, accelerator="cpu", devices=1), batches),
-            },
+            {label: common.rotating(build, batches) for label, build in common.case_a_contenders(name).items()},
             reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu,
         )
         assert torch.get_num_threads() == 1, torch.get_num_threads()
