@@ -19,15 +19,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fabric_learner import _rng, _teardown
-from fabric_learner.checkpoint import sharded as sharded_files
+from fabric_learner.checkpoint import dcp_folder
 from fabric_learner._carrier import Carrier, run_loss
 from fabric_learner.checkpoint.files import naming, read_learner_file
 from fabric_learner._compat import allow_unused_parameters, ddp_option, fabric_callbacks, scaler_unscaled_this_step, strategy_timeout, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
 from fabric_learner.optim import OptimizerLike, optimizer_params
 from fabric_learner._sample_counts import SampleTrace
-from fabric_learner.backends import ReplicatedBackend, ShardedBackend, is_sharded_strategy
-from fabric_learner.backends.sharded import ShardedLoss
+from fabric_learner.backends import Counters, Resumed, Setup, backend_for
+from fabric_learner.sharding import ShardedLoss
 from fabric_learner._stages import Stage
 from fabric_learner.learner import Capabilities, Learner, clipped_norm
 
@@ -135,20 +135,14 @@ class FabricLearner(Learner):
                 accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision,
                 timeout=timeout,
             )
-        sharded = is_sharded_strategy(fabric.strategy)
+        backend_type = backend_for(fabric.strategy)
         if ddp_option(fabric.strategy, "static_graph"):
             raise ValueError(
                 "DDP with static_graph=True is not supported: DDP then synchronises gradients through hooks on the "
                 "tensors its module returns, which the learner's loss output does not pass through, so the ranks "
                 "would silently train apart. Nothing was launched. Build the DDPStrategy without static_graph."
             )
-        if sharded and compile:
-            raise ValueError(
-                "compile=True is not supported with sharded strategies (FSDP) yet; nothing was launched. Use "
-                "compile=True on a single device or under DDP, or compile=False under FSDP."
-            )
-        if sharded and isinstance(optimizer, torch.optim.Optimizer):
-            ShardedBackend.check_optimizer(optimizer)
+        backend_type.refuse(optimizer, compile)
         launch(fabric)
         if owns_timeout and not group_existed:
             apply_collective_timeout(fabric, timeout)
@@ -162,11 +156,8 @@ class FabricLearner(Learner):
         if stages and isinstance(fabric.strategy, DDPStrategy):
             # a stage's backward reaches only its part of the loss: DDP must not wait for the rest
             allow_unused_parameters(fabric.strategy)
-        if sharded:
-            backend = ShardedBackend(fabric, loss_module, optimizer, convert, policy, self.stages)
-        else:
-            backend = ReplicatedBackend(fabric, loss_module, optimizer, convert, self._compiled_call(), compile,
-                                        self.stages)
+        backend = backend_type(Setup(fabric, loss_module, optimizer, convert, self._compiled_call(), compile, policy,
+                                     self.stages))
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_module", backend.module)
         self.optimizer = backend.optimizer
@@ -180,7 +171,7 @@ class FabricLearner(Learner):
         object.__setattr__(self, "_direct", _wrappers_do_nothing(fabric, plugin))
         object.__setattr__(self, "_direct_forward", self._direct and type(fabric.strategy) is SingleDeviceStrategy)
         object.__setattr__(self, "_device", fabric.device)  # fixed once launched; read on every forward
-        self.capabilities = Capabilities(sharded=sharded, distributed=fabric.world_size > 1)
+        self.capabilities = Capabilities(sharded=backend.sharded, distributed=fabric.world_size > 1)
         self._poison_gradients = fabric.world_size > 1
         self._samples = SampleTrace()
         if fabric.world_size > 1:
@@ -366,7 +357,7 @@ class FabricLearner(Learner):
 
         Unsharded: one file through ``fabric.save``, written on rank 0 to a temporary file beside
         ``path``, flushed to disk and renamed onto it (``AtomicCheckpointIO``). Sharded: a folder
-        where each rank writes its own shards (see ``checkpoint.sharded``), made current by an atomic rename of
+        where each rank writes its own shards (see ``checkpoint.dcp_folder``), made current by an atomic rename of
         its ``LATEST`` file.
 
         ``blocking=False``, sharded: returns as soon as the state is copied (staged), with a
@@ -378,21 +369,27 @@ class FabricLearner(Learner):
         cost the same memory as the file) and returns a finished future.
         """
         self.wait_for_save()
-        if blocking or not self.capabilities.sharded:
-            self._backend.save(self, Path(path))
-            return None if blocking else self._track_save(path, None)
-        return self._track_save(path, self._backend.save(self, Path(path), blocking=False))
+        counters = Counters(self.num_updates, self._accum_step, self._saved_param_names(),
+                            self._optimizer_param_names(), self._rng_states())
+        future = self._backend.save(Path(path), counters, blocking)
+        return None if blocking else self._track_save(path, future)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by any learner, any strategy or world size.
 
         Never runs code from the file: files load ``weights_only``, sharded folders through
-        ``sharded_files.SafeReader``. Everything is validated before anything changes.
+        ``dcp_folder.SafeReader``. Everything is validated before anything changes.
         """
         self.wait_for_save()
         with naming(path):
-            if sharded_files.is_sharded_checkpoint(path):
-                return self._backend.load_folder(self, Path(path))
+            if dcp_folder.is_sharded_checkpoint(path):
+                restored = self._backend.load_folder(Path(path), self._optimizer_param_names())
+                if isinstance(restored, Resumed):  # loaded in place
+                    self._resume_counters(restored.num_updates, restored.accum_step, restored.rng)
+                    self._weights_changed()
+                else:
+                    self.load_checkpoint(restored)
+                return None
             if Path(path).is_dir():
                 raise FileNotFoundError(f"{path} is a folder but holds no fabric_learner checkpoint (no LATEST file).")
             # every rank reads the file itself, as fabric.load does, but through the checked reader

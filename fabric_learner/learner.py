@@ -434,8 +434,7 @@ class Learner(nn.Module):
         keeps its parameters gathered (see ``FabricLearner.serve``). Returns whether ``module``
         holds parameters the loss trains.
         """
-        ours = {id(p) for p in self.loss_module.parameters()}
-        return any(id(p) in ours for p in module.parameters())
+        return holds_trained(self.loss_module, module)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -852,6 +851,12 @@ def _check_batch(batch: Any) -> int:
         f"{sorted(map(str, batch.keys()))}); a loss over no samples has nothing to learn from. "
         "Skip empty batches before calling update()."
     )
+
+
+def holds_trained(loss_module: nn.Module, module: nn.Module) -> bool:
+    """Whether ``module`` holds any of the parameters ``loss_module`` trains."""
+    ours = {id(p) for p in loss_module.parameters()}
+    return any(id(p) in ours for p in module.parameters())
 
 
 def plain_weights(loss_module: nn.Module, policy: nn.Module | None, cpu_offload: bool) -> TensorDictBase:

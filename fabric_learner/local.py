@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import torch
 from torch import nn
 
-from fabric_learner.checkpoint.sharded import is_sharded_checkpoint, read_full
+from fabric_learner.checkpoint.dcp_folder import is_sharded_checkpoint, read_full
 from fabric_learner.checkpoint.files import atomic_torch_save, file_state, naming, overwrite_error, read_learner_file
 from fabric_learner._compile import fused_adam
 from fabric_learner.optim import OptimizerLike, build_optimizer, optimizer_params

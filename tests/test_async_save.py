@@ -14,7 +14,7 @@ from multiproc import WORKERS, launch, python, run
 from rl_cases import make_loss
 
 from fabric_learner import LocalLearner
-from fabric_learner.checkpoint import sharded as sharded_files
+from fabric_learner.checkpoint import dcp_folder
 
 SCRIPT = os.path.join(WORKERS, "async_save_checks.py")
 
@@ -66,7 +66,7 @@ def test_an_async_save_holds_its_moments_state_although_training_went_on(main):
 
 
 def test_an_async_save_writes_what_a_sync_save_writes(main):
-    sync, background = (sharded_files.read_full(main["dir"] / name) for name in ("sync", "async"))
+    sync, background = (dcp_folder.read_full(main["dir"] / name) for name in ("sync", "async"))
     assert_same_state(sync, background)
     assert sync["param_names"] == background["param_names"]
     assert sync["optimizer"]["param_groups"] == background["optimizer"]["param_groups"]

@@ -8,7 +8,7 @@ import pytest
 
 from fabric_learner import _compat
 
-# names the checkpoint metadata unpickler (checkpoint.sharded) and the teardown (_teardown) build on
+# names the checkpoint metadata unpickler (checkpoint.dcp_folder) and the teardown (_teardown) build on
 NAMES = [
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
@@ -26,4 +26,4 @@ def test_a_private_api_in_use_is_still_there(where, owner, attribute):
 
 @pytest.mark.parametrize("module, name", NAMES)
 def test_a_private_name_the_checkpoint_reader_allows_is_still_there(module, name):
-    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone: update checkpoint.sharded's allow-list"
+    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone: update checkpoint.dcp_folder's allow-list"

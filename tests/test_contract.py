@@ -309,7 +309,7 @@ def test_a_crafted_sharded_checkpoint_metadata_runs_nothing(kind, tmp_path, monk
     """DCP's own reader unpickles ``.metadata`` with plain pickle; ours accepts only its classes."""
     import json
 
-    from fabric_learner.checkpoint.sharded import SHARDED_FORMAT
+    from fabric_learner.checkpoint.dcp_folder import SHARDED_FORMAT
 
     marker = tmp_path / "pwned"
     monkeypatch.setenv("FL_MARKER", str(marker))

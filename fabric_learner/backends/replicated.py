@@ -17,14 +17,14 @@ from tensordict import TensorDictBase
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_learner.checkpoint import sharded as sharded_files
 from fabric_learner._carrier import LossForwarder
 from fabric_learner._compat import wrapped_forward
-from fabric_learner.checkpoint.files import FORMAT, AtomicCheckpointIO, overwrite_error
 from fabric_learner._compile import fused_adam
+from fabric_learner.backends.base import Counters, Setup, setup_stage_optimizers
+from fabric_learner.checkpoint import dcp_folder
+from fabric_learner.checkpoint.files import FORMAT, AtomicCheckpointIO, overwrite_error
+from fabric_learner.learner import holds_trained, plain_weights
 from fabric_learner.optim import build_optimizer
-from fabric_learner._stages import StageOptimizers, build_stage_optimizers
-from fabric_learner.learner import plain_weights
 
 
 class ReplicatedBackend:
@@ -33,22 +33,24 @@ class ReplicatedBackend:
     sharded = False
     sharded_module = None
 
-    def __init__(self, fabric, loss_module: nn.Module, optimizer, convert, call, compile: bool, stages=()) -> None:
+    @classmethod
+    def refuse(cls, optimizer: Any, compile: bool) -> None:
+        """Every optimizer form and ``compile`` work here."""
+
+    def __init__(self, setup: Setup) -> None:
+        fabric, loss_module, optimizer = setup.fabric, setup.loss_module, setup.optimizer
         if type(fabric.strategy.checkpoint_io) is TorchCheckpointIO:  # a custom one is the user's
             fabric.strategy.checkpoint_io = AtomicCheckpointIO()
         self.fabric, self.loss_module = fabric, loss_module
-        wrapper = LossForwarder(loss_module, fabric.device, convert, call=call)
-        if stages:
+        wrapper = LossForwarder(loss_module, fabric.device, setup.convert, call=setup.call)
+        if setup.stages:
             self.module = fabric.setup_module(wrapper)
-            built = build_stage_optimizers(stages, loss_module.named_parameters())
-            wrapped = fabric.setup_optimizers(*built.values())
-            wrapped = wrapped if isinstance(wrapped, (tuple, list)) else (wrapped,)
-            self.optimizer = StageOptimizers(dict(zip(built, wrapped)))
+            self.optimizer = setup_stage_optimizers(fabric, setup.stages, loss_module.named_parameters())
         elif isinstance(optimizer, torch.optim.Optimizer):
             self.module, self.optimizer = fabric.setup(wrapper, optimizer)
         else:
             self.module = fabric.setup_module(wrapper)
-            default = fused_adam if compile and optimizer is None else optimizer
+            default = fused_adam if setup.compile and optimizer is None else optimizer
             self.optimizer = fabric.setup_optimizers(build_optimizer(default, self.module.parameters()))
         # the output's tensors go unread by the bare forwarder and by DDP without find_unused_parameters
         # (static_graph is refused); any other wrapper keeps them
@@ -66,8 +68,7 @@ class ReplicatedBackend:
         """Nothing to refresh: modules outside ``update`` use the trained parameters themselves."""
 
     def serve(self, module: nn.Module) -> bool:
-        ours = {id(p) for p in self.loss_module.parameters()}
-        return any(id(p) in ours for p in module.parameters())
+        return holds_trained(self.loss_module, module)
 
     def served_parameters(self) -> set[int]:
         return {id(p) for p in self.loss_module.parameters()}
@@ -90,19 +91,22 @@ class ReplicatedBackend:
     def load_optimizer_state(self, state, param_names: list[str]) -> None:
         self.optimizer.load_state_dict(state)
 
-    def save(self, learner, path: Path) -> None:
+    def save(self, path: Path, counters: Counters, blocking: bool = True) -> None:
+        """Rank 0 writes one file (atomically); ``blocking`` has nothing to overlap here."""
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a folder; a single-file checkpoint would replace it. Pass a file path.")
-        error = overwrite_error(path) if learner.global_rank == 0 else None
-        if learner.world_size > 1:  # rank 0 writes, so its answer holds for every rank
-            error = self.fabric.broadcast(error, src=0)
+        fabric = self.fabric
+        error = overwrite_error(path) if fabric.global_rank == 0 else None
+        if fabric.world_size > 1:  # rank 0 writes, so its answer holds for every rank
+            error = fabric.broadcast(error, src=0)
         if error is not None:
             raise FileExistsError(error)
-        # Fabric turns the module into a state dict itself; the rest is Learner._live_state's
-        self.fabric.save(path, {"format": FORMAT, "model": self.loss_module, "optimizer": learner._optimizer_state(),
-                                "param_names": learner._saved_param_names(), "accum_step": learner._accum_step,
-                                "num_updates": learner.num_updates, "rng": learner._rng_states()})
+        # Fabric turns the module into a state dict itself; the rest is what Learner.checkpoint holds
+        fabric.save(path, {"format": FORMAT, "model": self.loss_module,
+                           "optimizer": self.optimizer_state(counters.param_names),
+                           "param_names": counters.param_names, "accum_step": counters.accum_step,
+                           "num_updates": counters.num_updates, "rng": counters.rng})
 
-    def load_folder(self, learner, path: Path) -> None:
+    def load_folder(self, path: Path, optimizer_param_names: list[str]) -> dict[str, Any]:
         """A sharded checkpoint, read whole into this process (every rank reads it)."""
-        learner.load_checkpoint(sharded_files.read_full(path))
+        return dcp_folder.read_full(path)

@@ -71,7 +71,7 @@ from fabric_learner.asynchronous import AsyncCollection, versioned_policy
 from fabric_learner.checkpoint import trainer_state
 from fabric_learner.checkpoint.files import weights_only_load
 from fabric_learner.checkpoint.resize import fill_replay, replay_share, reseed
-from fabric_learner.checkpoint.sharded import read_json
+from fabric_learner.checkpoint.dcp_folder import read_json
 from fabric_learner.collectives import all_reduce, distributed_world_size
 from fabric_learner.trainer.hooks import LearnerStepper, LogThroughput, _TargetNetUpdate
 from fabric_learner.trainer.logging import _adapt_logger

@@ -27,7 +27,7 @@ from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # no
 from rl_cases import CLIP, LR, halves, make_batch, make_loss  # noqa: E402
 
 from fabric_learner import FabricLearner, shard_loss  # noqa: E402
-from fabric_learner.checkpoint import sharded as sharded_files  # noqa: E402
+from fabric_learner.checkpoint import dcp_folder  # noqa: E402
 
 TIMEOUT = timedelta(seconds=90)
 
@@ -45,8 +45,8 @@ def step(learner, s):
 
 def published(path):
     """The version ``LATEST`` names and its update count, as any process would read them now."""
-    folder = sharded_files.latest_version(path)
-    return folder.name, sharded_files.read_meta(folder)["num_updates"]
+    folder = dcp_folder.latest_version(path)
+    return folder.name, dcp_folder.read_meta(folder)["num_updates"]
 
 
 def main(out_dir):

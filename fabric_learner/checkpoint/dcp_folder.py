@@ -15,7 +15,8 @@ loss's own names and shapes, so the same keys load under DDP and in one process.
 never read. Loading reads ``.metadata`` with an unpickler that only accepts the checkpoint
 metadata classes, and tensors with ``weights_only``, so no code is ever unpickled.
 
-``save_version_async`` writes in the background (``FabricLearner.save(path, blocking=False)``):
+``write_version`` writes one version from every rank; with a stager it writes in the background
+(``FabricLearner.save(path, blocking=False)``):
 ``LATEST`` still switches only after every rank's shards are on disk.
 """
 
@@ -33,7 +34,7 @@ import uuid
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from fabric_learner import _compat
 from fabric_learner.checkpoint.files import atomic_write
 
 SHARDED_FORMAT = "fabric_learner/sharded-1"
@@ -75,6 +77,34 @@ def check_target(path: Path) -> None:
 
 def new_version_name(num_updates: int) -> str:
     return f"v{num_updates:09d}-{uuid.uuid4().hex[:8]}"
+
+
+def write_version(fabric: Any, path: Path, num_updates: int, build: Callable[[], tuple[dict, dict]],
+                  stager: Stager | None = None) -> Future | None:
+    """Collective: write ``build()``'s ``(tensors, meta)`` as a new version of ``path``, then publish it.
+
+    Rank 0 checks the target first; the version name is rank 0's, so every rank writes into the same
+    folder. With a ``stager`` the write and publish run in the background (``save_version_async``)
+    and its future is returned; without one this returns once ``LATEST`` names the new version.
+    """
+    rank = fabric.global_rank
+    if rank == 0:
+        check_target(path)
+    fabric.barrier()
+    version = fabric.broadcast(new_version_name(num_updates) if rank == 0 else None, src=0)
+    tensors, meta = build()
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    fabric.barrier()
+    if stager is not None:
+        group = async_group(_compat.strategy_timeout(fabric.strategy))
+        return save_version_async(path, version, tensors, meta, rank, group, stager)
+    save_version(path, version, tensors, meta, rank)
+    fabric.barrier()
+    if rank == 0:
+        publish(path, version)
+    fabric.barrier()
+    return None
 
 
 def save_version(path: Path, version: str, tensors: dict[str, Any], meta: dict[str, Any], rank: int) -> None:
