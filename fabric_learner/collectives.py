@@ -3,6 +3,10 @@
 Each function is a collective when a process group is up (call it on every rank, in the same
 order) and the plain local computation without one, so the same code runs under
 ``LocalLearner``. NCCL groups reduce on the current CUDA device, gloo on CPU.
+
+``group`` names the mesh dimension a reduction runs over: ``"dp"`` (the default), the
+data-parallel ranks, each of which feeds its own batch; another name of the run's mesh (see
+``sharding.mesh.use_mesh``); or a process group itself.
 """
 
 from __future__ import annotations
@@ -12,14 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fabric_learner.sharding.mesh import DATA_PARALLEL, process_group
+
 __all__ = ["all_reduce", "distributed_world_size", "global_count", "global_mean", "global_sum"]
 
 
-def distributed_world_size(group: Any = None) -> int:
-    """Ranks in ``group`` (the default world when ``None``); 1 without a process group."""
+def distributed_world_size(group: Any = DATA_PARALLEL) -> int:
+    """Ranks along mesh dimension ``group`` (or in a process group); 1 without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
-    return dist.get_world_size(group)
+    return dist.get_world_size(process_group(group))
 
 
 def _collective_device(group: Any = None) -> torch.device:
@@ -29,7 +35,7 @@ def _collective_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = DATA_PARALLEL) -> torch.Tensor:
     """All-reduce a detached copy of ``tensor`` (``op``: ``"sum"``, ``"max"``, ``"min"``).
 
     Returns a new tensor on ``tensor``'s device and dtype; ``tensor`` itself is not modified.
@@ -39,6 +45,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
     out = tensor.detach().clone()
     if distributed_world_size(group) == 1:
         return out
+    group = process_group(group)
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in ops:
         raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}.")
@@ -48,13 +55,14 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
     return buf.to(tensor.device)
 
 
-def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
+def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = DATA_PARALLEL) -> torch.Tensor:
     """Sum of ``x`` (where ``mask``) over every rank's data; not differentiable. A collective.
 
     Args:
         x (torch.Tensor): this rank's values.
         mask (torch.Tensor, optional): a boolean tensor broadcastable to ``x``'s leading dims.
-        group (optional): the process group (default: the world).
+        group (str or ProcessGroup): the mesh dimension to reduce over (default ``"dp"``, the
+            data-parallel ranks) or a process group.
 
     Examples:
         >>> import torch
@@ -67,7 +75,7 @@ def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = N
     return all_reduce(x.sum(), "sum", group)
 
 
-def global_count(n: int | torch.Tensor, group: Any = None) -> torch.Tensor:
+def global_count(n: int | torch.Tensor, group: Any = DATA_PARALLEL) -> torch.Tensor:
     """Sum over ranks of a local count (samples, valid mask entries, tokens), as float64. A collective.
 
     Examples:
@@ -77,7 +85,7 @@ def global_count(n: int | torch.Tensor, group: Any = None) -> torch.Tensor:
     return all_reduce(torch.as_tensor(n, dtype=torch.float64).reshape(()), "sum", group)
 
 
-def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
+def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = DATA_PARALLEL) -> torch.Tensor:
     """Mean of ``x`` (where ``mask``) over the union of every rank's data: global sum / global count.
 
     Ranks may hold different numbers of valid entries; each counts with its own weight, which
@@ -87,7 +95,8 @@ def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = 
     Args:
         x (torch.Tensor): this rank's values.
         mask (torch.Tensor, optional): a boolean tensor broadcastable to ``x``'s leading dims.
-        group (optional): the process group (default: the world).
+        group (str or ProcessGroup): the mesh dimension to reduce over (default ``"dp"``, the
+            data-parallel ranks) or a process group.
 
     Returns:
         A 0-dim tensor of ``x``'s dtype, equal on every rank.

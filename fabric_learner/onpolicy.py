@@ -40,6 +40,7 @@ from torchrl.objectives.value.advantages import GAE
 from torchrl.trainers import TrainerHookBase, ValueEstimatorHook
 
 from fabric_learner._loss import loss_keys
+from fabric_learner.sharding.mesh import DATA_PARALLEL, process_group
 from fabric_learner.collectives import (  # re-exported: part of this module's public API
     _broadcast_mask,
     _mask_like,
@@ -74,7 +75,7 @@ def normalize_advantage(
     *,
     out_key: NestedKey | None = None,
     mask_key: NestedKey | None = None,
-    group: Any = None,
+    group: Any = DATA_PARALLEL,
 ) -> TensorDictBase:
     """Standardise ``batch[key]`` with the mean and std of every rank's entries, in place.
 
@@ -93,7 +94,8 @@ def normalize_advantage(
     Keyword Args:
         out_key (NestedKey, optional): where to write the result (default: ``key``).
         mask_key (NestedKey, optional): a boolean entry selecting the valid samples.
-        group (optional): the process group (default: the world).
+        group (str or ProcessGroup): the mesh dimension to reduce over (default ``"dp"``, the
+            data-parallel ranks) or a process group.
 
     Returns:
         ``batch``, written in place.
@@ -138,7 +140,8 @@ class GlobalAdvantageNormalization(TrainerHookBase):
     Keyword Args:
         mask_key (NestedKey, optional): a boolean entry selecting the valid samples.
         per (str): ``"minibatch"`` or ``"batch"``.
-        group (optional): the process group (default: the world).
+        group (str or ProcessGroup): the mesh dimension to reduce over (default ``"dp"``, the
+            data-parallel ranks) or a process group.
 
     Raises:
         ValueError: ``per`` is neither.
@@ -153,7 +156,7 @@ class GlobalAdvantageNormalization(TrainerHookBase):
     """
 
     def __init__(self, key: NestedKey = "advantage", *, mask_key: NestedKey | None = None,
-                 per: str = "minibatch", group: Any = None) -> None:
+                 per: str = "minibatch", group: Any = DATA_PARALLEL) -> None:
         if per not in ("minibatch", "batch"):
             raise ValueError(f"per must be 'minibatch' or 'batch', got {per!r}.")
         self.key, self.mask_key, self.per, self.group = key, mask_key, per, group
@@ -296,7 +299,8 @@ class GlobalMeanLoss(nn.Module):
 
     Keyword Args:
         mask_key (NestedKey, optional): a boolean batch entry weighing the samples.
-        group (optional): the process group (default: the world).
+        group (str or ProcessGroup): the mesh dimension to reduce over (default ``"dp"``, the
+            data-parallel ranks) or a process group.
 
     Raises:
         ValueError: (on call) with ``mask_key``, a loss entry that does not keep the batch's
@@ -319,7 +323,7 @@ class GlobalMeanLoss(nn.Module):
         True
     """
 
-    def __init__(self, loss_module: nn.Module, *, mask_key: NestedKey | None = None, group: Any = None) -> None:
+    def __init__(self, loss_module: nn.Module, *, mask_key: NestedKey | None = None, group: Any = DATA_PARALLEL) -> None:
         super().__init__()
         self.loss_module = loss_module
         self.mask_key = mask_key
@@ -424,7 +428,8 @@ class EpochPartitionSampler(TrainerHookBase):
     Keyword Args:
         seed (int, optional): seeds a generator with ``seed + rank`` (reproducible partitions,
             checkpointed with the sampler's state); without it the global torch RNG is used.
-        group (optional): the process group the ranks agree over (default: the world).
+        group (str or ProcessGroup): the mesh dimension whose ranks agree (default ``"dp"``, the
+            data-parallel ranks) or a process group.
 
     Raises:
         ValueError: ``minibatch_size`` is below 1.
@@ -445,7 +450,7 @@ class EpochPartitionSampler(TrainerHookBase):
 
     earlier_state_keys = (frozenset({"generator"}),)  # trainer checkpoints from before it used torchrl's sampler
 
-    def __init__(self, minibatch_size: int, *, seed: int | None = None, group: Any = None) -> None:
+    def __init__(self, minibatch_size: int, *, seed: int | None = None, group: Any = DATA_PARALLEL) -> None:
         if minibatch_size < 1:
             raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}.")
         self.minibatch_size = minibatch_size
@@ -453,7 +458,7 @@ class EpochPartitionSampler(TrainerHookBase):
         self.seed = seed
         self.generator: torch.Generator | None = None
         if seed is not None:
-            rank = dist.get_rank(group) if distributed_world_size(group) > 1 else 0
+            rank = dist.get_rank(process_group(group)) if distributed_world_size(group) > 1 else 0
             self.generator = torch.Generator().manual_seed(seed + rank)
         self.sampler = self._new_sampler()
         self._fresh = True  # the sampler holds no permutation, or an untouched one

@@ -216,3 +216,18 @@ def test_16_mixed_under_ddp_leaves_one_ranks_overflow_to_the_scaler_and_skips_it
     assert "Optimizer step 3 refused (rank 1): the loss entries ['loss'] are non-finite" in r1["raised"]
     for key in ("after_overflow", "after_nan", "after_next"):
         assert_ranks_identical(r0[key], r1[key])
+
+
+def test_collectives_reduce_over_the_named_mesh_dimension_data_parallel_by_default(ddp):
+    """A (dp=1, tp=2) mesh: "dp" holds one rank, so a global sum over it is the rank's own value, while
+    "tp" sums both ranks; without a registered mesh, "dp" is the whole world."""
+    for rank, result in enumerate(r["mesh"] for r in ddp["ranks"]):
+        unknown = result.pop("unknown")
+        assert result == {"no_mesh": 3.0, "dp": float(rank + 1), "tp": 3.0}
+        assert "('dp', 'tp'), not 'pp'" in unknown and "nothing was reduced" in unknown
+
+
+def test_any_mesh_dimension_is_this_process_alone_without_a_process_group():
+    from fabric_learner.collectives import global_sum
+
+    assert global_sum(torch.ones(2), group="tp").item() == 2.0

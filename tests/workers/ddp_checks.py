@@ -242,6 +242,27 @@ def mixed16_on_one_rank(rank, sharded=None):
     return res
 
 
+def mesh_dimensions(rank):
+    """global_sum over each named dimension of a (dp=1, tp=2) mesh, and over "dp" with no mesh registered."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fabric_learner.collectives import global_sum
+    from fabric_learner.sharding.mesh import use_mesh
+
+    value = torch.tensor([float(rank + 1)])
+    out = {"no_mesh": global_sum(value).item()}
+    use_mesh(init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")))
+    try:
+        out.update(dp=global_sum(value).item(), tp=global_sum(value, group="tp").item())
+        try:
+            global_sum(value, group="pp")
+        except ValueError as err:
+            out["unknown"] = str(err)
+    finally:
+        use_mesh(None)
+    return out
+
+
 def main(out_dir, local_ckpt):
     results = {"cases": {}, "accum": {}, "integrity": {}}
     rank = None
@@ -260,6 +281,7 @@ def main(out_dir, local_ckpt):
     results["nonfinite_nograd"] = nonfinite_without_gradient(rank)
     results["unequal"] = unequal_samples(rank)
     results["mixed16"] = mixed16_on_one_rank(rank)
+    results["mesh"] = mesh_dimensions(rank)
     for precision in ("32-true", "bf16-mixed", "bf16-true", "64-true"):
         results["integrity"][precision] = integrity(rank, precision)
     # a checkpoint written by LocalLearner loads under DDP, and training continues in step
