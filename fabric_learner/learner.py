@@ -22,15 +22,13 @@ from torch import nn
 from fabric_learner import _rng
 from fabric_learner._compile import CompiledLoss
 from fabric_learner._loss import detached, loss_keys, set_entry, total_loss
-from fabric_learner.optim import coverage_error, optimizer_params, uncovered_with_grad
-from fabric_learner._stages import Stage, as_output, check_stages, groups
-from fabric_learner.checkpoint.validate import (
-    check_checkpoint,
-    check_optimizer_state,
-    check_optimizer_structure,
-    clone_state,
-    reindex_optimizer_state,
-)
+from fabric_learner.optim import coverage_error, uncovered_with_grad
+from fabric_learner._staged_step import update_staged
+from fabric_learner._stages import Stage, check_stages
+from fabric_learner._step_parts import backward_seed, check_batch, reported_norm
+from fabric_learner.checkpoint import learner_state
+from fabric_learner.checkpoint.pending import PendingSave
+from fabric_learner.checkpoint.validate import check_checkpoint, clone_state
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ class Learner(nn.Module):
         self._coverage_checked = stages is not None  # stages cover every trained parameter by construction
         self.stages: tuple[Stage, ...] = tuple(stages or ())
         self._window_batches: list[TensorDictBase] = []  # staged learners: the window's micro-batches
-        self._pending_save: tuple[Any, Future] | None = None  # (path, future) of a save(blocking=False)
+        self._pending_save = PendingSave()  # a save(blocking=False) still being written
         self.optimizer: torch.optim.Optimizer
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -177,8 +175,8 @@ class Learner(nn.Module):
         False
         """
         if self.stages:
-            return self._update_staged(batch)
-        samples = _check_batch(batch)
+            return update_staged(self, batch)
+        samples = check_batch(batch)
         if self._accum_step + 1 == self.grad_accum_steps:  # gradients are synchronised on this one
             return self._step(self._micro_step(batch, samples))
         with self._sync_context(False):
@@ -207,7 +205,7 @@ class Learner(nn.Module):
             state["_window_samples"] += samples
             # 0 * mark is 0, or NaN when mark is not finite: the first loss stays, or turns NaN
             state["_window_mark"] = self._window_mark + mark * 0
-        seed = _backward_seed(mark) if self._poison_gradients else None
+        seed = backward_seed(mark) if self._poison_gradients else None
         if self.grad_accum_steps > 1:
             loss = loss / self.grad_accum_steps
         self._backward(loss, seed)  # even when non-finite: ranks must run the same collectives
@@ -227,12 +225,12 @@ class Learner(nn.Module):
                 raise coverage_error(missing)
             self._coverage_checked = True
         grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
-        set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
+        set_entry(result, "grad_norm", reported_norm(grad_norm, result.device))
         if self._refuse_step(grad_norm):  # the step's host sync
             if not self._poison_gradients and self._window_loss_nonfinite():
                 # NaN, as on several ranks, where the NaN seed reaches every gradient
                 grad_norm = torch.full_like(grad_norm, math.nan)
-                set_entry(result, "grad_norm", _reported_norm(grad_norm, result.device))
+                set_entry(result, "grad_norm", reported_norm(grad_norm, result.device))
             self._abandon_window()
             if self.on_nonfinite == "raise":
                 raise self._nonfinite_error(grad_norm)
@@ -247,90 +245,11 @@ class Learner(nn.Module):
         self._weights_changed()
         return result
 
-    # ---- several optimizers (see _stages) -----------------------------------------------------
-
-    def _update_staged(self, batch: TensorDictBase) -> TensorDictBase:
-        """``update`` for a learner with stages: each due stage's backward, clip and step, in order.
-
-        The first group of stages (see ``_stages.groups``) runs on each micro-batch as it comes,
-        with the window's starting weights; later groups run when the window ends, over all of
-        its micro-batches, after the groups before them have stepped. So two accumulated halves
-        equal one full batch, and a method stage sees the weights its predecessors just stepped.
-        """
-        _check_batch(batch)
-        k = self.grad_accum_steps
-        stepping = self._accum_step + 1 == k
-        plan = groups([s for s in self.stages if s.due(self.num_updates)])
-        if self._accum_step == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            self._window_batches, self._window_results, self._window_samples = [], [], 0
-            self._group_seeds: list[torch.Tensor | None] = [None] * len(plan)
-        self._window_samples += batch.batch_size.numel()
-        result = self._stage_backward(plan, 0, batch, sync=stepping)
-        self._accum_step += 1
-        if len(plan) > 1:
-            self._window_batches.append(batch)
-        if not stepping:
-            return result
-        self._accum_step = 0
-        micro, self._window_batches = self._window_batches, []
-        stepped: list[str] = []
-        skipped = False
-        for index, group in enumerate(plan):
-            if index:
-                for i, each in enumerate(micro):
-                    result.update(self._stage_backward(plan, index, each, sync=i == len(micro) - 1))
-            for stage in group:
-                optimizer = self.optimizer.by_stage[stage.name]
-                clip = math.inf if stage.clip_grad_norm is None else stage.clip_grad_norm
-                grad_norm = self._clip_gradients(clip, optimizer)
-                result.set(f"grad_norm_{stage.name}", _reported_norm(grad_norm, result.device))
-                loss_bad = self.world_size == 1 and not math.isfinite(self._group_seeds[index].item())
-                if not math.isfinite(grad_norm.item()) or loss_bad:
-                    if self.on_nonfinite == "raise":
-                        self._abandon_window()
-                        raise FloatingPointError(
-                            f"Optimizer step {self.num_updates + 1}, stage {stage.name!r} refused: its "
-                            f"{'loss' if loss_bad else 'grad_norm'} is non-finite. Its parameters and optimizer "
-                            f"state did not change; stages {stepped} had already stepped in this update and later "
-                            "stages did not run. Check the batch for nan/inf, lower the learning rate or set the "
-                            "stage's clip_grad_norm, or build the learner with on_nonfinite='skip'."
-                        )
-                    skipped = True
-                    continue
-                self._optimizer_step(optimizer)
-                stepped.append(stage.name)
-            self.optimizer.zero_grad(set_to_none=True)
-        self.skipped_updates += int(skipped)
-        if stepped:
-            self.num_updates += 1
-            self._weights_changed()
-        return result
-
-    def _stage_backward(self, plan, index: int, batch: TensorDictBase, sync: bool) -> TensorDictBase:
-        """Forward (shared, or the group's method) and backward of one group's loss terms on ``batch``."""
-        group = plan[index]
-        method = group[0].method
-        with self._sync_context(sync):
-            output = self._forward(batch, method)
-            if method is not None:
-                output = as_output(output, group[0])
-            loss = group[0].terms(output)
-            for stage in group[1:]:
-                loss = loss + stage.terms(output)
-            seed = _backward_seed(loss)
-            previous = self._group_seeds[index]
-            self._group_seeds[index] = seed if previous is None else previous * seed
-            if self.grad_accum_steps > 1:
-                loss = loss / self.grad_accum_steps
-            self._backward(loss, seed)
-        return output.detach()
-
     def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
         """Whether the window's step must not be taken: a non-finite grad norm, or here (one rank) loss.
 
         Across ranks no collective of the learner's own is needed: a non-finite loss's backward
-        seed is NaN (``_backward_seed``), which makes the gradients it reaches NaN; the gradient
+        seed is NaN (``backward_seed``), which makes the gradients it reaches NaN; the gradient
         sync carries them to every rank, and the norm, taken after the sync, is the same on all of
         them. (A loss whose gradient reaches the parameters only through masked elements, such as
         dead ReLUs, leaves them finite: then every rank takes the step alike.)
@@ -375,7 +294,7 @@ class Learner(nn.Module):
         raise NotImplementedError
 
     def _backward(self, loss: torch.Tensor, seed: torch.Tensor | None) -> None:
-        """``loss.backward(seed)``, through the backend (``seed``: see ``_backward_seed``; ``None``: 1)."""
+        """``loss.backward(seed)``, through the backend (``seed``: see ``backward_seed``; ``None``: 1)."""
         raise NotImplementedError
 
     def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
@@ -545,40 +464,12 @@ class Learner(nn.Module):
         self.optimizer.load_state_dict(state)
 
     def _optimizer_param_names(self) -> list[str]:
-        """Loss-module names of the optimizer's parameters, in its state-dict index order.
-
-        Saved with every checkpoint so that a learner whose optimizer lists the same parameters
-        in another order (or another strategy) restores each moment onto the right tensor.
-        """
-        names = {id(p): n for n, p in self._named_parameters()}
-        return [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(optimizer_params(self.optimizer))]
+        """Loss-module names of the optimizer's parameters, in its state-dict index order."""
+        return learner_state.optimizer_param_names(self._named_parameters(), self.optimizer)
 
     def _saved_param_names(self) -> list[str] | dict[str, list[str]]:
         """What checkpoints record to pair moments with parameters: names per stage when staged."""
-        if not self.stages:
-            return self._optimizer_param_names()
-        names = {id(p): n for n, p in self._named_parameters()}
-        return {stage: [names[id(p)] for p in optimizer_params(o)] for stage, o in self.optimizer.by_stage.items()}
-
-    def _checked_stage_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        """The stages' optimizer states of ``checkpoint``, re-indexed and checked for this learner."""
-        state, saved_names = checkpoint["optimizer"], checkpoint.get("param_names") or {}
-        ours = self._saved_param_names()
-        if not isinstance(state, Mapping) or not isinstance(state.get("stages"), Mapping) \
-                or set(state["stages"]) != set(ours) or not isinstance(saved_names, Mapping):
-            found = sorted(state["stages"]) if isinstance(state, Mapping) and isinstance(state.get("stages"), Mapping) \
-                else "a single optimizer"
-            raise ValueError(f"The checkpoint holds optimizer state for {found}; this learner has stages "
-                             f"{sorted(ours)}. Nothing was loaded: load it into a learner built with the same stages.")
-        out = {}
-        for stage, optimizer in self.optimizer.by_stage.items():
-            one, names = state["stages"][stage], saved_names.get(stage)
-            if names is not None:
-                check_optimizer_structure(one, len(names))
-                one = reindex_optimizer_state(one, names, ours[stage], [len(g["params"]) for g in optimizer.param_groups])
-            check_optimizer_state(one, optimizer)
-            out[stage] = one
-        return {"stages": out}
+        return learner_state.saved_param_names(self._named_parameters(), self.optimizer, bool(self.stages))
 
     def load_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         """Restore a ``checkpoint()``; everything is validated before anything is changed.
@@ -589,19 +480,7 @@ class Learner(nn.Module):
         """
         check_checkpoint(checkpoint, self._model_shapes())
         _rng.check(checkpoint.get("rng"))
-        optimizer_state = checkpoint["optimizer"]
-        if self.stages:
-            optimizer_state = self._checked_stage_state(checkpoint)
-        elif isinstance(checkpoint.get("param_names"), Mapping):
-            raise ValueError("The checkpoint was written by a learner with several optimizers (stages); this one "
-                             "has one. Nothing was loaded: build the learner with the same stages.")
-        elif checkpoint.get("param_names") is not None:  # index-keyed file state: see reindex_optimizer_state
-            optimizer_state = reindex_optimizer_state(
-                optimizer_state, checkpoint["param_names"], self._optimizer_param_names(),
-                [len(g["params"]) for g in self.optimizer.param_groups],
-            )
-        if not self.stages:
-            check_optimizer_state(optimizer_state, self.optimizer)
+        optimizer_state = learner_state.optimizer_state_for(checkpoint, self.optimizer, self._saved_param_names())
         self._load_model_state(checkpoint["model"])
         self._load_optimizer_state(optimizer_state)
         self._resume_counters(int(checkpoint.get("num_updates", 0)), int(checkpoint.get("accum_step", 0)),
@@ -709,28 +588,10 @@ class Learner(nn.Module):
         or a ``RuntimeError`` if it failed: then the checkpoint at its path is still the previous
         one. ``save``, ``load`` and ``close`` call it first, and so does a distributed run's exit hook.
         """
-        if self._pending_save is None:
-            return
-        path, future = self._pending_save
-        try:
-            future.result(timeout)
-        except TimeoutError:
-            raise
-        except BaseException as err:
-            self._pending_save = None
-            raise RuntimeError(f"The background save to {path} failed ({type(err).__name__}: {err}); the "
-                               "checkpoint there is still the previous complete one. Save again.") from err
-        self._pending_save = None
+        self._pending_save.wait(timeout)
 
     def _track_save(self, path, future: Future | None) -> Future:
-        """The handle ``save(blocking=False)`` returns: ``future``, or a finished one for a synchronous save."""
-        if future is None:
-            future = Future()
-            future.set_result(None)
-        else:
-            self._pending_save = (path, future)
-        return future
-
+        return self._pending_save.track(path, future)
 
 
 NONFINITE_MODES = ("raise", "skip")
@@ -742,15 +603,6 @@ _STEP_STATE = frozenset({
 })
 
 
-def _backward_seed(loss: torch.Tensor) -> torch.Tensor:
-    """The gradient to start ``loss``'s backward from: 1, or NaN when ``loss`` is non-finite.
-
-    The NaN makes a non-finite loss poison the gradients it reaches, which ``_refuse_step`` relies
-    on; 1 and NaN are exact in every dtype. No host sync.
-    """
-    return (loss.detach() * 0).add_(1.0)  # 0 * x is NaN exactly when x is non-finite
-
-
 def clipped_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)``, the same norm and gradients.
 
@@ -760,13 +612,6 @@ def clipped_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     if math.isinf(max_norm):
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], error_if_nonfinite=False)
     return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
-
-
-def _reported_norm(grad_norm: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    """The norm as ``update`` reports it: a detached scalar on the output's device (usually as it is)."""
-    if grad_norm.requires_grad or grad_norm.dim() != 0:
-        grad_norm = grad_norm.detach().reshape(())
-    return grad_norm if device is None or grad_norm.device == device else grad_norm.to(device)
 
 
 def _input_error(err: Exception, batch: TensorDictBase, loss_module: nn.Module) -> Exception:
@@ -830,27 +675,6 @@ def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
             if p.grad is not None:
                 return True
     return False
-
-
-def _check_batch(batch: Any) -> int:
-    """The number of samples in ``batch``; raises when it is not a TensorDict or holds nothing."""
-    plain = type(batch) is TensorDict
-    if not plain and not isinstance(batch, TensorDictBase):
-        raise TypeError(f"update() takes a TensorDict batch, got {type(batch).__name__}.")
-    samples = batch.batch_size.numel()
-    if samples:
-        if plain:  # a first entry that is a tensor answers is_empty() without its nested walk
-            for value in batch._tensordict.values():
-                if type(value) is torch.Tensor:
-                    return samples
-                break
-        if not batch.is_empty():
-            return samples
-    raise ValueError(
-        f"update() got an empty batch (batch_size {tuple(batch.batch_size)}, keys "
-        f"{sorted(map(str, batch.keys()))}); a loss over no samples has nothing to learn from. "
-        "Skip empty batches before calling update()."
-    )
 
 
 def holds_trained(loss_module: nn.Module, module: nn.Module) -> bool:
