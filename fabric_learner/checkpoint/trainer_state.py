@@ -20,6 +20,8 @@ from torchrl.envs import EnvBase
 from fabric_learner import _rng
 
 
+#: The format of a Trainer checkpoint's rank states and of its folder's meta.json.
+CHECKPOINT_FORMAT = "fabric_learner.trainer/1"
 COUNTERS = ("collected_frames", "_last_save", "_optim_count")
 
 
@@ -171,3 +173,54 @@ def restore_carrier(collector, state: dict[str, Any] | None) -> None:
         return
     current = collector._carrier
     collector._carrier = TensorDict(state["data"], batch_size=state["batch_size"], device=current.device)
+
+
+def check_rank_state(state: Any, modules: dict[str, Any], world_size: int, source: str = "the trainer state",
+                 resizing: bool = False) -> None:
+    """Raise, before anything is loaded, if a rank's saved ``state`` cannot be restored into a trainer with
+    these registered hook ``modules`` and ``world_size`` ranks.
+
+    ``resizing``: the state comes from a run with another number of ranks (see ``checkpoint.resize``).
+    """
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{source}: {what}; nothing was loaded. Pass a checkpoint folder written by "
+                          "fabric_learner's Trainer.save_checkpoint.")
+
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise refuse(f"format is {found!r}, expected {CHECKPOINT_FORMAT!r}")
+    if not is_count(state.get("world_size")) or state["world_size"] < 1:
+        raise refuse(f"'world_size' is {state.get('world_size')!r}, expected a positive integer")
+    if state["world_size"] != world_size and not resizing:
+        raise ValueError(
+            f"This rank's state was saved by {state['world_size']} rank(s) and this run has {world_size}; "
+            "load the whole checkpoint folder with Trainer.load_from_file, which redistributes it."
+        )
+    counters = state.get("state")
+    if not isinstance(counters, dict) or not all(is_count(counters.get(k)) for k in COUNTERS) \
+            or not isinstance(counters.get("_last_log"), dict) \
+            or not all(isinstance(v, (int, float)) for v in counters["_last_log"].values()):
+        raise refuse(f"'state' is not the trainer's counters ({', '.join(COUNTERS)}, _last_log)")
+    saved_modules = state.get("modules")
+    if not isinstance(saved_modules, dict):
+        raise refuse("'modules' is not a mapping of hook names to their states")
+    missing = [name for name in modules if name not in saved_modules]
+    if missing:
+        raise ValueError(f"The checkpoint has no state for the registered hooks {missing}; register the same "
+                         "hooks as the run that saved it.")
+    for name, module in modules.items():
+        saved = saved_modules[name]
+        expected = set(module.state_dict())
+        # a hook whose state grew may still read what an earlier release wrote
+        earlier = [set(keys) for keys in getattr(module, "earlier_state_keys", ())]
+        if not isinstance(saved, dict) or (set(saved) != expected and set(saved) not in earlier):
+            found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise refuse(f"the state of hook {name!r} has entries {found}, expected {sorted(expected)}")
+    if state.get("collector") is not None and not isinstance(state["collector"], dict):
+        raise refuse("'collector' is not a collector state dict")
+    carrier = state.get("carrier")
+    if carrier is not None and not (isinstance(carrier, dict) and isinstance(carrier.get("data"), dict)
+                                    and isinstance(carrier.get("batch_size"), list)
+                                    and all(is_count(d) for d in carrier["batch_size"])):
+        raise refuse("'carrier' is not a collector's in-flight tensordict")
+    check_rng_state(state.get("rng"), refuse)

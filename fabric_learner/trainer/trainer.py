@@ -51,9 +51,7 @@ What changes against torchrl's Trainer, and why:
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import shutil
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -68,20 +66,15 @@ from torchrl.trainers import Trainer as _TorchRLTrainer
 
 from fabric_learner import asynchronous
 from fabric_learner.asynchronous import AsyncCollection, versioned_policy
-from fabric_learner.checkpoint import trainer_state
-from fabric_learner.checkpoint.files import weights_only_load
+from fabric_learner.checkpoint import trainer_folder, trainer_state
 from fabric_learner.checkpoint.resize import fill_replay, replay_share, reseed
-from fabric_learner.checkpoint.dcp_folder import read_json
+from fabric_learner.checkpoint.trainer_state import CHECKPOINT_FORMAT
 from fabric_learner.collectives import all_reduce, distributed_world_size
 from fabric_learner.trainer.hooks import LearnerStepper, LogThroughput, _TargetNetUpdate
 from fabric_learner.trainer.logging import _adapt_logger
 from fabric_learner.weights import PublishWeights, serve_collector_policy
 
 __all__ = ["Trainer"]
-
-CHECKPOINT_FORMAT = "fabric_learner.trainer/1"
-_LEARNER_FILE = "learner.ckpt"
-_META_FILE = "meta.json"
 
 
 # ---- the trainer ----------------------------------------------------------------------------------
@@ -506,52 +499,7 @@ class Trainer(_TorchRLTrainer):
         }
 
     def _check_rank_state(self, state: Any, source: str = "the trainer state", resizing: bool = False) -> None:
-        """Raise, before anything is loaded, if this rank's state cannot be restored here.
-
-        ``resizing``: the state comes from a run with another number of ranks (see ``checkpoint.resize``).
-        """
-        def refuse(what: str) -> ValueError:
-            return ValueError(f"{source}: {what}; nothing was loaded. Pass a checkpoint folder written by "
-                              "fabric_learner's Trainer.save_checkpoint.")
-
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise refuse(f"format is {found!r}, expected {CHECKPOINT_FORMAT!r}")
-        if not trainer_state.is_count(state.get("world_size")) or state["world_size"] < 1:
-            raise refuse(f"'world_size' is {state.get('world_size')!r}, expected a positive integer")
-        if state["world_size"] != self._world_size and not resizing:
-            raise ValueError(
-                f"This rank's state was saved by {state['world_size']} rank(s) and this run has {self._world_size}; "
-                "load the whole checkpoint folder with Trainer.load_from_file, which redistributes it."
-            )
-        counters = state.get("state")
-        if not isinstance(counters, dict) or not all(trainer_state.is_count(counters.get(k)) for k in trainer_state.COUNTERS) \
-                or not isinstance(counters.get("_last_log"), dict) \
-                or not all(isinstance(v, (int, float)) for v in counters["_last_log"].values()):
-            raise refuse(f"'state' is not the trainer's counters ({', '.join(trainer_state.COUNTERS)}, _last_log)")
-        modules = state.get("modules")
-        if not isinstance(modules, dict):
-            raise refuse("'modules' is not a mapping of hook names to their states")
-        missing = [name for name in self._modules if name not in modules]
-        if missing:
-            raise ValueError(f"The checkpoint has no state for the registered hooks {missing}; register the same "
-                             "hooks as the run that saved it.")
-        for name, module in self._modules.items():
-            saved = modules[name]
-            expected = set(module.state_dict())
-            # a hook whose state grew may still read what an earlier release wrote
-            earlier = [set(keys) for keys in getattr(module, "earlier_state_keys", ())]
-            if not isinstance(saved, dict) or (set(saved) != expected and set(saved) not in earlier):
-                found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
-                raise refuse(f"the state of hook {name!r} has entries {found}, expected {sorted(expected)}")
-        if state.get("collector") is not None and not isinstance(state["collector"], dict):
-            raise refuse("'collector' is not a collector state dict")
-        carrier = state.get("carrier")
-        if carrier is not None and not (isinstance(carrier, dict) and isinstance(carrier.get("data"), dict)
-                                        and isinstance(carrier.get("batch_size"), list)
-                                        and all(trainer_state.is_count(d) for d in carrier["batch_size"])):
-            raise refuse("'carrier' is not a collector's in-flight tensordict")
-        trainer_state.check_rng_state(state.get("rng"), refuse)
+        trainer_state.check_rank_state(state, self._modules, self._world_size, source, resizing)
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         """Apply a checked rank state (``_check_rank_state``) but its random state, set once publishing is done."""
@@ -588,31 +536,14 @@ class Trainer(_TorchRLTrainer):
         ``path``, or at ``path.old`` if the crash hit the swap itself). On several nodes ``path``
         must be on a shared filesystem.
         """
-        final = Path(path)
-        partial, old = final.with_name(final.name + ".partial"), final.with_name(final.name + ".old")
-        rank = self.global_rank
-        if rank == 0:
-            if partial.exists():
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
-        self._barrier()
-        self.learner.save(partial / _LEARNER_FILE)
-        torch.save(self._rank_state(), partial / f"rank{rank}.pt")
-        self._barrier()
-        if rank == 0:
-            meta = {"format": CHECKPOINT_FORMAT, "world_size": self._world_size, "collected_frames": self.collected_frames,
-                    "optim_steps": self._optim_count, "num_updates": self.learner.num_updates}
+        def meta() -> dict[str, Any]:
+            out = {"world_size": self._world_size, "collected_frames": self.collected_frames,
+                   "optim_steps": self._optim_count, "num_updates": self.learner.num_updates}
             if self._async is not None:
-                meta["in_flight"] = "discarded"  # queued batches and rollouts in progress are not saved
-            (partial / _META_FILE).write_text(json.dumps(meta))
-            if old.exists():
-                shutil.rmtree(old)
-            if final.exists():
-                final.rename(old)
-            partial.rename(final)
-            if old.exists():
-                shutil.rmtree(old)
-        self._barrier()
+                out["in_flight"] = "discarded"  # queued batches and rollouts in progress are not saved
+            return out
+
+        trainer_folder.write(path, self.global_rank, self._barrier, self.learner.save, self._rank_state, meta)
 
     def load_from_file(self, file: str | os.PathLike, **kwargs) -> Trainer:
         """Resume from a checkpoint folder written by :meth:`save_checkpoint` (every rank calls it).
@@ -621,26 +552,14 @@ class Trainer(_TorchRLTrainer):
         counters, hooks (replay buffer), collector and RNG states, and publishes the weights
         to the collector. ``weights_only`` loading: no code is unpickled.
         """
-        path = Path(file)
-        if not (path / _META_FILE).exists() and (path.with_name(path.name + ".old") / _META_FILE).exists():
-            path = path.with_name(path.name + ".old")  # a crash hit the swap: the previous checkpoint
-        if not (path / _META_FILE).exists():
-            raise FileNotFoundError(f"No fabric_learner trainer checkpoint at {file} (no {_META_FILE}).")
-        meta = read_json(path / _META_FILE, CHECKPOINT_FORMAT)
-        saved_world = meta.get("world_size")
-        if not trainer_state.is_count(saved_world) or saved_world < 1:
-            raise ValueError(f"{path / _META_FILE}: 'world_size' is {saved_world!r}, expected a positive integer; "
-                             "nothing was loaded.")
+        path = trainer_folder.locate(file)
+        if path is None:
+            raise FileNotFoundError(f"No fabric_learner trainer checkpoint at {file} (no {trainer_folder.META_FILE}).")
+        saved_world = trainer_folder.read_meta(path)["world_size"]
         ranks = [self.global_rank] if saved_world == self._world_size else list(range(saved_world))
-        files = [path / f"rank{r}.pt" for r in ranks]
-        learner_file = path / _LEARNER_FILE
-        for inner in (*files, learner_file):  # files of the folder itself, never links out of it
-            if inner.is_symlink():
-                raise ValueError(f"{inner} is a symlink; a trainer checkpoint holds only its own files. Nothing "
-                                 "was loaded.")
-        states = [weights_only_load(f) for f in files]
-        for f, state in zip(files, states):
-            self._check_rank_state(state, str(f), resizing=saved_world != self._world_size)
+        states, learner_file = trainer_folder.read_rank_states(path, ranks)
+        for r, state in zip(ranks, states):
+            self._check_rank_state(state, str(path / f"rank{r}.pt"), resizing=saved_world != self._world_size)
         if saved_world != self._world_size:
             return self._load_resized(states, learner_file)
         state = states[0]
@@ -688,12 +607,7 @@ class Trainer(_TorchRLTrainer):
         if not self._resume or self._loaded or not self.save_trainer_file:
             return
         path = Path(self.save_trainer_file)
-        found = next((p for p in (path, path.with_name(path.name + ".old")) if (p / _META_FILE).exists()), None)
-        seen = [-1, -1, -1]
-        if found is not None:
-            meta = read_json(found / _META_FILE, CHECKPOINT_FORMAT)
-            seen = [meta.get(k) if trainer_state.is_count(meta.get(k)) else -2
-                    for k in ("collected_frames", "optim_steps", "num_updates")]
+        found, seen = trainer_folder.counters_seen(path)
         if self._distributed():
             both = all_reduce(torch.tensor(seen + [-v for v in seen], dtype=torch.int64), op="max")
             if not torch.equal(both[:3], -both[3:]):
