@@ -64,12 +64,12 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.trainers import ReplayBufferTrainer
 from torchrl.trainers import Trainer as _TorchRLTrainer
 
-from fabric_learner import asynchronous
-from fabric_learner.asynchronous import AsyncCollection, versioned_policy
+from fabric_learner.asynchronous import NO_COLLECTOR_STATE, AsyncCollection, versioned_policy
 from fabric_learner.checkpoint import trainer_folder, trainer_state
 from fabric_learner.checkpoint.resize import fill_replay, replay_share, reseed
 from fabric_learner.checkpoint.trainer_state import CHECKPOINT_FORMAT
 from fabric_learner.collectives import all_reduce, distributed_world_size
+from fabric_learner.trainer.async_loop import AsyncLoop, warn_discarded
 from fabric_learner.trainer.hooks import LearnerStepper, LogThroughput, _TargetNetUpdate
 from fabric_learner.trainer.logging import _adapt_logger
 from fabric_learner.weights import PublishWeights, serve_collector_policy
@@ -200,9 +200,7 @@ class Trainer(_TorchRLTrainer):
             raise TypeError(f"async_collection must be a fabric_learner.AsyncCollection or a bool, got {async_cfg!r}.")
         else:
             kwargs["async_collection"] = bool(async_cfg)
-        self._async = async_cfg if isinstance(async_cfg, AsyncCollection) else None
-        self._async_state = asynchronous._State()
-        self._async_feeder = None
+        self._async = AsyncLoop(async_cfg) if isinstance(async_cfg, AsyncCollection) else None
         super().__init__(
             collector=collector,
             total_frames=total_frames,
@@ -247,6 +245,8 @@ class Trainer(_TorchRLTrainer):
 
     def _distributed(self) -> bool:
         return self._world_size > 1 and distributed_world_size() > 1
+
+    distributed = _distributed  # part of async_loop.AsyncHost
 
     def _barrier(self) -> None:
         if self._distributed():
@@ -345,21 +345,38 @@ class Trainer(_TorchRLTrainer):
             self._pbar = tqdm(total=self.total_frames, initial=min(self.collected_frames, self.total_frames))
             self._pbar_str = {}
         try:
-            asynchronous.train(self, self._async)
+            self._async.run(self)
         except BaseException:
-            if self._async_feeder is not None:
-                self._async_feeder.stop_event.set()
+            self._async.abort()
             self._close_collector(raise_on_error=False)
             raise
         finally:
             if self._pbar is not None:
                 self._pbar.close()
 
+    # ---- what the asynchronous loop drives (async_loop.AsyncHost) ----------------------------------
+
+    def run_hook(self, stage: str, *args: Any) -> Any:
+        """Run torchrl's hook stage ``stage`` (e.g. ``"process_batch"``) on ``args``; its result."""
+        return getattr(self, f"_{stage}_hook")(*args)
+
+    def stop_requested(self) -> bool:
+        return bool(self._stop_training)
+
+    def advance_progress(self, frames: int) -> None:
+        if self._pbar is not None:
+            self._pbar.update(frames)
+            self._pbar_description()
+
+    def end_collection(self, state: dict[str, Any]) -> None:
+        self._collector_state_at_end = state
+        self._close_collector(raise_on_error=True)
+
     @property
     def async_stats(self) -> dict[str, Any]:
         """This rank's asynchronous-collection counters: rounds, batches, admitted and dropped frames
         (``global_dropped_frames``: over all ranks), the largest admitted lag, the queue's high water."""
-        return asynchronous.stats(self)
+        return self._async.stats() if self._async is not None else AsyncLoop(AsyncCollection()).stats()
 
     def __del__(self):
         # torchrl's Trainer.__del__ shuts the collector down again, even after train() did
@@ -470,7 +487,7 @@ class Trainer(_TorchRLTrainer):
     def _collector_state(self) -> dict[str, Any]:
         collector = self.collector
         if collector is None or self._async is not None:  # async: in-flight work is not saved
-            return dict(asynchronous.NO_COLLECTOR_STATE)
+            return dict(NO_COLLECTOR_STATE)
         if self._collector_state_at_end is not None:
             return self._collector_state_at_end  # train() ended and shut the collector down
         if self._collector_closed:
@@ -494,8 +511,8 @@ class Trainer(_TorchRLTrainer):
             "carrier": collector["carrier"],
             "modules": {name: module.state_dict() for name, module in self._modules.items()},
             "rng": rng,
-            **({"async": {"queued_frames": self._async_feeder.queued_frames() if self._async_feeder else 0,
-                          **asynchronous.stats(self)}} if self._async is not None else {}),
+            **({"async": {"queued_frames": self._async.queued_frames(), **self._async.stats()}}
+               if self._async is not None else {}),
         }
 
     def _check_rank_state(self, state: Any, source: str = "the trainer state", resizing: bool = False) -> None:
@@ -569,7 +586,7 @@ class Trainer(_TorchRLTrainer):
         trainer_state.set_rng_state(state["rng"], self._env_plan)
         self._loaded = True
         if self._async is not None:
-            asynchronous.warn_discarded(state.get("async") or {"queued_frames": 0})
+            warn_discarded(state.get("async") or {"queued_frames": 0})
         return self
 
     def _load_resized(self, states: list[dict[str, Any]], learner_file: Path) -> Trainer:
