@@ -3,7 +3,7 @@
     python benchmarks/async_save.py --out benchmarks/results/async_save.json   # starts rank 1 itself
 
 An FSDP learner on the 21M-parameter PPO loss (``common.make_loss("ppo_big_actor")``). Each
-repetition, in a random order (`common.order_for`):
+repetition, in a random order (`harness.order_for`):
 
 - sync: ``save(path)``, timed from the call to its return (barriers around it);
 - async: ``save(path, blocking=False)``, then ``M`` training steps, then ``wait_for_save()``;
@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner, shard_loss  # noqa: E402
 
 GOAL = 0.3
@@ -62,7 +63,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per update")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp folder)")
     args = parser.parse_args()
-    common.set_one_thread()
+    harness.set_one_thread()
     loss, _ = common.make_loss(WORKLOAD)
     n_params = common.count_params(loss)
     strategy = ModelParallelStrategy(parallelize_fn=shard_loss, timeout=timedelta(minutes=10))
@@ -99,7 +100,7 @@ def main() -> None:
     steps_until_done: list[int] = []
     cpu: dict[str, list[float]] = {"sync": [], "async": [], "plain": []}  # this process's CPU seconds, all threads
     for rep in range(args.reps):
-        for name in common.order_for(rep, ["sync", "async", "plain"]):
+        for name in harness.order_for(rep, ["sync", "async", "plain"]):
             fabric.barrier()
             c0 = time.process_time()
             t0 = time.perf_counter()
@@ -135,10 +136,10 @@ def main() -> None:
         # the loop runs at the pace of its slowest rank: per repetition, the larger stall of the two
         stall_max = [max(g["stall_s"][r] for g in gathered) for r in range(args.reps)]
         sync_max = [max(g["samples_s"]["sync"][r] for g in gathered) for r in range(args.reps)]
-        ci = common.bootstrap_ci(stall_max, sync_max)
+        ci = harness.bootstrap_ci(stall_max, sync_max)
         cpu_extra = [max(g["cpu_stall_s"][r] for g in gathered) for r in range(args.reps)]
         cpu_sync = [max(g["cpu_s"]["sync"][r] for g in gathered) for r in range(args.reps)]
-        ratio = common.paired_ratio(stall_max, sync_max)
+        ratio = harness.paired_ratio(stall_max, sync_max)
         result = {
             "what": "training-loop stall of save(blocking=False) vs the time of save(), FSDP on 2 CPU ranks",
             "workload": f"{WORKLOAD}: ClipPPOLoss, actor MLP [2048]*6 + critic [64,64], {n_params / 1e6:.1f}M "
@@ -155,8 +156,8 @@ def main() -> None:
                 "what": "the same blocks in process CPU seconds (all threads of a rank, the writer's included): "
                         "the stall when no spare core runs the writer; insensitive to waiting for a core",
                 "median_s": {"sync_save": statistics.median(cpu_sync), "async_extra": statistics.median(cpu_extra)},
-                "extra_over_sync": common.paired_ratio(cpu_extra, cpu_sync),
-                "ci95": list(common.bootstrap_ci(cpu_extra, cpu_sync)),
+                "extra_over_sync": harness.paired_ratio(cpu_extra, cpu_sync),
+                "ci95": list(harness.bootstrap_ci(cpu_extra, cpu_sync)),
             },
             "per_rank": gathered,
             "machine": {"cpus": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),

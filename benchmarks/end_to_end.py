@@ -61,7 +61,7 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
 import numpy  # noqa: E402
 import torch  # noqa: E402
 
-import common  # noqa: E402
+import harness  # noqa: E402
 import ppo_mujoco as recipe  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
@@ -213,7 +213,7 @@ class Lockstep:
                     break
                 if segment % 100 == 0:  # a full collection costs ~0.1 s with the runs alive
                     gc.collect()
-                for name in common.order_for(self.seed * 1_000_003 + segment, active):
+                for name in harness.order_for(self.seed * 1_000_003 + segment, active):
                     start = time.perf_counter()
                     self._turn[name].release()
                     if not self._back.acquire(timeout=TURN_TIMEOUT_S):
@@ -229,30 +229,6 @@ class Lockstep:
         lengths = {name: len(v) for name, v in self.cpu.items()}
         if len(set(lengths.values())) != 1:
             raise RuntimeError(f"the runs took different numbers of segments: {lengths}")
-
-
-def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000, seed: int = 0) -> tuple[float, tuple]:
-    """sum(num) / sum(den) over every repetition's paired segments, and its 95% bootstrap interval.
-
-    Resampled in two stages: repetitions, then segments in pairs within each, because a run
-    keeps its speed relative to the others for its whole life (runs of the same code differed by
-    2-5% per repetition where their paired segments alone gave intervals of ±1%), so the interval
-    must see how many runs it rests on, not only how many segments.
-    """
-    rng = numpy.random.default_rng(seed)
-    reps = [(numpy.asarray(a), numpy.asarray(b)) for a, b in zip(num, den)]
-    boot = numpy.empty(n)
-    for i in range(n):
-        tops = bottoms = 0.0
-        for r in rng.integers(0, len(reps), size=len(reps)):
-            a, b = reps[r]
-            picks = rng.integers(0, len(a), size=len(a))
-            tops += a[picks].sum()
-            bottoms += b[picks].sum()
-        boot[i] = tops / bottoms
-    boot.sort()
-    total = sum(a.sum() for a, _ in reps) / sum(b.sum() for _, b in reps)
-    return float(total), (float(boot[int(0.025 * n)]), float(boot[int(0.975 * n) - 1]))
 
 
 def _adjusted_builders(**adjust: Callable[[Any], Any]):
@@ -434,7 +410,7 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
     imports, the first environment), which would otherwise land on whichever run went first.
     The ratio is the loop's time over the run's (its frames/s over the loop's, the frames being
     equal), summed over segments, with a bootstrap interval over repetitions and the paired
-    segments within them (``ratio_of_sums``). The verdict
+    segments within them (``harness.ratio_of_sums``). The verdict
     reads thread CPU time: one thread runs at a time, so a segment's CPU time is its run's work,
     while its wall time also holds the waits for a core that other jobs on the host cause.
     """
@@ -472,7 +448,7 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
                 r["update ms (median call)"] for r in results[name])
         if name != base:
             for kind, samples in (("cpu", cpu), ("wall", wall)):
-                ratio, (lo, hi) = ratio_of_sums(samples[base], samples[name])
+                ratio, (lo, hi) = harness.ratio_of_sums(samples[base], samples[name])
                 row[f"ratio ({kind})"], row[f"ratio 95% interval ({kind})"] = ratio, (lo, hi)
             lo, hi = row["ratio 95% interval (cpu)"]
             # the goal is a floor: met when the whole interval is at or above it (run.decide's rule, mirrored)
@@ -554,7 +530,7 @@ def part_stages(reps: int, batches: int) -> dict:
         return {"calls": calls}
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(reps):
-        for name in common.order_for(rep, names):  # interleaved, in a random order
+        for name in harness.order_for(rep, names):  # interleaved, in a random order
             runs[name].append(staged_run(name, batches))
             print(f"rep {rep} {name}: {runs[name][-1]['wall']['total']:.2f} s wall, "
                   f"{runs[name][-1]['cpu']['total']:.2f} s cpu", flush=True)

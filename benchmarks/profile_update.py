@@ -42,6 +42,7 @@ from tensordict import TensorDict, TensorDictBase  # noqa: E402
 from torch import nn  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 
@@ -100,10 +101,10 @@ def part_overhead(workloads, reps: int, inner: int) -> dict:
     results = {}
     for name in workloads:
         cpu: dict[str, list[float]] = {}
-        wall = common.interleaved(null_contenders(name), reps=reps, inner=inner, warmup=20, cpu=cpu)
+        wall = harness.interleaved(null_contenders(name), reps=reps, inner=inner, warmup=20, cpu=cpu)
         print(f"-- {name}: {common.WORKLOAD_DESC[name]}")
         for clock, s in (("cpu", cpu), ("wall", wall)):
-            for stat, agg in (("min", min), ("median", common.median)):
+            for stat, agg in (("min", min), ("median", harness.median)):
                 base = agg(s["hand torchrl loop"]) * 1e6
                 base_f = agg(s["hand Fabric loop"]) * 1e6
                 for c, xs in s.items():
@@ -236,12 +237,12 @@ def part_stages(workloads, n: int) -> dict:
         batches = common.make_batches(name)
         samples = {c: {s: [] for s in STAGES} for c in steps}
         for i in range(n + 10):
-            for c in common.order_for(i, list(steps)):
+            for c in harness.order_for(i, list(steps)):
                 stages = steps[c](batches[i % len(batches)])
                 if i >= 10:
                     for stage, ns in stages.items():
                         samples[c][stage].append(ns / 1e3)
-        med = {c: {s: common.median(v) for s, v in st.items() if v} for c, st in samples.items()}
+        med = {c: {s: harness.median(v) for s, v in st.items() if v} for c, st in samples.items()}
         print(f"-- {name}: {common.WORKLOAD_DESC[name]}")
         cols = list(steps)
         print("   " + f"{'stage':16s}" + "".join(f"{c:>22s}" for c in cols))
@@ -325,7 +326,7 @@ def _fabric_wrapper_cost(name: str) -> None:
     }
     best = {k: float("inf") for k in calls}
     for rep in range(30):
-        for k in common.order_for(rep, list(calls)):
+        for k in harness.order_for(rep, list(calls)):
             t = time.thread_time_ns()
             for _ in range(100):
                 calls[k]()
@@ -501,7 +502,7 @@ def main() -> None:
     p.add_argument("--stage-n", type=int, default=300, help="updates per contender in the stages part")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
-    common.set_one_thread()
+    harness.set_one_thread()
     workloads = [w for w in args.workloads.split(",") if w]
     parts = set(args.part.split(","))
     if "stages" in parts:

@@ -10,8 +10,8 @@ Each case compares a learner call with the code a user would write by hand for t
 same seeds, same data. Contenders take turns: every repetition runs each of them once (``inner``
 calls timed together with ``time.perf_counter``; one update per block in case a and, in full
 mode, b), in a random order, so slow phases of a noisy machine hit all of them; the garbage
-collector runs between repetitions, never inside one (``common.interleaved``). In cases a and b
-each contender is five copies taking turns (``common.rotating``) and the intervals resample copies,
+collector runs between repetitions, never inside one (``harness.interleaved``). In cases a and b
+each contender is five copies taking turns (``harness.rotating``) and the intervals resample copies,
 then repetitions; case b reports process CPU time summed over the ranks and meets a goal only when
 its CPU and its wall interval both do. Reported: the median per call over the repetitions,
 ``ratio`` = learner median / hand-written median, and ``paired`` = the median of the
@@ -50,6 +50,7 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -148,30 +149,30 @@ def compare(case: str, workload: str, samples_s: dict[str, list[float]], contend
     """A Row from interleaved per-call samples in seconds (reported in milliseconds).
 
     The verdict is ``decide`` on the bootstrap interval of the wall-clock samples (over ``copies``
-    copies of each contender, see ``common.rotating``). With ``by_cpu`` (case b, where a block's
+    copies of each contender, see ``harness.rotating``). With ``by_cpu`` (case b, where a block's
     wall time also holds the barrier's wait for the other rank) the row reports process CPU time,
     and a goal is met only when both the CPU and the wall interval meet it: CPU time alone would
     not see a cost that is spent waiting.
     """
     wall_c, wall_b = samples_s[contender], samples_s[baseline]
     c, b = (cpu_s[contender], cpu_s[baseline]) if by_cpu else (wall_c, wall_b)
-    cm, bm = common.median(c) * 1e3, common.median(b) * 1e3
-    ci = common.bootstrap_ci(c, b, copies=copies)
+    cm, bm = harness.median(c) * 1e3, harness.median(b) * 1e3
+    ci = harness.bootstrap_ci(c, b, copies=copies)
     cpu_ratio = None
     cpu_samples = {}
     if cpu_s and contender in cpu_s and baseline in cpu_s:
-        cpu_ratio = common.median(cpu_s[contender]) / common.median(cpu_s[baseline])
+        cpu_ratio = harness.median(cpu_s[contender]) / harness.median(cpu_s[baseline])
         cpu_samples = {k: [x * 1e3 for x in cpu_s[k]] for k in (contender, baseline)}
     met, text, extra = decide(ci, goal), verdict(ci, goal), {}
     if by_cpu:
-        wall_ci = common.bootstrap_ci(wall_c, wall_b, copies=copies)
-        extra = {"measure": "cpu", "wall_paired": common.paired_ratio(wall_c, wall_b), "wall_ci": wall_ci}
+        wall_ci = harness.bootstrap_ci(wall_c, wall_b, copies=copies)
+        extra = {"measure": "cpu", "wall_paired": harness.paired_ratio(wall_c, wall_b), "wall_ci": wall_ci}
         wall_met = decide(wall_ci, goal)
         if met is not wall_met:
             met = False if False in (met, wall_met) else None
             text = ("NOT met" if met is False else "undecided") + (
                 f" (cpu interval {ci[0]:.2f}-{ci[1]:.2f}, wall {wall_ci[0]:.2f}-{wall_ci[1]:.2f}, vs {goal:.2f})")
-    return Row(case, workload, contender, baseline, unit, cm, bm, cm / bm, common.paired_ratio(c, b), ci, cpu_ratio,
+    return Row(case, workload, contender, baseline, unit, cm, bm, cm / bm, harness.paired_ratio(c, b), ci, cpu_ratio,
                goal, met, text, note, {contender: [x * 1e3 for x in wall_c], baseline: [x * 1e3 for x in wall_b]},
                cpu_samples, **extra)
 
@@ -184,13 +185,13 @@ def case_a(cfg: Config) -> list[Row]:
     for name in cfg.workloads:
         batches = common.make_batches(name)
         cpu: dict[str, list[float]] = {}
-        samples = common.interleaved(
-            {label: common.rotating(build, batches) for label, build in common.case_a_contenders(name).items()},
+        samples = harness.interleaved(
+            {label: harness.rotating(build, batches) for label, build in common.case_a_contenders(name).items()},
             reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu,
         )
         assert torch.get_num_threads() == 1, torch.get_num_threads()
         note = common.WORKLOAD_DESC[name]
-        row = functools.partial(compare, "a", name, samples, unit="ms/update", cpu_s=cpu, copies=common.INSTANCES)
+        row = functools.partial(compare, "a", name, samples, unit="ms/update", cpu_s=cpu, copies=harness.INSTANCES)
         rows += [
             row("LocalLearner.update", "hand torchrl loop", 1.03, note=note),
             row("FabricLearner(cpu,1).update", "hand torchrl loop", 1.02, note=note),
@@ -259,7 +260,7 @@ def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
         note = ("2 gloo ranks, 1 thread each; process CPU time summed over the ranks (verdict: CPU and wall)"
                 + ("" if res["same_weights"] is not False else "; WEIGHTS DIFFER"))
         row = functools.partial(compare, "b", name, res["samples_s"], unit="ms/update (cpu, both ranks)",
-                                cpu_s=res["cpu_s"], by_cpu=True, copies=common.INSTANCES)
+                                cpu_s=res["cpu_s"], by_cpu=True, copies=harness.INSTANCES)
         rows.append(row("FabricLearner(ddp)", "hand DDP", 1.05, note=note))
         rows.append(row("hand DDP (twin)", "hand DDP", None,
                         note="A/A control: two identical loops; its distance from 1 is this run's noise floor"))
@@ -275,8 +276,8 @@ def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
     single.update({(r.workload, r.baseline): r.baseline_median for r in single_rows if r.case == "a"})
     for name in two["updates"]:
         for contender in ("FabricLearner(ddp)", "hand DDP"):
-            ms2 = common.median(two["updates"][name]["samples_s"][contender]) * 1e3
-            ms1 = None if one is None else common.median(one["updates"][name]["samples_s"][contender]) * 1e3
+            ms2 = harness.median(two["updates"][name]["samples_s"][contender]) * 1e3
+            ms1 = None if one is None else harness.median(one["updates"][name]["samples_s"][contender]) * 1e3
             ref = "FabricLearner(cpu,1).update" if contender == "FabricLearner(ddp)" else "hand torchrl loop"
             ms0 = single.get((name, ref))
             base = ms1 if ms1 is not None else ms0  # the 1-rank time efficiency is measured against
@@ -331,13 +332,13 @@ def case_d(cfg: Config) -> list[Row]:
 
     cpu: dict[str, list[float]] = {}
     try:
-        save = common.interleaved({
+        save = harness.interleaved({
             "torch.save(state_dicts)": hand_save,
             "torch.save + fsync + rename": hand_atomic_save,
             "LocalLearner.save": lambda i: local.save(paths["local"]),
             "FabricLearner.save": lambda i: fabric.save(paths["fabric"]),
         }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1, cpu=cpu)
-        load = common.interleaved({
+        load = harness.interleaved({
             "torch.load + load_state_dicts": hand_load,
             "LocalLearner.load": lambda i: local.load(paths["local"]),
             "FabricLearner.load": lambda i: fabric.load(paths["fabric"]),
@@ -371,7 +372,7 @@ def case_e(cfg: Config) -> list[Row]:
     local = LocalLearner(loss, policy=policy)
     fabric = FabricLearner(loss, policy=policy, accelerator="cpu", devices=1)
     cpu: dict[str, list[float]] = {}
-    samples = common.interleaved({
+    samples = harness.interleaved({
         "raw TensorDict.from_module(policy).data.clone()": lambda i: TensorDict.from_module(policy).data.clone(),
         "raw {k: v.detach().clone() for state_dict}": lambda i: {
             k: v.detach().clone() for k, v in policy.state_dict().items()},
@@ -393,7 +394,7 @@ def case_e(cfg: Config) -> list[Row]:
 # ======================================================================================================
 # HOOKS: cases other engineers add. Each is ``fn(cfg) -> list[Row] | None``; ``None`` means "not
 # implemented yet" and is listed as skipped. Build rows with ``compare(case, workload, samples_s,
-# contender, baseline, goal, unit=...)`` from ``common.interleaved(...)`` samples (seconds), or
+# contender, baseline, goal, unit=...)`` from ``harness.interleaved(...)`` samples (seconds), or
 # construct ``Row`` directly for non-time metrics (e.g. unit="MiB" for memory; ratio = learner/hand).
 # Multi-rank hooks should follow ``launch_ranks``/``ddp_case.py`` (torchrun, timeout, barrier +
 # destroy_process_group at the end).
@@ -475,7 +476,7 @@ def case_compile(cfg: Config) -> list[Row] | None:
                 calls.append(time.perf_counter() - t)
             compile_s[label] = (max(calls), sum(calls))
         cpu: dict[str, list[float]] = {}
-        samples = common.interleaved(
+        samples = harness.interleaved(
             {label: (lambda i, obj=obj: obj.update(batches[i % k])) for label, obj in contenders.items()},
             reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu,
         )
@@ -669,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out = os.path.join(RESULTS, "latest.json" if cfg == FULL else "partial.json")
     only = set(args.only.split(","))
     warnings.filterwarnings("ignore")
-    common.set_one_thread()
+    harness.set_one_thread()
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     rows: list[Row] = []
