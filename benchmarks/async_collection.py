@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 
+import harness
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMES_PER_BATCH, OPTIM_STEPS, RB_BATCH, LR, LAG, EPS = 50, 10, 128, 1e-3, 20, 0.1
 
@@ -132,7 +134,7 @@ def main() -> None:
     runs = {"sync": [], "async": []}
     tmp = args.out + ".run.json"
     for rep in range(args.repeats):
-        for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
+        for mode in harness.rotation(rep, ["sync", "async"]):
             proc = subprocess.run([sys.executable, __file__, "--worker", mode, str(args.frames), tmp], env=env,
                                   cwd=ROOT, capture_output=True, text=True, timeout=1200)
             if proc.returncode != 0:

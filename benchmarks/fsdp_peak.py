@@ -38,6 +38,8 @@ import subprocess
 import sys
 import time
 
+import harness
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CONTENDERS = ("learner_fsdp", "hand_fsdp2", "learner_ddp")
@@ -200,8 +202,7 @@ def interleaved(args, contenders, *case) -> tuple[list[dict], dict[str, float]]:
     runs = []
     tmp = args.out + ".rank.json"
     for rep in range(args.repeats):
-        order = contenders[rep % 3:] + contenders[:rep % 3]
-        for kind in order:
+        for kind in harness.rotation(rep, contenders):
             runs.append(launch(kind, args.width, tmp, *case))
             print(f"{kind:27s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
                   f"({runs[-1]['seconds']:.0f} s)", flush=True)

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner, shard_loss  # noqa: E402
 
 
@@ -44,8 +45,8 @@ def measure(workload: str, reps: int, block: int, batch: int) -> dict:
     batches = [common.make_batch(workload, n=batch, seed=10 * rank + i) for i in range(block)]
     times = {"served": [], "plain": []}
     for rep in range(reps + 1):  # the first block warms up
-        order = (("served", served), ("plain", plain)) if rep % 2 else (("plain", plain), ("served", served))
-        for name, each in order:
+        for name in harness.rotation(rep, ["plain", "served"]):
+            each = served if name == "served" else plain
             served.fabric.barrier()
             start = time.perf_counter()
             for b in batches:

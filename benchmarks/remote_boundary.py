@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import harness
+
 PAYLOADS = {"weights_21M": 21_000_000, "ppo_batch_2048": 2048 * (2 * 17 + 6 + 1 + 1 + 1 + 1 + 1)}
 REPS = 9
 
@@ -76,8 +78,7 @@ def main(argv=None) -> dict:
     times: dict[str, list[float]] = {}
     try:
         for rep in range(REPS):
-            order = ["shared", "pipe", "torch_mp", "gloo"]
-            order = order[rep % 4:] + order[:rep % 4]
+            order = harness.rotation(rep, ["shared", "pipe", "torch_mp", "gloo"])
             for name, tensor in data.items():
                 for how in order:
                     tensor[0] = float(rep)
