@@ -14,7 +14,7 @@ The stall of an async save is ``(async block) - (plain block)``: the time ``save
 thread competes with training for CPU and memory bandwidth), plus any wait at the end. ``M`` is
 chosen at warm-up so that the write ends within the ``M`` steps (``wait_for_save`` then costs ~0;
 whatever it costs is counted). Goal: median stall / sync time <= 0.3 (paired per repetition,
-95% bootstrap interval; met / not met / undecided as in ``run.decide``). The loop runs at its
+95% bootstrap interval; met / not met / undecided by ``harness.decide``). The loop runs at its
 slowest rank's pace, so each repetition takes the larger of the two ranks' stalls and sync times.
 Beside it, the same blocks in process CPU seconds (every thread of a rank, the writer's included):
 on a machine shared with other work, wall time mostly measures waiting for a core; the CPU-time
@@ -45,15 +45,6 @@ from fabric_learner import FabricLearner, shard_loss  # noqa: E402
 
 GOAL = 0.3
 WORKLOAD = "ppo_big_actor"
-
-
-def decide(ci: tuple[float, float], goal: float) -> str:
-    """run.decide's rule: met when the interval is at or under the goal, not met when over it."""
-    if ci[1] <= goal:
-        return "met"
-    if ci[0] > goal:
-        return "not met"
-    return f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {goal})"
 
 
 def main() -> None:
@@ -151,7 +142,9 @@ def main() -> None:
                          "async_wait_at_end": statistics.median(samples["async_wait"]),
                          "plain_steps_block": statistics.median(samples["plain"]),
                          "one_step": statistics.median(step_times)},
-            "stall_over_sync": ratio, "ci95": list(ci), "goal": GOAL, "verdict": decide(ci, GOAL),
+            "stall_over_sync": ratio, "ci95": list(ci), "goal": GOAL,
+            "verdict": {True: "met", False: "not met"}.get(
+                harness.decide(ci, GOAL), f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {GOAL})"),
             "cpu_time": {
                 "what": "the same blocks in process CPU seconds (all threads of a rank, the writer's included): "
                         "the stall when no spare core runs the writer; insensitive to waiting for a core",

@@ -450,10 +450,8 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
             for kind, samples in (("cpu", cpu), ("wall", wall)):
                 ratio, (lo, hi) = harness.ratio_of_sums(samples[base], samples[name])
                 row[f"ratio ({kind})"], row[f"ratio 95% interval ({kind})"] = ratio, (lo, hi)
-            lo, hi = row["ratio 95% interval (cpu)"]
-            # the goal is a floor: met when the whole interval is at or above it (run.decide's rule, mirrored)
-            row["verdict"] = ("A/A control" if name == TWIN else
-                              "met" if lo >= GOAL else "NOT met" if hi < GOAL else "undecided")
+            met = harness.decide(row["ratio 95% interval (cpu)"], GOAL, at_least=True)  # the goal is a floor
+            row["verdict"] = "A/A control" if name == TWIN else {True: "met", False: "NOT met"}.get(met, "undecided")
         table[name] = row
         line = f"  {name:36s} {row['frames/s (cpu)']:6.0f} frames/s cpu, {row['frames/s (wall)']:6.0f} wall"
         if name != base:

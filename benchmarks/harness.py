@@ -2,6 +2,7 @@
 
 - interleaving: contenders taking turns (``order_for``, ``rotation``, ``interleaved``, ``rotating``)
   and the intervals read from them (``paired_ratio``, ``bootstrap_ci``, ``ratio_of_sums``);
+- verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
 - ``set_one_thread``.
 
 Imports only the standard library at load time (torch and numpy inside the functions that need
@@ -27,6 +28,36 @@ def set_one_thread() -> None:
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+# ---- verdicts -----------------------------------------------------------------------------------
+
+
+def decide(ci: tuple[float, float], goal: float | None, *, at_least: bool = False) -> bool | None:
+    """The one rule for both answers: ``True`` (met) when the whole interval lies within the goal,
+    ``False`` (not met) when the whole interval lies beyond it, ``None`` (undecided) when it
+    straddles the goal or there is none.
+
+    The goal is a ceiling (met at or under it) unless ``at_least``, which makes it a floor (met at
+    or over it): the mirror image, so noise never helps either way. The point estimate is reported
+    beside the verdict and never moves it.
+    """
+    if goal is None:
+        return None
+    lo, hi = ci
+    if at_least:
+        return True if lo >= goal else False if hi < goal else None
+    return True if hi <= goal else False if lo > goal else None
+
+
+def verdict(ci: tuple[float, float], goal: float | None) -> str:
+    """``decide``'s answer for a ceiling in words: "met", "NOT met", "undecided (...)", or "-" without a goal."""
+    if goal is None:
+        return "-"
+    met = decide(ci, goal)
+    if met is None:
+        return f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {goal:.2f})"
+    return "met" if met else "NOT met"
 
 
 # ---- interleaving and intervals ------------------------------------------------------------------

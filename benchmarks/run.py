@@ -120,35 +120,12 @@ class Row:
     wall_ci: tuple[float, float] | None = None
 
 
-def decide(ci: tuple[float, float], goal: float | None) -> bool | None:
-    """One rule for both answers: met when the whole interval is at or under the goal, not met when
-    the whole interval is over it, undecided (``None``) when the interval straddles it. The point
-    median and the CPU-time ratio are reported beside the verdict and never move it."""
-    if goal is None:
-        return None
-    lo, hi = ci
-    if hi <= goal:
-        return True
-    if lo > goal:
-        return False
-    return None
-
-
-def verdict(ci: tuple[float, float], goal: float | None) -> str:
-    if goal is None:
-        return "-"
-    met = decide(ci, goal)
-    if met is None:
-        return f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {goal:.2f})"
-    return "met" if met else "NOT met"
-
-
 def compare(case: str, workload: str, samples_s: dict[str, list[float]], contender: str, baseline: str,
             goal: float | None, *, unit: str = "ms", note: str = "",
             cpu_s: dict[str, list[float]] | None = None, by_cpu: bool = False, copies: int = 1) -> Row:
     """A Row from interleaved per-call samples in seconds (reported in milliseconds).
 
-    The verdict is ``decide`` on the bootstrap interval of the wall-clock samples (over ``copies``
+    The verdict is ``harness.decide`` on the bootstrap interval of the wall-clock samples (over ``copies``
     copies of each contender, see ``harness.rotating``). With ``by_cpu`` (case b, where a block's
     wall time also holds the barrier's wait for the other rank) the row reports process CPU time,
     and a goal is met only when both the CPU and the wall interval meet it: CPU time alone would
@@ -163,11 +140,11 @@ def compare(case: str, workload: str, samples_s: dict[str, list[float]], contend
     if cpu_s and contender in cpu_s and baseline in cpu_s:
         cpu_ratio = harness.median(cpu_s[contender]) / harness.median(cpu_s[baseline])
         cpu_samples = {k: [x * 1e3 for x in cpu_s[k]] for k in (contender, baseline)}
-    met, text, extra = decide(ci, goal), verdict(ci, goal), {}
+    met, text, extra = harness.decide(ci, goal), harness.verdict(ci, goal), {}
     if by_cpu:
         wall_ci = harness.bootstrap_ci(wall_c, wall_b, copies=copies)
         extra = {"measure": "cpu", "wall_paired": harness.paired_ratio(wall_c, wall_b), "wall_ci": wall_ci}
-        wall_met = decide(wall_ci, goal)
+        wall_met = harness.decide(wall_ci, goal)
         if met is not wall_met:
             met = False if False in (met, wall_met) else None
             text = ("NOT met" if met is False else "undecided") + (
@@ -487,7 +464,8 @@ def case_compile(cfg: Config) -> list[Row] | None:
         def note(label: str) -> str:
             slowest, total = compile_s[label]
             shared = "; FabricLearner reuses LocalLearner's graph" if "Fabric" in label else ""
-            return f"{common.WORKLOAD_DESC[name]}; warm-up (compiling) {total:.1f} s, slowest call {slowest:.1f} s{shared}"
+            return (f"{common.WORKLOAD_DESC[name]}; warm-up (compiling) {total:.1f} s, "
+                    f"slowest call {slowest:.1f} s{shared}")
 
         for label in contenders:
             if label not in (base, "hand torch.compile loop"):
@@ -659,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = tuple(w for w in args.workloads.split(",") if w)
     unknown = sorted(set(workloads) - set(common.WORKLOADS))
     if unknown or not workloads:
-        p.error(f"--workloads {args.workloads!r}: unknown {unknown or 'empty'}; choose from {', '.join(common.WORKLOADS)}")
+        p.error(f"--workloads {args.workloads!r}: unknown {unknown or 'empty'}; "
+                f"choose from {', '.join(common.WORKLOADS)}")
     if workloads != common.WORKLOADS:
         cfg = replace(cfg, workloads=workloads)
     if args.reps is not None:
@@ -706,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: r.case)
 
     total = time.perf_counter() - t0
-    meta = {"mode": "smoke" if args.smoke else "quick" if cfg.quick else "full", "config": asdict(cfg), "machine": machine(),
+    meta = {"mode": "smoke" if args.smoke else "quick" if cfg.quick else "full", "config": asdict(cfg),
+            "machine": machine(),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "wall_s": total,
             "case_wall_s": timings, "skipped_hooks": skipped,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
