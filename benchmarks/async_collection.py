@@ -90,7 +90,8 @@ def worker(mode: str, frames: int, out: str) -> None:
                             devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=120)), clip_grad_norm=10.0)
     rank = learner.global_rank
     if mode == "async":
-        collector = AsyncCollector(make_env, VersionedPolicy(acting), frames_per_batch=FRAMES_PER_BATCH, total_frames=-1)
+        collector = AsyncCollector(make_env, VersionedPolicy(acting), frames_per_batch=FRAMES_PER_BATCH,
+                                   total_frames=-1)
         extra = {"async_collection": AsyncCollection(max_policy_lag=LAG)}
     else:
         collector = Collector(make_env(), explore, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1)
@@ -142,20 +143,22 @@ def main() -> None:
             with open(tmp) as f:
                 runs[mode].append(json.load(f))
             os.remove(tmp)
-            print(mode, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[mode][-1].items()}, flush=True)
+            print(mode, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[mode][-1].items()},
+                  flush=True)
     keys = ("fps", "updates_per_s", "final_return", "seconds", "first_round_s", "fps_whole_train",
             "rss_first_quarter_mb", "rss_last_quarter_mb")
     medians = {m: {k: statistics.median(r[k] for r in rs) for k in keys} for m, rs in runs.items()}
     summary = {
         "what": "2 DDP ranks (gloo, CPU, 1 thread each), DQN MLP [64,64] on CartPole-v1, same total frames",
-        "settings": {"total_frames": args.frames, "frames_per_batch": FRAMES_PER_BATCH, "optim_steps_per_batch": OPTIM_STEPS,
+        "settings": {"total_frames": args.frames, "frames_per_batch": FRAMES_PER_BATCH,
+                     "optim_steps_per_batch": OPTIM_STEPS,
                      "batch_size": RB_BATCH, "lr": LR, "max_policy_lag": LAG, "epsilon": EPS, "repeats": args.repeats},
         "medians": medians,
         "async_over_sync": {k: medians["async"][k] / medians["sync"][k] for k in ("fps", "updates_per_s",
                                                                                    "fps_whole_train")},
         "runs": runs,
         "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version()},
-        "git_head": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "git_head": harness.git_head(short=False),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

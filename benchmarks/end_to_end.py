@@ -73,6 +73,7 @@ GOAL = 0.97  # the port's frames/s at least this share of the recipe loop's (par
 ENV_STEPS_PER_PAUSE = 16
 DRAWS_PER_PAUSE = 4
 TWIN = "torchrl recipe loop (twin)"  # part 1's A/A control: the same loop again
+CODE = ("fabric_learner", "benchmarks/*.py", "examples", "tests")  # "+dirty" on the commit when these differ
 TURN_TIMEOUT_S = 600  # a turn is ~30 ms; compile=True's first one compiles
 
 
@@ -367,7 +368,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.part == "stages":
-        report = {"batches": args.batches, "reps": args.reps, "git": _git_head(), "load": os.getloadavg(),
+        report = {"batches": args.batches, "reps": args.reps, "git": harness.git_label(*CODE), "load": os.getloadavg(),
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **part_stages(args.reps, args.batches)}
         out = Path(args.out) if args.out else RESULTS.with_name("end_to_end_stages.json")
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -381,7 +382,7 @@ def main() -> None:
         "port, FabricLearner compile=True": lambda batches: run_port(
             batches, FabricLearner, {"accelerator": "cpu", "devices": 1, "compile": True}),
     }
-    report: dict = {"batches": args.batches, "reps": args.reps, "git": _git_head(),
+    report: dict = {"batches": args.batches, "reps": args.reps, "git": harness.git_label(*CODE),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.part in ("1", "both"):
         report["part 1"] = part_one(modes, args.reps, args.batches)
@@ -550,19 +551,6 @@ def part_stages(reps: int, batches: int) -> dict:
         print("  ratio of totals (loop / port, as frames/s): " + ", ".join(
             f"{n}: {base / table[kind][n]['total']:.3f}" for n in names[1:]))
     return {"runs": runs, "medians": table, "calls": calls}
-
-
-def _git_head() -> str:
-    """The commit, with ``+dirty`` when the package, benchmarks, examples or tests differ from it."""
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "fabric_learner",
-                                  "benchmarks/*.py", "examples", "tests"], capture_output=True, text=True,
-                                 check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if changed else "")
 
 
 if __name__ == "__main__":

@@ -180,7 +180,8 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     args.width = args.width or (4096 if args.case == "ppo" else 2048)
-    args.out = args.out or os.path.join(HERE, "results", "fsdp_peak.json" if args.case == "ppo" else "fsdp_peak_sac.json")
+    args.out = args.out or os.path.join(HERE, "results",
+                                        "fsdp_peak.json" if args.case == "ppo" else "fsdp_peak_sac.json")
     if args.worker:
         return worker(args.worker, args.width, args.out, args.case)
     if args.case == "sac":

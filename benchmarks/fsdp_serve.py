@@ -70,18 +70,11 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "git": common_git()}, f, indent=1)
+                       "git": harness.git_head()}, f, indent=1)
         for r in rows:
             print(f"{r['workload']:>14}: served {r['ms_per_update']['served']:.2f} ms, not served "
                   f"{r['ms_per_update']['plain']:.2f} ms per update, ratio {r['ratio']:.3f}; served copy "
                   f"{r['served_mib']:.2f} MiB per rank ({r['actor_params']:,} actor parameters)", flush=True)
-
-
-def common_git() -> str:
-    import subprocess
-
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
 
 
 if __name__ == "__main__":

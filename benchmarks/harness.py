@@ -2,6 +2,8 @@
 
 - interleaving: contenders taking turns (``order_for``, ``rotation``, ``interleaved``, ``rotating``)
   and the intervals read from them (``paired_ratio``, ``bootstrap_ci``, ``ratio_of_sums``);
+- provenance: the commit, whether the package differs from it, and a hash of every file of the
+  package (``git_head``, ``git_dirty``, ``git_label``, ``package_sha256``, ``provenance``, ``machine``);
 - verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
 - ``set_one_thread``.
 
@@ -12,14 +14,18 @@ them), so a worker can import it before it measures its own memory.
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
+import platform
 import random
 import statistics
+import subprocess
 import time
 from typing import Any, Callable, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+PACKAGE = os.path.join(ROOT, "fabric_learner")
 
 
 def set_one_thread() -> None:
@@ -28,6 +34,75 @@ def set_one_thread() -> None:
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+# ---- provenance ----------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    """``git``'s output in the repository root, stripped; ``None`` when git cannot answer."""
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_head(*, short: bool = True) -> str:
+    """The commit checked out (abbreviated unless ``short=False``), or "unknown"."""
+    return _git("rev-parse", *(["--short"] if short else []), "HEAD") or "unknown"
+
+
+def git_dirty(*paths: str) -> bool | None:
+    """Whether ``paths`` (git pathspecs from the repository root) differ from the commit; ``None`` if unknown."""
+    status = _git("status", "--porcelain", "--", *paths)
+    return None if status is None else status != ""
+
+
+def git_label(*paths: str) -> str:
+    """``git_head()``, with "+dirty" when ``paths`` differ from it."""
+    return git_head() + ("+dirty" if git_dirty(*paths) else "")
+
+
+def package_sha256() -> str:
+    """16 hex digits of a sha256 over every file under fabric_learner/, at any depth, taken in the order of
+    their relative paths, each with its path: any change to any of them changes it. Bytecode caches
+    (``__pycache__``) are left out; they follow the sources."""
+    files = []
+    for folder, subfolders, names in os.walk(PACKAGE):
+        subfolders[:] = [d for d in subfolders if d != "__pycache__"]
+        files += [os.path.relpath(os.path.join(folder, name), PACKAGE).replace(os.sep, "/") for name in names]
+    digest = hashlib.sha256()
+    for relative in sorted(files):
+        with open(os.path.join(PACKAGE, relative), "rb") as f:
+            data = f.read()
+        digest.update(f"{relative}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
+def provenance() -> dict[str, Any]:
+    """The code a result was measured on: commit, package changed since it (bool or None), package hash."""
+    return {"git_head": git_head(), "fabric_learner_dirty": git_dirty("fabric_learner"),
+            "fabric_learner_sha256": package_sha256()}
+
+
+def machine() -> dict[str, Any]:
+    """``provenance()`` plus the machine and the library versions."""
+    import lightning
+    import tensordict
+    import torch
+    import torchrl
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {**provenance(), "cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "tensordict": tensordict.__version__,
+            "torchrl": torchrl.__version__, "lightning": lightning.__version__}
 
 
 # ---- verdicts -----------------------------------------------------------------------------------

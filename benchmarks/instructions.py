@@ -190,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmarks/instructions.py needs {' and '.join(missing)} (Debian: apt install valgrind gcc); "
               "nothing was measured.", file=sys.stderr)
         return 2
-    import run
-
-    started, machine = time.time(), run.machine()  # the code as it is when the counting starts
+    started, machine = time.time(), harness.machine()  # the code as it is when the counting starts
     names = args.workloads.split(",")
     with tempfile.TemporaryDirectory() as build:
         lib = os.path.join(build, "callgrind_blocks.so")

@@ -96,8 +96,8 @@ def null_contenders(name: str):
 
 def part_overhead(workloads, reps: int, inner: int) -> dict:
     print("== overhead: near-free loss forward; us/update, median over", reps, "interleaved repetitions of",
-          inner, "updates;\n   cpu = process CPU time, wall = perf_counter; min = least disturbed block (the intrinsic cost "
-          "on a shared machine)")
+          inner, "updates;\n   cpu = process CPU time, wall = perf_counter; "
+          "min = least disturbed block (the intrinsic cost on a shared machine)")
     results = {}
     for name in workloads:
         cpu: dict[str, list[float]] = {}
@@ -286,7 +286,8 @@ def part_pieces(workloads) -> None:
             ("tuple(output.values(leaves))  [LossForwarder]",
              lambda: tuple(out.values(include_nested=True, leaves_only=True))),
             ("_carrier._on_device(batch, cpu)  [LossForwarder]",
-             lambda: __import__("fabric_learner._carrier", fromlist=["_on_device"])._on_device(batch, torch.device("cpu"))),
+             lambda: __import__("fabric_learner._carrier", fromlist=["_on_device"])._on_device(
+                 batch, torch.device("cpu"))),
             ("isinstance(batch, TensorDictBase)", lambda: isinstance(batch, TensorDictBase)),
             ("clip_grad_norm_(params, 1.0)  [both; for scale]", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)),
             ("clip_grad_norm_(..., foreach=True)  [LocalLearner]",
@@ -403,7 +404,8 @@ def part_cprofile(workloads, n: int) -> None:
         for label, make in (
             ("LocalLearner.update", lambda: LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP)),
             ("FabricLearner(cpu,1).update",
-             lambda: FabricLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP, accelerator="cpu", devices=1)),
+             lambda: FabricLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP, accelerator="cpu",
+                                   devices=1)),
         ):
             learner = make()
             for i in range(5):

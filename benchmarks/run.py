@@ -30,7 +30,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -563,38 +562,6 @@ def plot(rows: list[Row], scaling: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    import lightning
-    import tensordict
-    import torchrl
-
-    import hashlib
-
-    code = hashlib.sha256()
-    pkg = os.path.join(ROOT, "fabric_learner")
-    for fname in sorted(os.listdir(pkg)):
-        if fname.endswith(".py"):
-            with open(os.path.join(pkg, fname), "rb") as f:
-                code.update(fname.encode() + f.read())
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "fabric_learner"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=10).stdout.strip() != ""
-    except (OSError, subprocess.SubprocessError):
-        head, dirty = "?", None
-    return {"git_head": head, "fabric_learner_dirty": dirty, "fabric_learner_sha256": code.hexdigest()[:16],
-            "cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "tensordict": tensordict.__version__, "torchrl": torchrl.__version__,
-            "lightning": lightning.__version__}
-
-
 def replot(path: str) -> int:
     with open(path) as f:
         saved = json.load(f)
@@ -686,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
 
     total = time.perf_counter() - t0
     meta = {"mode": "smoke" if args.smoke else "quick" if cfg.quick else "full", "config": asdict(cfg),
-            "machine": machine(),
+            "machine": harness.machine(),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "wall_s": total,
             "case_wall_s": timings, "skipped_hooks": skipped,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
