@@ -46,11 +46,6 @@ def make_env():
     return TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def evaluate(qnet, episodes: int = 5) -> float:
     import torch
     from torchrl.envs.utils import ExplorationType, set_exploration_type
@@ -103,7 +98,7 @@ def worker(mode: str, frames: int, out: str) -> None:
     ReplayBufferTrainer(rb, flatten_tensordicts=True).register(trainer)
     samples = []
     trainer.register_op("post_steps", lambda: samples.append(
-        (time.perf_counter(), trainer.collected_frames, learner.num_updates, rss_mb())))
+        (time.perf_counter(), trainer.collected_frames, learner.num_updates, harness.status_mib("VmRSS"))))
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0

@@ -31,17 +31,11 @@ import subprocess
 import sys
 import time
 
+import harness
+
 KINDS = ("one_process", "fsdp_2_ranks", "fsdp_2_ranks_one_unit")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
 
 
 def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> None:
@@ -58,7 +52,7 @@ def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> 
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
     cells = (width,) * 6
-    baseline = status_mib("VmSize")
+    baseline = harness.status_mib("VmSize")
     result = {"kind": kind, "rank": rank, "baseline_vmsize_mib": baseline}
     try:
         # the exact size before the cap: the same MLPs on the meta device cost no memory
@@ -93,8 +87,8 @@ def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> 
                       error=None)
     except (RuntimeError, MemoryError) as err:  # the allocation the cap refuses
         result.update(trained_updates=locals().get("done", 0), error=f"{type(err).__name__}: {str(err)[:300]}")
-    result["vmpeak_over_baseline_mib"] = status_mib("VmPeak") - baseline
-    result["rss_peak_mib"] = status_mib("VmHWM")
+    result["vmpeak_over_baseline_mib"] = harness.status_mib("VmPeak") - baseline
+    result["rss_peak_mib"] = harness.status_mib("VmHWM")
     if kind == "one_process":
         with open(out, "w") as f:
             json.dump([result], f)

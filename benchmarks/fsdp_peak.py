@@ -59,14 +59,6 @@ def shard_all_but_ensembles(module, mesh):
     return module
 
 
-def rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
-
-
 def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
     sys.path.insert(0, HERE)
     import functools
@@ -82,7 +74,7 @@ def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    baseline = rss_mib("VmRSS")  # imports done, model not built yet
+    baseline = harness.status_mib("VmRSS")  # imports done, model not built yet
     workload = "ppo_big_actor" if case == "ppo" else "sac_big_critic"
     cells = (width,) * (6 if case == "ppo" else 4)
     batches = [common.make_batch(workload[:3], n=64, seed=step + 10 * rank) for step in range(2)]
@@ -108,7 +100,7 @@ def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
         for batch in batches:
             learner.update(batch)
         done = learner
-    result = {"rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": rss_mib("VmHWM") - baseline,
+    result = {"rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": harness.status_mib("VmHWM") - baseline,
               "n_params": n_params}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)

@@ -2,6 +2,7 @@
 
 - interleaving: contenders taking turns (``order_for``, ``rotation``, ``interleaved``, ``rotating``)
   and the intervals read from them (``paired_ratio``, ``bootstrap_ci``, ``ratio_of_sums``);
+- ``status_mib``: a memory figure of this process from /proc/self/status;
 - provenance: the commit, whether the package differs from it, and a hash of every file of the
   package (``git_head``, ``git_dirty``, ``git_label``, ``package_sha256``, ``provenance``, ``machine``);
 - verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
@@ -34,6 +35,19 @@ def set_one_thread() -> None:
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+# ---- process status ------------------------------------------------------------------------------
+
+
+def status_mib(field: str) -> float:
+    """This process's ``field`` of /proc/self/status in MiB (``VmRSS`` resident now, ``VmHWM`` its peak,
+    ``VmSize`` / ``VmPeak`` address space now / at most); raises ``KeyError`` when there is no such field."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
 
 
 # ---- provenance ----------------------------------------------------------------------------------
