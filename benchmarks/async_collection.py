@@ -30,7 +30,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
@@ -126,18 +125,14 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=6000, help="total frames over both ranks")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "async_collection.json"))
     args = parser.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RL_WARNINGS": "False", "PYTHONPATH": ROOT}
     runs = {"sync": [], "async": []}
-    tmp = args.out + ".run.json"
     for rep in range(args.repeats):
         for mode in harness.rotation(rep, ["sync", "async"]):
-            proc = subprocess.run([sys.executable, __file__, "--worker", mode, str(args.frames), tmp], env=env,
-                                  cwd=ROOT, capture_output=True, text=True, timeout=1200)
-            if proc.returncode != 0:
-                raise SystemExit(f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            with open(tmp) as f:
-                runs[mode].append(json.load(f))
-            os.remove(tmp)
+            with harness.scratch_path() as out:
+                harness.run_bounded([sys.executable, __file__, "--worker", mode, str(args.frames), out], 1200,
+                                    f"{mode} run")
+                with open(out) as f:
+                    runs[mode].append(json.load(f))
             print(mode, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[mode][-1].items()},
                   flush=True)
     keys = ("fps", "updates_per_s", "final_return", "seconds", "first_round_s", "fps_whole_train",

@@ -47,7 +47,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -347,11 +346,10 @@ def ranks_main(argv) -> None:
 def part_two(batches: int) -> dict:
     out = {}
     for ranks in (1, 2):
-        path = RESULTS.with_name(f"end_to_end_ranks{ranks}.tmp.json")
-        cmd = [sys.executable, __file__, "--ranks", str(ranks), "--batches", str(batches), "--out", str(path)]
-        subprocess.run(cmd, check=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        out[ranks] = json.loads(path.read_text())
-        path.unlink()
+        with harness.scratch_path() as path:
+            cmd = [sys.executable, __file__, "--ranks", str(ranks), "--batches", str(batches), "--out", path]
+            harness.run_bounded(cmd, 1800, f"{ranks}-rank run")
+            out[ranks] = json.loads(Path(path).read_text())
     return out
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -35,7 +34,6 @@ import harness
 
 KINDS = ("one_process", "fsdp_2_ranks", "fsdp_2_ranks_one_unit")
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> None:
@@ -112,23 +110,18 @@ def one_unit(module, mesh):
     return module
 
 
-def launch(kind: str, args, out: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RL_WARNINGS="False", MALLOC_ARENA_MAX="1")
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
-    tail = [__file__, "--worker", kind, "--width", str(args.width), "--cap-copies", str(args.cap_copies),
-            "--updates", str(args.updates), "--out", out]
-    cmd = [sys.executable, *tail] if kind == "one_process" else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *tail]
-    start = time.monotonic()
-    if os.path.exists(out):
-        os.remove(out)
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if not os.path.exists(out):
-        return {"kind": kind, "returncode": proc.returncode, "ranks": [],
-                "output_tail": (proc.stdout + proc.stderr)[-2000:]}
-    with open(out) as f:
-        ranks = json.load(f)
+def launch(kind: str, args) -> dict:
+    """One run of ``kind`` (one process, or 2 ranks under torchrun), every process under the cap."""
+    with harness.scratch_path() as out:
+        argv = [__file__, "--worker", kind, "--width", str(args.width), "--cap-copies", str(args.cap_copies),
+                "--updates", str(args.updates), "--out", out]
+        cmd = [sys.executable, *argv] if kind == "one_process" else harness.torchrun(2, *argv)
+        start = time.monotonic()
+        proc = harness.run_bounded(cmd, 600, kind, check=False, MALLOC_ARENA_MAX="1")
+        if not os.path.exists(out):
+            return {"kind": kind, "returncode": proc.returncode, "ranks": [], "output_tail": proc.stdout[-2000:]}
+        with open(out) as f:
+            ranks = json.load(f)
     return {"kind": kind, "returncode": proc.returncode, "seconds": time.monotonic() - start, "ranks": ranks}
 
 
@@ -142,10 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.width, args.cap_copies, args.updates, args.out)
-    tmp = args.out + ".rank.json"
-    runs = [launch(kind, args, tmp) for kind in KINDS]
-    if os.path.exists(tmp):
-        os.remove(tmp)
+    runs = [launch(kind, args) for kind in KINDS]
     verdict = {r["kind"]: bool(r["ranks"]) and all(x["error"] is None and x["trained_updates"] == args.updates
                                                    for x in r["ranks"]) for r in runs}
     result = {"what": f"RLIMIT_AS = VmSize before the model + {args.cap_copies} model copies, per process",

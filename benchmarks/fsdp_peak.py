@@ -34,14 +34,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 CONTENDERS = ("learner_fsdp", "hand_fsdp2", "learner_ddp")
 SAC_CONTENDERS = ("learner_fsdp", "learner_fsdp_ensemble_whole", "learner_ddp")
 
@@ -147,18 +145,14 @@ def hand_fsdp2(cells, timeout):
     return loss, n_params
 
 
-def launch(kind: str, width: int, out: str, case: str = "ppo") -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RL_WARNINGS="False")
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--worker", kind, "--width", str(width), "--out", out, "--case", case]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(out) as f:
-        ranks = json.load(f)
+def launch(kind: str, width: int, case: str = "ppo") -> dict:
+    """One 2-rank launch of contender ``kind``: every rank's figures and the worst rank's peak."""
+    with harness.scratch_path() as out:
+        cmd = harness.torchrun(2, __file__, "--worker", kind, "--width", str(width), "--out", out, "--case", case)
+        start = time.monotonic()
+        harness.run_bounded(cmd, 600, kind)
+        with open(out) as f:
+            ranks = json.load(f)
     return {"kind": kind, "seconds": time.monotonic() - start, "ranks": ranks,
             "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks), "n_params": ranks[0]["n_params"]}
 
@@ -193,13 +187,11 @@ def main() -> None:
 def interleaved(args, contenders, *case) -> tuple[list[dict], dict[str, float]]:
     """``args.repeats`` launches of each contender, in rotated order; every run and each one's median peak."""
     runs = []
-    tmp = args.out + ".rank.json"
     for rep in range(args.repeats):
         for kind in harness.rotation(rep, contenders):
-            runs.append(launch(kind, args.width, tmp, *case))
+            runs.append(launch(kind, args.width, *case))
             print(f"{kind:27s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
                   f"({runs[-1]['seconds']:.0f} s)", flush=True)
-    os.remove(tmp)
     return runs, {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in contenders}
 
 

@@ -3,6 +3,8 @@
 - interleaving: contenders taking turns (``order_for``, ``rotation``, ``interleaved``, ``rotating``)
   and the intervals read from them (``paired_ratio``, ``bootstrap_ci``, ``ratio_of_sums``);
 - ``status_mib``: a memory figure of this process from /proc/self/status;
+- relaunch: ``torchrun`` (the command for N local ranks) and ``run_bounded`` (a child process
+  with one thread, a clean environment and a timeout), ``scratch_path`` for its result file;
 - provenance: the commit, whether the package differs from it, and a hash of every file of the
   package (``git_head``, ``git_dirty``, ``git_label``, ``package_sha256``, ``provenance``, ``machine``);
 - verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
@@ -14,15 +16,20 @@ them), so a worker can import it before it measures its own memory.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
 import platform
 import random
+import shutil
+import signal
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -48,6 +55,60 @@ def status_mib(field: str) -> float:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+# ---- relaunch ------------------------------------------------------------------------------------
+
+# what an enclosing launch (torchrun, ``fabric run``) sets; a child that kept them would join it
+LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED",
+                    "TORCHELASTIC_RUN_ID")
+
+
+def torchrun(nproc: int, *argv: str) -> list[str]:
+    """The command running ``argv`` (a script and its arguments) as ``nproc`` local ranks under torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *argv]
+
+
+def run_bounded(cmd: list[str], timeout_s: float, what: str, *, check: bool = True,
+                **extra_env: str) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` from the repository root and returns it finished, its stdout and stderr together in
+    ``stdout``.
+
+    The child gets one thread per process, torchrl's warnings off, this checkout first on its path,
+    no variable of an enclosing launch, and ``extra_env``. It runs in its own session, and its whole
+    process group is killed when it ends, so nothing it started outlives it. ``RuntimeError`` (with
+    the output's tail) when it runs past ``timeout_s`` or, with ``check``, exits non-zero.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=ROOT, **extra_env)
+    for key in LAUNCH_VARIABLES:
+        env.pop(key, None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise RuntimeError(f"{what} did not finish in {timeout_s}s:\n{log[-3000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{log[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, log)
+
+
+@contextlib.contextmanager
+def scratch_path(name: str = "result.json") -> Iterator[str]:
+    """A path in a fresh temporary folder, not yet a file (a child writes its result there); the
+    folder goes when the block ends."""
+    folder = tempfile.mkdtemp(prefix="fl_bench_")
+    try:
+        yield os.path.join(folder, name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---- provenance ----------------------------------------------------------------------------------

@@ -30,8 +30,6 @@ import argparse
 import functools
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +40,6 @@ from typing import Any, Callable
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: one thread, here and in every rank
 os.environ.setdefault("RL_WARNINGS", "False")
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
@@ -182,44 +179,16 @@ def case_a(cfg: Config) -> list[Row]:
 # ---- cases b, e (DDP) and f: multi-rank launches --------------------------------------------------
 
 
-def _run_bounded(cmd: list[str], timeout_s: int, what: str, **extra_env: str) -> str:
-    """Run ``cmd`` in its own session with one thread per process; kill the whole group on timeout."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=ROOT, **extra_env)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED",
-                "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        raise RuntimeError(f"{what} did not finish in {timeout_s}s:\n{log[-3000:]}") from None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the launch outlives it
-        except (ProcessLookupError, PermissionError):
-            pass
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{log[-3000:]}")
-    return log
-
-
 def launch_ranks(nproc: int, cfg: Config, *, get_weights: bool) -> dict[str, Any]:
     """Run ``ddp_case.py`` under torchrun on ``nproc`` gloo ranks, one thread each; its JSON."""
-    fd, out = tempfile.mkstemp(prefix="fl_bench_ddp_", suffix=".json")
-    os.close(fd)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(HERE, "ddp_case.py"), "--out", out, "--workloads", ",".join(cfg.workloads),
-           "--reps", str(cfg.ddp_reps), "--inner", str(cfg.ddp_inner), "--warmup", str(cfg.warmup),
-           "--gw-reps", str(cfg.gw_reps if get_weights else 0), "--gw-inner", str(cfg.gw_inner)]
-    try:
-        _run_bounded(cmd, cfg.ddp_timeout_s, f"{nproc}-rank launch")
+    with harness.scratch_path() as out:
+        cmd = harness.torchrun(
+            nproc, os.path.join(HERE, "ddp_case.py"), "--out", out, "--workloads", ",".join(cfg.workloads),
+            "--reps", str(cfg.ddp_reps), "--inner", str(cfg.ddp_inner), "--warmup", str(cfg.warmup),
+            "--gw-reps", str(cfg.gw_reps if get_weights else 0), "--gw-inner", str(cfg.gw_inner))
+        harness.run_bounded(cmd, cfg.ddp_timeout_s, f"{nproc}-rank launch")
         with open(out) as f:
             return json.load(f)
-    finally:
-        os.unlink(out)
 
 
 def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
@@ -372,8 +341,8 @@ def case_e(cfg: Config) -> list[Row]:
 # implemented yet" and is listed as skipped. Build rows with ``compare(case, workload, samples_s,
 # contender, baseline, goal, unit=...)`` from ``harness.interleaved(...)`` samples (seconds), or
 # construct ``Row`` directly for non-time metrics (e.g. unit="MiB" for memory; ratio = learner/hand).
-# Multi-rank hooks should follow ``launch_ranks``/``ddp_case.py`` (torchrun, timeout, barrier +
-# destroy_process_group at the end).
+# Multi-rank hooks should follow ``launch_ranks``/``ddp_case.py`` (``harness.torchrun`` and
+# ``harness.run_bounded``: one thread, timeout; barrier + destroy_process_group at the end).
 # ======================================================================================================
 
 
@@ -391,16 +360,12 @@ def case_c_fsdp_memory(cfg: Config) -> list[Row] | None:
     got = {}
     # the default allocator, and glibc's mmap threshold fixed at 1 MiB (see fsdp_memory.py)
     for strategy, threshold in (("ddp", None), ("fsdp", None), ("ddp", "1048576"), ("fsdp", "1048576")):
-        fd, out = tempfile.mkstemp(prefix=f"fl_bench_{strategy}_", suffix=".json")
-        os.close(fd)
-        try:
-            _run_bounded([sys.executable, os.path.join(HERE, "fsdp_memory.py"), "--strategy", strategy, "--out", out],
-                         cfg.ddp_timeout_s, f"fsdp_memory.py --strategy {strategy}",
-                         **({"MALLOC_MMAP_THRESHOLD_": threshold} if threshold else {}))
+        with harness.scratch_path() as out:
+            harness.run_bounded([sys.executable, os.path.join(HERE, "fsdp_memory.py"), "--strategy", strategy,
+                                 "--out", out], cfg.ddp_timeout_s, f"fsdp_memory.py --strategy {strategy}",
+                                **({"MALLOC_MMAP_THRESHOLD_": threshold} if threshold else {}))
             with open(out) as f:
                 got[strategy, threshold] = json.load(f)
-        finally:
-            os.unlink(out)
     n = got["ddp", None][0]["n_params"]
     rows = []
     for metric, key, threshold in (
