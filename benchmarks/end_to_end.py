@@ -76,68 +76,6 @@ CODE = ("fabric_learner", "benchmarks/*.py", "examples", "tests")  # "+dirty" on
 TURN_TIMEOUT_S = 600  # a turn is ~30 ms; compile=True's first one compiles
 
 
-class StageClock:
-    """Wall (and process CPU) seconds spent in each wrapped call, summed."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-        self.calls: dict[str, list[float]] = {}
-        self.origin: tuple[float, float] | None = None  # (wall, cpu) start of a run: "setup" ends at the first batch
-        self.stage: str | None = None  # the stage running now, for count_calls
-        self.python_calls: dict[str, int] | None = None
-
-    def count_calls(self) -> None:
-        """From now on count Python and C function calls per stage (a profile hook: slow, but exact)."""
-        self.python_calls = {}
-        counts = self.python_calls
-
-        def hook(frame, event, arg):
-            if event == "call" or event == "c_call":
-                stage = self.stage or ("rest" if "setup" in self.seconds else "setup")
-                counts[stage] = counts.get(stage, 0) + 1
-        sys.setprofile(hook)
-
-    def _enter(self, name: str):
-        outer, self.stage = self.stage, self.stage or name  # nested stages count for the outer one
-        return outer
-
-    def _add(self, name: str, wall: float, cpu: float) -> float:
-        self.seconds[name] = self.seconds.get(name, 0.0) + wall
-        self.cpu[name] = self.cpu.get(name, 0.0) + cpu
-        return wall
-
-    def wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            outer = self._enter(name)
-            start, cpu = time.perf_counter(), time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                took = self._add(name, time.perf_counter() - start, time.process_time() - cpu)
-                self.calls.setdefault(name, []).append(took)
-                self.stage = outer
-        return timed
-
-    def wrap_iterator(self, name: str, make_iterator):
-        def timed_iterator():
-            it = make_iterator()
-            while True:
-                start, cpu = time.perf_counter(), time.process_time()
-                if self.origin is not None and "setup" not in self.seconds:
-                    self._add("setup", start - self.origin[0], cpu - self.origin[1])
-                outer = self._enter(name)
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                finally:
-                    self._add(name, time.perf_counter() - start, time.process_time() - cpu)
-                    self.stage = outer
-                yield item
-        return timed_iterator
-
-
 class Lockstep:
     """Runs whole runs side by side in one process, one thread each, taking short turns.
 
@@ -279,7 +217,7 @@ def run_torchrl_loop(batches: int) -> dict:
     return {"seconds": seconds, "frames": args.frames, "updates": n_updates}
 
 
-def _sync_clock(learner, clock: StageClock) -> None:
+def _sync_clock(learner, clock: harness.StageClock) -> None:
     """Times each DDP bucket's all-reduce, from the hook's call to the future's completion."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -302,7 +240,7 @@ def _sync_clock(learner, clock: StageClock) -> None:
 
 def run_port(batches: int, learner_cls, learner_kwargs: dict, world: int = 1) -> dict:
     args = _recipe_args(batches * world, world)
-    clock = StageClock()
+    clock = harness.StageClock()
     start = time.perf_counter()
     learner, trainer, _ = recipe.build(args, learner_kwargs, learner_cls=learner_cls)
     learner.update = clock.wrap("update", learner.update)
@@ -322,7 +260,7 @@ def run_port(batches: int, learner_cls, learner_kwargs: dict, world: int = 1) ->
     return out
 
 
-def _wrap_value_estimator(trainer, clock: StageClock) -> None:
+def _wrap_value_estimator(trainer, clock: harness.StageClock) -> None:
     from fabric_learner.onpolicy import LearnerValueEstimator
 
     for hook in trainer._modules.values():
@@ -464,7 +402,7 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
     return table
 
 
-def _instrumented_recipe(clock: StageClock):
+def _instrumented_recipe(clock: harness.StageClock):
     """The recipe's collector, GAE and replay buffer, timed alike on both sides (``_adjusted_builders``)."""
     def collector(built):
         built.iterator = clock.wrap_iterator("collection", built.iterator)
@@ -486,7 +424,7 @@ def _instrumented_recipe(clock: StageClock):
 def staged_run(name: str, batches: int, count_calls: bool = False) -> dict:
     """One run of ``name`` (the torchrl loop or a port) with its stages timed: wall and CPU seconds
     (or, with ``count_calls``, the Python and C function calls of each stage: exact, not timed)."""
-    clock = StageClock()
+    clock = harness.StageClock()
     start, cpu = time.perf_counter(), time.process_time()
     clock.origin = (start, cpu)
     if count_calls:

@@ -7,6 +7,7 @@
   with one thread, a clean environment and a timeout), ``scratch_path`` for its result file;
 - provenance: the commit, whether the package differs from it, and a hash of every file of the
   package (``git_head``, ``git_dirty``, ``git_label``, ``package_sha256``, ``provenance``, ``machine``);
+- ``StageClock``: the time a run spends in each named stage, by wrappers around its calls;
 - verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
 - ``set_one_thread``.
 
@@ -178,6 +179,112 @@ def machine() -> dict[str, Any]:
     return {**provenance(), "cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "tensordict": tensordict.__version__,
             "torchrl": torchrl.__version__, "lightning": lightning.__version__}
+
+
+# ---- stage clock ---------------------------------------------------------------------------------
+
+
+class StageClock:
+    """Time spent in each named stage, summed over the calls it wraps, on each of its timers.
+
+    ``StageClock()`` sums wall seconds (``time.perf_counter``) in ``seconds`` and process CPU
+    seconds (``time.process_time``) in ``cpu``; ``StageClock(ns=time.thread_time_ns)`` sums thread
+    CPU nanoseconds in ``ns``. Each timer's sums are an attribute of that name, a dict stage ->
+    sum, which may be reset by assigning a new dict. ``calls[stage]`` lists each wrapped call's
+    reading on the first timer. A stage entered inside another adds its time to its own name
+    (both are counted); for ``count_calls`` the calls inside it belong to the outer stage.
+    """
+
+    def __init__(self, **timers: Callable[[], float]) -> None:
+        timers = timers or {"seconds": time.perf_counter, "cpu": time.process_time}
+        self._names = tuple(timers)
+        self._readers = tuple(timers.values())
+        for name in self._names:
+            setattr(self, name, {})
+        self.calls: dict[str, list[float]] = {}
+        # the timers' readings at the start of a run (set by its caller): "setup" then lasts until the
+        # first item a wrapped iterator is asked for
+        self.origin: tuple[float, ...] | None = None
+        self.stage: str | None = None  # the outermost stage running now, for count_calls
+        self.python_calls: dict[str, int] | None = None
+
+    def _read(self) -> list[float]:
+        return [read() for read in self._readers]
+
+    def _enter(self, stage: str) -> str | None:
+        outer, self.stage = self.stage, self.stage or stage
+        return outer
+
+    def _add(self, stage: str, end: Sequence[float], start: Sequence[float]) -> float:
+        """Adds ``end - start`` of every timer to ``stage``; returns the first timer's difference."""
+        for name, stop, begin in zip(self._names, end, start):
+            sums = getattr(self, name)
+            sums[stage] = sums.get(stage, 0) + (stop - begin)
+        return end[0] - start[0]
+
+    def count_calls(self) -> None:
+        """From now on counts Python and C function calls per stage (a profile hook: slow, but exact);
+        calls outside every stage count as "setup" until a setup time is recorded, "rest" after."""
+        self.python_calls = {}
+        counts = self.python_calls
+        first = self._names[0]
+
+        def hook(frame, event, arg):
+            if event == "call" or event == "c_call":
+                stage = self.stage or ("rest" if "setup" in getattr(self, first) else "setup")
+                counts[stage] = counts.get(stage, 0) + 1
+        sys.setprofile(hook)
+
+    def wrap(self, stage: str, fn: Callable) -> Callable:
+        """``fn``, its every call timed into ``stage``."""
+        calls = self.calls.setdefault(stage, [])
+        if len(self._readers) == 1:
+            # One timer (the update profile's): only what it needs around the call, since the wrapper's own
+            # cost lands in that profile's "rest + wrappers" row.
+            read, name = self._readers[0], self._names[0]
+
+            def timed_once(*args, **kwargs):
+                outer = self._enter(stage)
+                start = read()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    took = read() - start
+                    sums = getattr(self, name)
+                    sums[stage] = sums.get(stage, 0) + took
+                    calls.append(took)
+                    self.stage = outer
+            return timed_once
+
+        def timed(*args, **kwargs):
+            outer = self._enter(stage)
+            start = self._read()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls.append(self._add(stage, self._read(), start))
+                self.stage = outer
+        return timed
+
+    def wrap_iterator(self, stage: str, make_iterator: Callable[[], Iterator]) -> Callable[[], Iterator]:
+        """``make_iterator``, its iterators' every ``next`` timed into ``stage``; with ``origin`` set, the
+        time from it to the first ``next`` goes to "setup"."""
+        def timed_iterator():
+            it = make_iterator()
+            while True:
+                start = self._read()
+                if self.origin is not None and "setup" not in getattr(self, self._names[0]):
+                    self._add("setup", start, self.origin)
+                outer = self._enter(stage)
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    self._add(stage, self._read(), start)
+                    self.stage = outer
+                yield item
+        return timed_iterator
 
 
 # ---- verdicts -----------------------------------------------------------------------------------

@@ -120,39 +120,19 @@ STAGES = ("batch checks", "forward", "sum losses", "backward", "detach output", 
           "non-finite check", "optimizer step", "zero_grad", "rest + wrappers")
 
 
-class _StageClock:
-    """CPU nanoseconds per stage of one update, by wrappers around what the update calls.
+def _stage_steps(name: str):
+    """Per contender, ``run(td) -> {stage: CPU ns}`` for one update (thread CPU time).
 
     The learners are timed running their real ``update``: the functions and hooks it calls are
-    wrapped (``_check_batch``, ``_forward``, ``total_loss``, ``_backward``, ``detached``,
-    ``_clip_gradients``, ``_reported_norm`` and ``set_entry``, ``_refuse_step``, ``_optimizer_step``,
-    ``zero_grad``), so no copy of its body can drift from it. "rest + wrappers" is what the update's
-    total holds beyond its timed stages: its own bookkeeping between them (window start, counters),
-    freeing its locals (the loss output and what remains of the autograd graph) on return, and the
-    clock reads themselves (~0.6 us each here, two per wrapped call); the hand loops get the same row
-    (their stage marks and the freeing on return). Stage rows are what each piece costs inside a real
-    update (caches cold, unlike the hot loops of ``pieces``).
+    wrapped by a ``harness.StageClock`` (``_check_batch``, ``_forward``, ``total_loss``, ``_backward``,
+    ``detached``, ``_clip_gradients``, ``_reported_norm`` and ``set_entry``, ``_refuse_step``,
+    ``_optimizer_step``, ``zero_grad``), so no copy of its body can drift from it. "rest + wrappers"
+    is what the update's total holds beyond its timed stages: its own bookkeeping between them
+    (window start, counters), freeing its locals (the loss output and what remains of the autograd
+    graph) on return, and the clock's own work (~0.6 us per clock read here, two per wrapped call);
+    the hand loops get the same row (their stage marks and the freeing on return). Stage rows are
+    what each piece costs inside a real update (caches cold, unlike the hot loops of ``pieces``).
     """
-
-    def __init__(self):
-        self.ns: dict[str, int] = {}
-
-    def wrap(self, stage: str, fn):
-        import functools
-        import time
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            t = time.thread_time_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.ns[stage] = self.ns.get(stage, 0) + time.thread_time_ns() - t
-        return timed
-
-
-def _stage_steps(name: str):
-    """Per contender, ``run(td) -> {stage: CPU ns}`` for one update."""
     import time
     import fabric_learner.learner as learner_module
 
@@ -188,7 +168,7 @@ def _stage_steps(name: str):
         lr = make()
         for td in common.make_batches(name, count=2):
             lr.update(td)  # past the one-time coverage check
-        clock = _StageClock()
+        clock = harness.StageClock(ns=time.thread_time_ns)
         for attr, stage in (("_forward", "forward"), ("_backward", "backward"), ("_clip_gradients", "clip"),
                             ("_refuse_step", "non-finite check"), ("_optimizer_step", "optimizer step")):
             object.__setattr__(lr, attr, clock.wrap(stage, getattr(lr, attr)))
@@ -230,7 +210,7 @@ def _stage_steps(name: str):
 def part_stages(workloads, n: int) -> dict:
     """Median CPU time of each stage over ``n`` interleaved updates; robust to preemption spikes."""
     print(f"== stages: median CPU us per call over {n} updates (contenders alternate update by update; the "
-          "learners run their real update, timed by wrappers, see _StageClock)")
+          "learners run their real update, timed by wrappers, see _stage_steps)")
     out = {}
     for name in workloads:
         steps = _stage_steps(name)
