@@ -114,8 +114,7 @@ def worker(mode: str, frames: int, out: str) -> None:
                   "rss_last_quarter_mb": max(s[3] for s in samples[-quarter:]),
                   "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "async": trainer.async_stats if mode == "async" else None}
-        with open(out, "w") as f:
-            json.dump(result, f)
+        harness.write_json(out, result, indent=None)
     learner.close()
 
 
@@ -131,8 +130,7 @@ def main() -> None:
             with harness.scratch_path() as out:
                 harness.run_bounded([sys.executable, __file__, "--worker", mode, str(args.frames), out], 1200,
                                     f"{mode} run")
-                with open(out) as f:
-                    runs[mode].append(json.load(f))
+                runs[mode].append(harness.read_json(out))
             print(mode, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[mode][-1].items()},
                   flush=True)
     keys = ("fps", "updates_per_s", "final_return", "seconds", "first_round_s", "fps_whole_train",
@@ -150,9 +148,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version()},
         "git_head": harness.git_head(short=False),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=1)
+    harness.write_json(args.out, summary)
     print(json.dumps({"medians": medians, "async_over_sync": summary["async_over_sync"]}, indent=1))
 
 

@@ -158,9 +158,7 @@ def main() -> None:
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python benchmarks/async_save.py " + " ".join(sys.argv[1:]),
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        harness.write_json(args.out, result)
         print(json.dumps({k: result[k] for k in ("median_s", "stall_over_sync", "ci95", "verdict", "cpu_time",
                                                   "steps_overlapping_each_async_save")}, indent=1))
     learner.close()

@@ -16,7 +16,6 @@ Rank 0 writes the results as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -117,13 +116,11 @@ def main() -> None:
     if dist.is_initialized():
         dist.barrier()
         if rank == 0:
-            with open(args.out, "w") as f:
-                json.dump(results, f)
+            harness.write_json(args.out, results, indent=None)
         dist.barrier()
         dist.destroy_process_group()
     elif rank in (0, None):
-        with open(args.out, "w") as f:
-            json.dump(results, f)
+        harness.write_json(args.out, results, indent=None)
 
 
 if __name__ == "__main__":

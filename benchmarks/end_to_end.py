@@ -43,7 +43,6 @@ import argparse
 import functools
 import gc
 import itertools
-import json
 import os
 import random
 import statistics
@@ -278,7 +277,7 @@ def ranks_main(argv) -> None:
     kwargs = {"accelerator": "cpu", "devices": a.ranks, "strategy": "ddp" if a.ranks > 1 else "auto"}
     result = run_port(a.batches // a.ranks, FabricLearner, kwargs, world=a.ranks)
     if result["rank"] == 0:
-        Path(a.out).write_text(json.dumps(result))
+        harness.write_json(a.out, result, indent=None)
 
 
 def part_two(batches: int) -> dict:
@@ -287,7 +286,7 @@ def part_two(batches: int) -> dict:
         with harness.scratch_path() as path:
             cmd = [sys.executable, __file__, "--ranks", str(ranks), "--batches", str(batches), "--out", path]
             harness.run_bounded(cmd, 1800, f"{ranks}-rank run")
-            out[ranks] = json.loads(Path(path).read_text())
+            out[ranks] = harness.read_json(path)
     return out
 
 
@@ -306,9 +305,7 @@ def main() -> None:
     if args.part == "stages":
         report = {"batches": args.batches, "reps": args.reps, "git": harness.git_label(*CODE), "load": os.getloadavg(),
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **part_stages(args.reps, args.batches)}
-        out = Path(args.out) if args.out else RESULTS.with_name("end_to_end_stages.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
+        harness.write_json(args.out or RESULTS.with_name("end_to_end_stages.json"), report)
         return
     modes = {
         "torchrl recipe loop": run_torchrl_loop,
@@ -335,9 +332,7 @@ def main() -> None:
         report["part 2 ratio (2 ranks / 1 process, frames/s)"] = (
             (two[2]["frames"] / two[2]["seconds"]) / (two[1]["frames"] / two[1]["seconds"]))
         print(f"  ratio 2 ranks / 1 process: {report['part 2 ratio (2 ranks / 1 process, frames/s)']:.2f}")
-    out = Path(args.out) if args.out else RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    harness.write_json(args.out or RESULTS, report)
 
 
 def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -> dict:

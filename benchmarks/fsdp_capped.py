@@ -25,7 +25,6 @@ Writes ``benchmarks/results/fsdp_capped.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -88,16 +87,14 @@ def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> 
     result["vmpeak_over_baseline_mib"] = harness.status_mib("VmPeak") - baseline
     result["rss_peak_mib"] = harness.status_mib("VmHWM")
     if kind == "one_process":
-        with open(out, "w") as f:
-            json.dump([result], f)
+        harness.write_json(out, [result], indent=None)
         return
     import torch.distributed as dist
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
+        harness.write_json(out, gathered, indent=None)
     learner.close()
 
 
@@ -120,8 +117,7 @@ def launch(kind: str, args) -> dict:
         proc = harness.run_bounded(cmd, 600, kind, check=False, MALLOC_ARENA_MAX="1")
         if not os.path.exists(out):
             return {"kind": kind, "returncode": proc.returncode, "ranks": [], "output_tail": proc.stdout[-2000:]}
-        with open(out) as f:
-            ranks = json.load(f)
+        ranks = harness.read_json(out)
     return {"kind": kind, "returncode": proc.returncode, "seconds": time.monotonic() - start, "ranks": ranks}
 
 
@@ -141,9 +137,7 @@ def main() -> None:
     result = {"what": f"RLIMIT_AS = VmSize before the model + {args.cap_copies} model copies, per process",
               "width": args.width, "cap_copies": args.cap_copies, "updates": args.updates,
               "trained_under_cap": verdict, "runs": runs}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    harness.write_json(args.out, result)
     for r in runs:
         for x in r["ranks"]:
             print(f"{r['kind']:21s} rank {x['rank']}: {x.get('n_params', 0) / 1e6:.1f}M params, cap "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from datetime import timedelta
@@ -92,8 +91,7 @@ def main():
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, result)
     if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(gathered, f, indent=1)
+        harness.write_json(args.out, gathered)
     learner.close()
 
 

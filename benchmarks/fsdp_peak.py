@@ -31,7 +31,6 @@ contender, and the ratios ``learner_fsdp / hand_fsdp2`` (goal <= 1.1) and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -103,8 +102,7 @@ def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
+        harness.write_json(out, gathered, indent=None)
     if done is dist:
         dist.barrier()
         dist.destroy_process_group()
@@ -151,8 +149,7 @@ def launch(kind: str, width: int, case: str = "ppo") -> dict:
         cmd = harness.torchrun(2, __file__, "--worker", kind, "--width", str(width), "--out", out, "--case", case)
         start = time.monotonic()
         harness.run_bounded(cmd, 600, kind)
-        with open(out) as f:
-            ranks = json.load(f)
+        ranks = harness.read_json(out)
     return {"kind": kind, "seconds": time.monotonic() - start, "ranks": ranks,
             "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks), "n_params": ranks[0]["n_params"]}
 
@@ -204,9 +201,7 @@ def summary(args, runs: list[dict], median: dict[str, float], algorithm: str, **
         "width": args.width, "n_params": n_params, "copy_mib": copy_mib, "repeats": args.repeats,
         "median_peak_mib": median, "copies": {k: v / copy_mib for k, v in median.items()}, **ratios, "runs": runs,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    harness.write_json(args.out, result)
     return result
 
 

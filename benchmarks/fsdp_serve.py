@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -67,10 +66,8 @@ def main():
     args = parser.parse_args()
     rows = [measure("ppo", args.reps, 8, common.BATCH), measure("ppo_big_actor", args.reps, 2, 64)]
     if rows[0]["rank"] == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "git": harness.git_head()}, f, indent=1)
+        harness.write_json(args.out, {"rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                      "git": harness.git_head()})
         for r in rows:
             print(f"{r['workload']:>14}: served {r['ms_per_update']['served']:.2f} ms, not served "
                   f"{r['ms_per_update']['plain']:.2f} ms per update, ratio {r['ratio']:.3f}; served copy "

@@ -9,6 +9,7 @@
   package (``git_head``, ``git_dirty``, ``git_label``, ``package_sha256``, ``provenance``, ``machine``);
 - ``StageClock``: the time a run spends in each named stage, by wrappers around its calls;
 - verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
+- result files: ``write_json`` and ``read_json``;
 - ``set_one_thread``.
 
 Imports only the standard library at load time (torch and numpy inside the functions that need
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
 import os
 import platform
 import random
@@ -315,6 +317,25 @@ def verdict(ci: tuple[float, float], goal: float | None) -> str:
     if met is None:
         return f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {goal:.2f})"
     return "met" if met else "NOT met"
+
+
+# ---- result files --------------------------------------------------------------------------------
+
+
+def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> None:
+    """Writes ``data`` to ``path`` as JSON, making its folder if missing. The file appears whole: it is
+    written beside ``path`` and renamed onto it, so a reader finds the old file or the new one."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=indent)
+    os.replace(tmp, path)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)
 
 
 # ---- interleaving and intervals ------------------------------------------------------------------

@@ -36,7 +36,6 @@ import argparse
 import ctypes
 import gc
 import glob
-import json
 import os
 import shutil
 import statistics
@@ -216,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
               "reps": args.reps, "updates": args.updates, "warmup": args.warmup,
               "seconds": round(time.time() - started), "machine": machine,
               "valgrind": subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    harness.write_json(args.out, result)
     print(f"wrote {args.out} ({result['seconds']} s)")
     return 1 if result["failed"] else 0
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -187,8 +186,7 @@ def launch_ranks(nproc: int, cfg: Config, *, get_weights: bool) -> dict[str, Any
             "--reps", str(cfg.ddp_reps), "--inner", str(cfg.ddp_inner), "--warmup", str(cfg.warmup),
             "--gw-reps", str(cfg.gw_reps if get_weights else 0), "--gw-inner", str(cfg.gw_inner))
         harness.run_bounded(cmd, cfg.ddp_timeout_s, f"{nproc}-rank launch")
-        with open(out) as f:
-            return json.load(f)
+        return harness.read_json(out)
 
 
 def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
@@ -364,8 +362,7 @@ def case_c_fsdp_memory(cfg: Config) -> list[Row] | None:
             harness.run_bounded([sys.executable, os.path.join(HERE, "fsdp_memory.py"), "--strategy", strategy,
                                  "--out", out], cfg.ddp_timeout_s, f"fsdp_memory.py --strategy {strategy}",
                                 **({"MALLOC_MMAP_THRESHOLD_": threshold} if threshold else {}))
-            with open(out) as f:
-                got[strategy, threshold] = json.load(f)
+            got[strategy, threshold] = harness.read_json(out)
     n = got["ddp", None][0]["n_params"]
     rows = []
     for metric, key, threshold in (
@@ -528,8 +525,7 @@ def plot(rows: list[Row], scaling: list[dict], path: str, title: str) -> None:
 
 
 def replot(path: str) -> int:
-    with open(path) as f:
-        saved = json.load(f)
+    saved = harness.read_json(path)
     rows = [Row(**{**r, "ci": tuple(r["ci"])}) for r in saved["rows"]]
     meta = saved["meta"]
     print(fmt_table(rows))
@@ -639,12 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> "
           f"{meta['loadavg_after'][0]:.1f}, {meta['machine']['cpus']} CPUs")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "scaling": scaling, "table": table,
-                   "scaling_table": fmt_scaling(scaling) if scaling else ""}, f, indent=1)
-    os.replace(tmp, args.out)
+    harness.write_json(args.out, {"meta": meta, "rows": [asdict(r) for r in rows], "scaling": scaling, "table": table,
+                                  "scaling_table": fmt_scaling(scaling) if scaling else ""})
     png = os.path.splitext(args.out)[0] + ".png"
     plot(rows, scaling, png, _title(meta))
     print(f"wrote {args.out} and {png}")
