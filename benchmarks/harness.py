@@ -1,19 +1,18 @@
-"""What every benchmark script shares apart from its workload: one place for each piece.
+"""The benchmark harness: what the scripts of benchmarks/ share apart from their workloads, written once.
 
-- interleaving: contenders taking turns (``order_for``, ``rotation``, ``interleaved``, ``rotating``)
-  and the intervals read from them (``paired_ratio``, ``bootstrap_ci``, ``ratio_of_sums``);
-- ``status_mib``: a memory figure of this process from /proc/self/status;
-- relaunch: ``torchrun`` (the command for N local ranks) and ``run_bounded`` (a child process
-  with one thread, a clean environment and a timeout), ``scratch_path`` for its result file;
-- provenance: the commit, whether the package differs from it, and a hash of every file of the
-  package (``git_head``, ``git_dirty``, ``git_label``, ``package_sha256``, ``provenance``, ``machine``);
+- process: ``set_one_thread``, and ``status_mib`` (a memory figure of this process, /proc/self/status);
+- relaunch: ``torchrun`` (the command for N local ranks), ``run_bounded`` (a child process with one
+  thread, a clean environment and a timeout) and ``scratch_path`` (where the child writes its result);
+- provenance: ``git_head``, ``git_dirty``, ``git_label``, ``package_sha256`` (every file of the package),
+  and ``provenance`` / ``machine``, the blocks a result file records;
 - ``StageClock``: the time a run spends in each named stage, by wrappers around its calls;
 - verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
 - result files: ``write_json`` and ``read_json``;
-- ``set_one_thread``.
+- interleaving: contenders taking turns (``order_for``, ``rotation``, ``interleaved``, ``rotating``)
+  and the intervals read from them (``paired_ratio``, ``bootstrap_ci``, ``ratio_of_sums``).
 
-Imports only the standard library at load time (torch and numpy inside the functions that need
-them), so a worker can import it before it measures its own memory.
+Loading it imports only the standard library (torch and numpy are imported by the functions that
+use them), so a worker can load it before it measures its own memory.
 """
 
 from __future__ import annotations
@@ -39,15 +38,15 @@ ROOT = os.path.dirname(HERE)
 PACKAGE = os.path.join(ROOT, "fabric_learner")
 
 
+# ---- process -------------------------------------------------------------------------------------
+
+
 def set_one_thread() -> None:
     """One intra-op thread in this process, and in any process it starts."""
     import torch
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-
-
-# ---- process status ------------------------------------------------------------------------------
 
 
 def status_mib(field: str) -> float:
@@ -193,7 +192,7 @@ class StageClock:
     seconds (``time.process_time``) in ``cpu``; ``StageClock(ns=time.thread_time_ns)`` sums thread
     CPU nanoseconds in ``ns``. Each timer's sums are an attribute of that name, a dict stage ->
     sum, which may be reset by assigning a new dict. ``calls[stage]`` lists each wrapped call's
-    reading on the first timer. A stage entered inside another adds its time to its own name
+    duration on the first timer. A stage entered inside another adds its time to its own name
     (both are counted); for ``count_calls`` the calls inside it belong to the outer stage.
     """
 
@@ -289,7 +288,7 @@ class StageClock:
         return timed_iterator
 
 
-# ---- verdicts -----------------------------------------------------------------------------------
+# ---- verdicts ------------------------------------------------------------------------------------
 
 
 def decide(ci: tuple[float, float], goal: float | None, *, at_least: bool = False) -> bool | None:
