@@ -83,7 +83,7 @@ def main() -> None:
         rank, world = learners[0].global_rank, learners[0].world_size
         cpu: dict[str, list[float]] = {}
         samples = harness.interleaved(contenders, reps=args.reps, inner=args.inner, warmup=args.warmup,
-                                     sync=dist.barrier, cpu=cpu)
+                                      sync=dist.barrier, cpu=cpu)
         # Each learner copy and the hand copy beside it took the same steps on the same batches; DQN is
         # deterministic, so their weights must still agree (PPO's and SAC's losses sample: they drift apart).
         same = None
@@ -109,7 +109,7 @@ def main() -> None:
         }
         cpu = {}
         samples = harness.interleaved(contenders, reps=args.gw_reps, inner=args.gw_inner, warmup=1,
-                                     sync=dist.barrier, cpu=cpu)
+                                      sync=dist.barrier, cpu=cpu)
         results["get_weights"] = {"samples_s": samples, "cpu_s": cpu, "policy_params": common.count_params(policy)}
 
     results.update(rank=rank, world_size=world, wall_s=time.perf_counter() - t_start)

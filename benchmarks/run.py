@@ -614,9 +614,8 @@ def main(argv: list[str] | None = None) -> int:
 
     total = time.perf_counter() - t0
     meta = {"mode": "smoke" if args.smoke else "quick" if cfg.quick else "full", "config": asdict(cfg),
-            "machine": harness.machine(),
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "wall_s": total,
-            "case_wall_s": timings, "skipped_hooks": skipped,
+            "machine": harness.machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "wall_s": total, "case_wall_s": timings, "skipped_hooks": skipped,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     table = fmt_table(rows)
     print()
