@@ -30,9 +30,10 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMES_PER_BATCH, OPTIM_STEPS, RB_BATCH, LR, LAG, EPS = 50, 10, 128, 1e-3, 20, 0.1
@@ -42,11 +43,6 @@ def make_env():
     from torchrl.envs import GymEnv, StepCounter, TransformedEnv
 
     return TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def evaluate(qnet, episodes: int = 5) -> float:
@@ -88,7 +84,8 @@ def worker(mode: str, frames: int, out: str) -> None:
                             devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=120)), clip_grad_norm=10.0)
     rank = learner.global_rank
     if mode == "async":
-        collector = AsyncCollector(make_env, VersionedPolicy(acting), frames_per_batch=FRAMES_PER_BATCH, total_frames=-1)
+        collector = AsyncCollector(make_env, VersionedPolicy(acting), frames_per_batch=FRAMES_PER_BATCH,
+                                   total_frames=-1)
         extra = {"async_collection": AsyncCollection(max_policy_lag=LAG)}
     else:
         collector = Collector(make_env(), explore, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1)
@@ -100,7 +97,7 @@ def worker(mode: str, frames: int, out: str) -> None:
     ReplayBufferTrainer(rb, flatten_tensordicts=True).register(trainer)
     samples = []
     trainer.register_op("post_steps", lambda: samples.append(
-        (time.perf_counter(), trainer.collected_frames, learner.num_updates, rss_mb())))
+        (time.perf_counter(), trainer.collected_frames, learner.num_updates, harness.status_mib("VmRSS"))))
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
@@ -117,8 +114,7 @@ def worker(mode: str, frames: int, out: str) -> None:
                   "rss_last_quarter_mb": max(s[3] for s in samples[-quarter:]),
                   "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "async": trainer.async_stats if mode == "async" else None}
-        with open(out, "w") as f:
-            json.dump(result, f)
+        harness.write_json(out, result, indent=None)
     learner.close()
 
 
@@ -128,36 +124,31 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=6000, help="total frames over both ranks")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "async_collection.json"))
     args = parser.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RL_WARNINGS": "False", "PYTHONPATH": ROOT}
     runs = {"sync": [], "async": []}
-    tmp = args.out + ".run.json"
     for rep in range(args.repeats):
-        for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
-            proc = subprocess.run([sys.executable, __file__, "--worker", mode, str(args.frames), tmp], env=env,
-                                  cwd=ROOT, capture_output=True, text=True, timeout=1200)
-            if proc.returncode != 0:
-                raise SystemExit(f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            with open(tmp) as f:
-                runs[mode].append(json.load(f))
-            os.remove(tmp)
-            print(mode, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[mode][-1].items()}, flush=True)
+        for mode in harness.rotation(rep, ["sync", "async"]):
+            with harness.scratch_path() as out:
+                harness.run_bounded([sys.executable, __file__, "--worker", mode, str(args.frames), out], 1200,
+                                    f"{mode} run")
+                runs[mode].append(harness.read_json(out))
+            print(mode, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[mode][-1].items()},
+                  flush=True)
     keys = ("fps", "updates_per_s", "final_return", "seconds", "first_round_s", "fps_whole_train",
             "rss_first_quarter_mb", "rss_last_quarter_mb")
     medians = {m: {k: statistics.median(r[k] for r in rs) for k in keys} for m, rs in runs.items()}
     summary = {
         "what": "2 DDP ranks (gloo, CPU, 1 thread each), DQN MLP [64,64] on CartPole-v1, same total frames",
-        "settings": {"total_frames": args.frames, "frames_per_batch": FRAMES_PER_BATCH, "optim_steps_per_batch": OPTIM_STEPS,
+        "settings": {"total_frames": args.frames, "frames_per_batch": FRAMES_PER_BATCH,
+                     "optim_steps_per_batch": OPTIM_STEPS,
                      "batch_size": RB_BATCH, "lr": LR, "max_policy_lag": LAG, "epsilon": EPS, "repeats": args.repeats},
         "medians": medians,
         "async_over_sync": {k: medians["async"][k] / medians["sync"][k] for k in ("fps", "updates_per_s",
                                                                                    "fps_whole_train")},
         "runs": runs,
         "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version()},
-        "git_head": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "git_head": harness.git_head(short=False),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=1)
+    harness.write_json(args.out, summary)
     print(json.dumps({"medians": medians, "async_over_sync": summary["async_over_sync"]}, indent=1))
 
 

@@ -3,7 +3,7 @@
     python benchmarks/async_save.py --out benchmarks/results/async_save.json   # starts rank 1 itself
 
 An FSDP learner on the 21M-parameter PPO loss (``common.make_loss("ppo_big_actor")``). Each
-repetition, in a random order (`common.order_for`):
+repetition, in a random order (`harness.order_for`):
 
 - sync: ``save(path)``, timed from the call to its return (barriers around it);
 - async: ``save(path, blocking=False)``, then ``M`` training steps, then ``wait_for_save()``;
@@ -14,7 +14,7 @@ The stall of an async save is ``(async block) - (plain block)``: the time ``save
 thread competes with training for CPU and memory bandwidth), plus any wait at the end. ``M`` is
 chosen at warm-up so that the write ends within the ``M`` steps (``wait_for_save`` then costs ~0;
 whatever it costs is counted). Goal: median stall / sync time <= 0.3 (paired per repetition,
-95% bootstrap interval; met / not met / undecided as in ``run.decide``). The loop runs at its
+95% bootstrap interval; met / not met / undecided by ``harness.decide``). The loop runs at its
 slowest rank's pace, so each repetition takes the larger of the two ranks' stalls and sync times.
 Beside it, the same blocks in process CPU seconds (every thread of a rank, the writer's included):
 on a machine shared with other work, wall time mostly measures waiting for a core; the CPU-time
@@ -40,19 +40,11 @@ import torch  # noqa: E402
 from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner, shard_loss  # noqa: E402
 
 GOAL = 0.3
 WORKLOAD = "ppo_big_actor"
-
-
-def decide(ci: tuple[float, float], goal: float) -> str:
-    """run.decide's rule: met when the interval is at or under the goal, not met when over it."""
-    if ci[1] <= goal:
-        return "met"
-    if ci[0] > goal:
-        return "not met"
-    return f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {goal})"
 
 
 def main() -> None:
@@ -62,7 +54,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per update")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp folder)")
     args = parser.parse_args()
-    common.set_one_thread()
+    harness.set_one_thread()
     loss, _ = common.make_loss(WORKLOAD)
     n_params = common.count_params(loss)
     strategy = ModelParallelStrategy(parallelize_fn=shard_loss, timeout=timedelta(minutes=10))
@@ -99,7 +91,7 @@ def main() -> None:
     steps_until_done: list[int] = []
     cpu: dict[str, list[float]] = {"sync": [], "async": [], "plain": []}  # this process's CPU seconds, all threads
     for rep in range(args.reps):
-        for name in common.order_for(rep, ["sync", "async", "plain"]):
+        for name in harness.order_for(rep, ["sync", "async", "plain"]):
             fabric.barrier()
             c0 = time.process_time()
             t0 = time.perf_counter()
@@ -135,10 +127,10 @@ def main() -> None:
         # the loop runs at the pace of its slowest rank: per repetition, the larger stall of the two
         stall_max = [max(g["stall_s"][r] for g in gathered) for r in range(args.reps)]
         sync_max = [max(g["samples_s"]["sync"][r] for g in gathered) for r in range(args.reps)]
-        ci = common.bootstrap_ci(stall_max, sync_max)
+        ci = harness.bootstrap_ci(stall_max, sync_max)
         cpu_extra = [max(g["cpu_stall_s"][r] for g in gathered) for r in range(args.reps)]
         cpu_sync = [max(g["cpu_s"]["sync"][r] for g in gathered) for r in range(args.reps)]
-        ratio = common.paired_ratio(stall_max, sync_max)
+        ratio = harness.paired_ratio(stall_max, sync_max)
         result = {
             "what": "training-loop stall of save(blocking=False) vs the time of save(), FSDP on 2 CPU ranks",
             "workload": f"{WORKLOAD}: ClipPPOLoss, actor MLP [2048]*6 + critic [64,64], {n_params / 1e6:.1f}M "
@@ -150,13 +142,15 @@ def main() -> None:
                          "async_wait_at_end": statistics.median(samples["async_wait"]),
                          "plain_steps_block": statistics.median(samples["plain"]),
                          "one_step": statistics.median(step_times)},
-            "stall_over_sync": ratio, "ci95": list(ci), "goal": GOAL, "verdict": decide(ci, GOAL),
+            "stall_over_sync": ratio, "ci95": list(ci), "goal": GOAL,
+            "verdict": {True: "met", False: "not met"}.get(
+                harness.decide(ci, GOAL), f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {GOAL})"),
             "cpu_time": {
                 "what": "the same blocks in process CPU seconds (all threads of a rank, the writer's included): "
                         "the stall when no spare core runs the writer; insensitive to waiting for a core",
                 "median_s": {"sync_save": statistics.median(cpu_sync), "async_extra": statistics.median(cpu_extra)},
-                "extra_over_sync": common.paired_ratio(cpu_extra, cpu_sync),
-                "ci95": list(common.bootstrap_ci(cpu_extra, cpu_sync)),
+                "extra_over_sync": harness.paired_ratio(cpu_extra, cpu_sync),
+                "ci95": list(harness.bootstrap_ci(cpu_extra, cpu_sync)),
             },
             "per_rank": gathered,
             "machine": {"cpus": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
@@ -164,9 +158,7 @@ def main() -> None:
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python benchmarks/async_save.py " + " ".join(sys.argv[1:]),
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        harness.write_json(args.out, result)
         print(json.dumps({k: result[k] for k in ("median_s", "stall_over_sync", "ci95", "verdict", "cpu_time",
                                                   "steps_overlapping_each_async_save")}, indent=1))
     learner.close()

@@ -1,4 +1,4 @@
-"""Workloads, hand-written baselines and the interleaved timer shared by every benchmark case.
+"""Workloads and hand-written baselines shared by the benchmark scripts (the harness is ``harness.py``).
 
 Everything here is deterministic given a seed: two contenders built with the same seed start
 from the same weights and see the same batches, so they do the same work.
@@ -6,11 +6,6 @@ from the same weights and see the same batches, so they do the same work.
 
 from __future__ import annotations
 
-import gc
-import os
-import random
-import statistics
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -197,82 +192,6 @@ class HandDDP:
         self.opt.zero_grad()
 
 
-# ---- interleaved timing ------------------------------------------------------------------------
-
-
-def order_for(rep: int, names: Sequence[str]) -> list[str]:
-    """A random order of the contenders for repetition ``rep``, the same on every rank.
-
-    Shuffled rather than rotated: in a rotation each contender nearly always follows the same
-    one, and what a block leaves in the caches then biases its successor (an A/A pair of
-    identical loops measured 0.99 that way, 1.00 shuffled).
-    """
-    return random.Random(rep).sample(list(names), len(names))
-
-
-def interleaved(
-    contenders: dict[str, Callable[[int], None]],
-    *,
-    reps: int,
-    inner: int,
-    warmup: int,
-    sync: Callable[[], None] | None = None,
-    cpu: dict[str, list[float]] | None = None,
-) -> dict[str, list[float]]:
-    """Per-call wall seconds for each contender, ``reps`` samples each.
-
-    ``contenders[name](i)`` does the i-th unit of work. Each repetition runs every contender
-    once, ``inner`` calls timed together with ``time.perf_counter``, in a random order
-    (``order_for``). ``sync`` (a barrier) runs before and after each timed block when given
-    (multi-rank). When ``cpu`` is a dict, it receives the same samples in process CPU seconds
-    (``time.process_time``), which leaves out the time this process waited for a core.
-
-    The garbage collector runs once per repetition, between repetitions, and never inside one:
-    what the warm-up left alive is frozen out of its scans (``gc.freeze``), so a collection costs
-    little and many short repetitions (``inner=1``) are affordable; many short, paired blocks
-    resolve a difference far better than a few long ones on a noisy machine. The collections are
-    then outside the timed blocks: a contender that allocates more Python objects is not charged
-    for the extra collection work that causes.
-    """
-    names = list(contenders)
-    for name in names:
-        for i in range(warmup):
-            contenders[name](i)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    counters = {n: warmup for n in names}
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.freeze()
-    try:
-        for rep in range(reps):
-            gc.collect()
-            gc.disable()
-            for name in order_for(rep, names):
-                fn = contenders[name]
-                if sync is not None:
-                    sync()
-                i0 = counters[name]
-                c0 = time.process_time()
-                t0 = time.perf_counter()
-                for i in range(i0, i0 + inner):
-                    fn(i)
-                if sync is not None:
-                    sync()
-                t1 = time.perf_counter()
-                c1 = time.process_time()
-                samples[name].append((t1 - t0) / inner)
-                if cpu is not None:
-                    cpu.setdefault(name, []).append((c1 - c0) / inner)
-                counters[name] = i0 + inner
-            if was_enabled:
-                gc.enable()
-    finally:
-        gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-    return samples
-
-
 def case_a_contenders(name: str) -> dict[str, Callable[[], Any]]:
     """Case a's contenders on workload ``name``, by label, each a builder of one fresh copy: the same
     loss and seeds everywhere, clipping at ``CLIP``, Adam; the twin is the A/A control."""
@@ -288,60 +207,3 @@ def case_a_contenders(name: str) -> dict[str, Callable[[], Any]]:
         "LocalLearner.update": lambda: LocalLearner(loss(), clip_grad_norm=CLIP),
         "FabricLearner(cpu,1).update": lambda: FabricLearner(loss(), clip_grad_norm=CLIP, accelerator="cpu", devices=1),
     }
-
-
-INSTANCES = 5  # copies of each contender, taking turns (``rotating``); coprime with the 4 batches
-
-
-def rotating(build: Callable[[], Any], batches: Sequence[TensorDict],
-             instances: int = INSTANCES) -> Callable[[int], None]:
-    """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``.
-
-    Two identical contenders, built the same way from the same seeds, can differ by 1-3% for
-    their whole life, most likely from where their tensors land in memory (not isolated here):
-    in one full run with three copies, LocalLearner's copies measured 1.003, 1.014 and 1.032 of the
-    hand loop on PPO, and under DDP the A/A twin's copies 0.972, 0.977 and 1.017 on DQN. More
-    repetitions of one copy do not average that away; several copies taking turns do, and
-    ``bootstrap_ci(..., copies=...)`` counts how many there were. Every contender gets the same
-    number of copies and sees the same batch on the same call, so call ``i`` of two contenders is
-    still the same work; with ``inner=1`` and a warm-up that is a multiple of ``instances``,
-    repetition ``r`` is copy ``r % instances``.
-    """
-    updates = [build().update for _ in range(instances)]
-    k = len(batches)
-    return lambda i: updates[i % instances](batches[i % k])
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
-
-
-def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
-    """Median over repetitions of num[r] / den[r]: adjacent blocks, so shared noise cancels."""
-    return statistics.median(a / b for a, b in zip(num, den))
-
-
-def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: int = 0,
-                 copies: int = 1) -> tuple[float, float]:
-    """95% bootstrap interval of ``paired_ratio``: how far noise alone moves it.
-
-    With ``copies`` > 1 (samples from ``rotating``: sample ``r`` came from copy ``r % copies``) it
-    resamples in two stages, copies and then repetitions within each, so the interval also holds
-    the copy-to-copy spread, which repetitions of the same copies cannot shrink.
-    """
-    rng = random.Random(seed)
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    groups = [group for group in (ratios[c::copies] for c in range(copies)) if group]
-    meds = []
-    for _ in range(n):
-        drawn = []
-        for group in rng.choices(groups, k=len(groups)):
-            drawn += rng.choices(group, k=len(group))
-        meds.append(statistics.median(drawn))
-    meds.sort()
-    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
-
-
-def set_one_thread() -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)

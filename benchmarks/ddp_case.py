@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/ddp_case.py --out r.json
 
 The contenders live in the same launch and take turns, each repetition in a random order,
-the same on every rank (`common.order_for`), with a barrier around every timed block; each is
-five copies taking turns (`common.rotating`), and each block's CPU seconds are summed over the ranks:
+the same on every rank (`harness.order_for`), with a barrier around every timed block; each is
+five copies taking turns (`harness.rotating`), and each block's CPU seconds are summed over the ranks:
 - case b: ``FabricLearner(strategy="ddp")`` vs a hand-written ``DistributedDataParallel`` loop
   over the same loss (wrapped in ``SumLoss``), same seeds, same per-rank batches, and a second,
   identical hand loop as an A/A control;
@@ -16,7 +16,6 @@ Rank 0 writes the results as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--gw-inner", type=int, default=2)
     args = p.parse_args()
     warnings.filterwarnings("ignore")
-    common.set_one_thread()
+    harness.set_one_thread()
     t_start = time.perf_counter()
 
     results: dict = {"updates": {}, "get_weights": None}
@@ -75,15 +75,15 @@ def main() -> None:
             return hands[-1]
 
         contenders = {
-            "FabricLearner(ddp)": common.rotating(learner, batches),
-            "hand DDP": common.rotating(hand, batches),
+            "FabricLearner(ddp)": harness.rotating(learner, batches),
+            "hand DDP": harness.rotating(hand, batches),
             # A/A control: the same loop again
-            "hand DDP (twin)": common.rotating(lambda: common.HandDDP(common.make_loss(name, seed=0)[0]), batches),
+            "hand DDP (twin)": harness.rotating(lambda: common.HandDDP(common.make_loss(name, seed=0)[0]), batches),
         }
         rank, world = learners[0].global_rank, learners[0].world_size
         cpu: dict[str, list[float]] = {}
-        samples = common.interleaved(contenders, reps=args.reps, inner=args.inner, warmup=args.warmup,
-                                     sync=dist.barrier, cpu=cpu)
+        samples = harness.interleaved(contenders, reps=args.reps, inner=args.inner, warmup=args.warmup,
+                                      sync=dist.barrier, cpu=cpu)
         # Each learner copy and the hand copy beside it took the same steps on the same batches; DQN is
         # deterministic, so their weights must still agree (PPO's and SAC's losses sample: they drift apart).
         same = None
@@ -108,21 +108,19 @@ def main() -> None:
             },
         }
         cpu = {}
-        samples = common.interleaved(contenders, reps=args.gw_reps, inner=args.gw_inner, warmup=1,
-                                     sync=dist.barrier, cpu=cpu)
+        samples = harness.interleaved(contenders, reps=args.gw_reps, inner=args.gw_inner, warmup=1,
+                                      sync=dist.barrier, cpu=cpu)
         results["get_weights"] = {"samples_s": samples, "cpu_s": cpu, "policy_params": common.count_params(policy)}
 
     results.update(rank=rank, world_size=world, wall_s=time.perf_counter() - t_start)
     if dist.is_initialized():
         dist.barrier()
         if rank == 0:
-            with open(args.out, "w") as f:
-                json.dump(results, f)
+            harness.write_json(args.out, results, indent=None)
         dist.barrier()
         dist.destroy_process_group()
     elif rank in (0, None):
-        with open(args.out, "w") as f:
-            json.dump(results, f)
+        harness.write_json(args.out, results, indent=None)
 
 
 if __name__ == "__main__":

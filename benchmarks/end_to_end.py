@@ -43,11 +43,9 @@ import argparse
 import functools
 import gc
 import itertools
-import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -61,7 +59,7 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
 import numpy  # noqa: E402
 import torch  # noqa: E402
 
-import common  # noqa: E402
+import harness  # noqa: E402
 import ppo_mujoco as recipe  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
@@ -73,69 +71,8 @@ GOAL = 0.97  # the port's frames/s at least this share of the recipe loop's (par
 ENV_STEPS_PER_PAUSE = 16
 DRAWS_PER_PAUSE = 4
 TWIN = "torchrl recipe loop (twin)"  # part 1's A/A control: the same loop again
+CODE = ("fabric_learner", "benchmarks/*.py", "examples", "tests")  # "+dirty" on the commit when these differ
 TURN_TIMEOUT_S = 600  # a turn is ~30 ms; compile=True's first one compiles
-
-
-class StageClock:
-    """Wall (and process CPU) seconds spent in each wrapped call, summed."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-        self.calls: dict[str, list[float]] = {}
-        self.origin: tuple[float, float] | None = None  # (wall, cpu) start of a run: "setup" ends at the first batch
-        self.stage: str | None = None  # the stage running now, for count_calls
-        self.python_calls: dict[str, int] | None = None
-
-    def count_calls(self) -> None:
-        """From now on count Python and C function calls per stage (a profile hook: slow, but exact)."""
-        self.python_calls = {}
-        counts = self.python_calls
-
-        def hook(frame, event, arg):
-            if event == "call" or event == "c_call":
-                stage = self.stage or ("rest" if "setup" in self.seconds else "setup")
-                counts[stage] = counts.get(stage, 0) + 1
-        sys.setprofile(hook)
-
-    def _enter(self, name: str):
-        outer, self.stage = self.stage, self.stage or name  # nested stages count for the outer one
-        return outer
-
-    def _add(self, name: str, wall: float, cpu: float) -> float:
-        self.seconds[name] = self.seconds.get(name, 0.0) + wall
-        self.cpu[name] = self.cpu.get(name, 0.0) + cpu
-        return wall
-
-    def wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            outer = self._enter(name)
-            start, cpu = time.perf_counter(), time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                took = self._add(name, time.perf_counter() - start, time.process_time() - cpu)
-                self.calls.setdefault(name, []).append(took)
-                self.stage = outer
-        return timed
-
-    def wrap_iterator(self, name: str, make_iterator):
-        def timed_iterator():
-            it = make_iterator()
-            while True:
-                start, cpu = time.perf_counter(), time.process_time()
-                if self.origin is not None and "setup" not in self.seconds:
-                    self._add("setup", start - self.origin[0], cpu - self.origin[1])
-                outer = self._enter(name)
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                finally:
-                    self._add(name, time.perf_counter() - start, time.process_time() - cpu)
-                    self.stage = outer
-                yield item
-        return timed_iterator
 
 
 class Lockstep:
@@ -213,7 +150,7 @@ class Lockstep:
                     break
                 if segment % 100 == 0:  # a full collection costs ~0.1 s with the runs alive
                     gc.collect()
-                for name in common.order_for(self.seed * 1_000_003 + segment, active):
+                for name in harness.order_for(self.seed * 1_000_003 + segment, active):
                     start = time.perf_counter()
                     self._turn[name].release()
                     if not self._back.acquire(timeout=TURN_TIMEOUT_S):
@@ -229,30 +166,6 @@ class Lockstep:
         lengths = {name: len(v) for name, v in self.cpu.items()}
         if len(set(lengths.values())) != 1:
             raise RuntimeError(f"the runs took different numbers of segments: {lengths}")
-
-
-def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000, seed: int = 0) -> tuple[float, tuple]:
-    """sum(num) / sum(den) over every repetition's paired segments, and its 95% bootstrap interval.
-
-    Resampled in two stages: repetitions, then segments in pairs within each, because a run
-    keeps its speed relative to the others for its whole life (runs of the same code differed by
-    2-5% per repetition where their paired segments alone gave intervals of ±1%), so the interval
-    must see how many runs it rests on, not only how many segments.
-    """
-    rng = numpy.random.default_rng(seed)
-    reps = [(numpy.asarray(a), numpy.asarray(b)) for a, b in zip(num, den)]
-    boot = numpy.empty(n)
-    for i in range(n):
-        tops = bottoms = 0.0
-        for r in rng.integers(0, len(reps), size=len(reps)):
-            a, b = reps[r]
-            picks = rng.integers(0, len(a), size=len(a))
-            tops += a[picks].sum()
-            bottoms += b[picks].sum()
-        boot[i] = tops / bottoms
-    boot.sort()
-    total = sum(a.sum() for a, _ in reps) / sum(b.sum() for _, b in reps)
-    return float(total), (float(boot[int(0.025 * n)]), float(boot[int(0.975 * n) - 1]))
 
 
 def _adjusted_builders(**adjust: Callable[[Any], Any]):
@@ -303,7 +216,7 @@ def run_torchrl_loop(batches: int) -> dict:
     return {"seconds": seconds, "frames": args.frames, "updates": n_updates}
 
 
-def _sync_clock(learner, clock: StageClock) -> None:
+def _sync_clock(learner, clock: harness.StageClock) -> None:
     """Times each DDP bucket's all-reduce, from the hook's call to the future's completion."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -326,7 +239,7 @@ def _sync_clock(learner, clock: StageClock) -> None:
 
 def run_port(batches: int, learner_cls, learner_kwargs: dict, world: int = 1) -> dict:
     args = _recipe_args(batches * world, world)
-    clock = StageClock()
+    clock = harness.StageClock()
     start = time.perf_counter()
     learner, trainer, _ = recipe.build(args, learner_kwargs, learner_cls=learner_cls)
     learner.update = clock.wrap("update", learner.update)
@@ -346,7 +259,7 @@ def run_port(batches: int, learner_cls, learner_kwargs: dict, world: int = 1) ->
     return out
 
 
-def _wrap_value_estimator(trainer, clock: StageClock) -> None:
+def _wrap_value_estimator(trainer, clock: harness.StageClock) -> None:
     from fabric_learner.onpolicy import LearnerValueEstimator
 
     for hook in trainer._modules.values():
@@ -364,17 +277,16 @@ def ranks_main(argv) -> None:
     kwargs = {"accelerator": "cpu", "devices": a.ranks, "strategy": "ddp" if a.ranks > 1 else "auto"}
     result = run_port(a.batches // a.ranks, FabricLearner, kwargs, world=a.ranks)
     if result["rank"] == 0:
-        Path(a.out).write_text(json.dumps(result))
+        harness.write_json(a.out, result, indent=None)
 
 
 def part_two(batches: int) -> dict:
     out = {}
     for ranks in (1, 2):
-        path = RESULTS.with_name(f"end_to_end_ranks{ranks}.tmp.json")
-        cmd = [sys.executable, __file__, "--ranks", str(ranks), "--batches", str(batches), "--out", str(path)]
-        subprocess.run(cmd, check=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        out[ranks] = json.loads(path.read_text())
-        path.unlink()
+        with harness.scratch_path() as path:
+            cmd = [sys.executable, __file__, "--ranks", str(ranks), "--batches", str(batches), "--out", path]
+            harness.run_bounded(cmd, 1800, f"{ranks}-rank run")
+            out[ranks] = harness.read_json(path)
     return out
 
 
@@ -391,11 +303,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.part == "stages":
-        report = {"batches": args.batches, "reps": args.reps, "git": _git_head(), "load": os.getloadavg(),
+        report = {"batches": args.batches, "reps": args.reps, "git": harness.git_label(*CODE), "load": os.getloadavg(),
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **part_stages(args.reps, args.batches)}
-        out = Path(args.out) if args.out else RESULTS.with_name("end_to_end_stages.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
+        harness.write_json(args.out or RESULTS.with_name("end_to_end_stages.json"), report)
         return
     modes = {
         "torchrl recipe loop": run_torchrl_loop,
@@ -405,7 +315,7 @@ def main() -> None:
         "port, FabricLearner compile=True": lambda batches: run_port(
             batches, FabricLearner, {"accelerator": "cpu", "devices": 1, "compile": True}),
     }
-    report: dict = {"batches": args.batches, "reps": args.reps, "git": _git_head(),
+    report: dict = {"batches": args.batches, "reps": args.reps, "git": harness.git_label(*CODE),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.part in ("1", "both"):
         report["part 1"] = part_one(modes, args.reps, args.batches)
@@ -422,9 +332,7 @@ def main() -> None:
         report["part 2 ratio (2 ranks / 1 process, frames/s)"] = (
             (two[2]["frames"] / two[2]["seconds"]) / (two[1]["frames"] / two[1]["seconds"]))
         print(f"  ratio 2 ranks / 1 process: {report['part 2 ratio (2 ranks / 1 process, frames/s)']:.2f}")
-    out = Path(args.out) if args.out else RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    harness.write_json(args.out or RESULTS, report)
 
 
 def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -> dict:
@@ -434,7 +342,7 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
     imports, the first environment), which would otherwise land on whichever run went first.
     The ratio is the loop's time over the run's (its frames/s over the loop's, the frames being
     equal), summed over segments, with a bootstrap interval over repetitions and the paired
-    segments within them (``ratio_of_sums``). The verdict
+    segments within them (``harness.ratio_of_sums``). The verdict
     reads thread CPU time: one thread runs at a time, so a segment's CPU time is its run's work,
     while its wall time also holds the waits for a core that other jobs on the host cause.
     """
@@ -472,12 +380,10 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
                 r["update ms (median call)"] for r in results[name])
         if name != base:
             for kind, samples in (("cpu", cpu), ("wall", wall)):
-                ratio, (lo, hi) = ratio_of_sums(samples[base], samples[name])
+                ratio, (lo, hi) = harness.ratio_of_sums(samples[base], samples[name])
                 row[f"ratio ({kind})"], row[f"ratio 95% interval ({kind})"] = ratio, (lo, hi)
-            lo, hi = row["ratio 95% interval (cpu)"]
-            # the goal is a floor: met when the whole interval is at or above it (run.decide's rule, mirrored)
-            row["verdict"] = ("A/A control" if name == TWIN else
-                              "met" if lo >= GOAL else "NOT met" if hi < GOAL else "undecided")
+            met = harness.decide(row["ratio 95% interval (cpu)"], GOAL, at_least=True)  # the goal is a floor
+            row["verdict"] = "A/A control" if name == TWIN else {True: "met", False: "NOT met"}.get(met, "undecided")
         table[name] = row
         line = f"  {name:36s} {row['frames/s (cpu)']:6.0f} frames/s cpu, {row['frames/s (wall)']:6.0f} wall"
         if name != base:
@@ -491,7 +397,7 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
     return table
 
 
-def _instrumented_recipe(clock: StageClock):
+def _instrumented_recipe(clock: harness.StageClock):
     """The recipe's collector, GAE and replay buffer, timed alike on both sides (``_adjusted_builders``)."""
     def collector(built):
         built.iterator = clock.wrap_iterator("collection", built.iterator)
@@ -513,7 +419,7 @@ def _instrumented_recipe(clock: StageClock):
 def staged_run(name: str, batches: int, count_calls: bool = False) -> dict:
     """One run of ``name`` (the torchrl loop or a port) with its stages timed: wall and CPU seconds
     (or, with ``count_calls``, the Python and C function calls of each stage: exact, not timed)."""
-    clock = StageClock()
+    clock = harness.StageClock()
     start, cpu = time.perf_counter(), time.process_time()
     clock.origin = (start, cpu)
     if count_calls:
@@ -554,7 +460,7 @@ def part_stages(reps: int, batches: int) -> dict:
         return {"calls": calls}
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(reps):
-        for name in common.order_for(rep, names):  # interleaved, in a random order
+        for name in harness.order_for(rep, names):  # interleaved, in a random order
             runs[name].append(staged_run(name, batches))
             print(f"rep {rep} {name}: {runs[name][-1]['wall']['total']:.2f} s wall, "
                   f"{runs[name][-1]['cpu']['total']:.2f} s cpu", flush=True)
@@ -576,19 +482,6 @@ def part_stages(reps: int, batches: int) -> dict:
         print("  ratio of totals (loop / port, as frames/s): " + ", ".join(
             f"{n}: {base / table[kind][n]['total']:.3f}" for n in names[1:]))
     return {"runs": runs, "medians": table, "calls": calls}
-
-
-def _git_head() -> str:
-    """The commit, with ``+dirty`` when the package, benchmarks, examples or tests differ from it."""
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "fabric_learner",
-                                  "benchmarks/*.py", "examples", "tests"], capture_output=True, text=True,
-                                 check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if changed else "")
 
 
 if __name__ == "__main__":

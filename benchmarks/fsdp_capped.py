@@ -25,23 +25,14 @@ Writes ``benchmarks/results/fsdp_capped.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
+import harness
+
 KINDS = ("one_process", "fsdp_2_ranks", "fsdp_2_ranks_one_unit")
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
-
-def status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
 
 
 def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> None:
@@ -58,7 +49,7 @@ def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> 
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
     cells = (width,) * 6
-    baseline = status_mib("VmSize")
+    baseline = harness.status_mib("VmSize")
     result = {"kind": kind, "rank": rank, "baseline_vmsize_mib": baseline}
     try:
         # the exact size before the cap: the same MLPs on the meta device cost no memory
@@ -93,19 +84,17 @@ def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> 
                       error=None)
     except (RuntimeError, MemoryError) as err:  # the allocation the cap refuses
         result.update(trained_updates=locals().get("done", 0), error=f"{type(err).__name__}: {str(err)[:300]}")
-    result["vmpeak_over_baseline_mib"] = status_mib("VmPeak") - baseline
-    result["rss_peak_mib"] = status_mib("VmHWM")
+    result["vmpeak_over_baseline_mib"] = harness.status_mib("VmPeak") - baseline
+    result["rss_peak_mib"] = harness.status_mib("VmHWM")
     if kind == "one_process":
-        with open(out, "w") as f:
-            json.dump([result], f)
+        harness.write_json(out, [result], indent=None)
         return
     import torch.distributed as dist
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
+        harness.write_json(out, gathered, indent=None)
     learner.close()
 
 
@@ -118,23 +107,17 @@ def one_unit(module, mesh):
     return module
 
 
-def launch(kind: str, args, out: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RL_WARNINGS="False", MALLOC_ARENA_MAX="1")
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
-    tail = [__file__, "--worker", kind, "--width", str(args.width), "--cap-copies", str(args.cap_copies),
-            "--updates", str(args.updates), "--out", out]
-    cmd = [sys.executable, *tail] if kind == "one_process" else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *tail]
-    start = time.monotonic()
-    if os.path.exists(out):
-        os.remove(out)
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if not os.path.exists(out):
-        return {"kind": kind, "returncode": proc.returncode, "ranks": [],
-                "output_tail": (proc.stdout + proc.stderr)[-2000:]}
-    with open(out) as f:
-        ranks = json.load(f)
+def launch(kind: str, args) -> dict:
+    """One run of ``kind`` (one process, or 2 ranks under torchrun), every process under the cap."""
+    with harness.scratch_path() as out:
+        argv = [__file__, "--worker", kind, "--width", str(args.width), "--cap-copies", str(args.cap_copies),
+                "--updates", str(args.updates), "--out", out]
+        cmd = [sys.executable, *argv] if kind == "one_process" else harness.torchrun(2, *argv)
+        start = time.monotonic()
+        proc = harness.run_bounded(cmd, 600, kind, check=False, MALLOC_ARENA_MAX="1")
+        if not os.path.exists(out):
+            return {"kind": kind, "returncode": proc.returncode, "ranks": [], "output_tail": proc.stdout[-2000:]}
+        ranks = harness.read_json(out)
     return {"kind": kind, "returncode": proc.returncode, "seconds": time.monotonic() - start, "ranks": ranks}
 
 
@@ -148,18 +131,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.width, args.cap_copies, args.updates, args.out)
-    tmp = args.out + ".rank.json"
-    runs = [launch(kind, args, tmp) for kind in KINDS]
-    if os.path.exists(tmp):
-        os.remove(tmp)
+    runs = [launch(kind, args) for kind in KINDS]
     verdict = {r["kind"]: bool(r["ranks"]) and all(x["error"] is None and x["trained_updates"] == args.updates
                                                    for x in r["ranks"]) for r in runs}
     result = {"what": f"RLIMIT_AS = VmSize before the model + {args.cap_copies} model copies, per process",
               "width": args.width, "cap_copies": args.cap_copies, "updates": args.updates,
               "trained_under_cap": verdict, "runs": runs}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    harness.write_json(args.out, result)
     for r in runs:
         for x in r["ranks"]:
             print(f"{r['kind']:21s} rank {x['rank']}: {x.get('n_params', 0) / 1e6:.1f}M params, cap "

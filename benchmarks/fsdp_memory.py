@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from datetime import timedelta
@@ -31,6 +30,7 @@ from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # no
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner, shard_loss  # noqa: E402
 
 
@@ -51,14 +51,6 @@ def ddp_bucket_bytes(learner) -> int:
     return sum(int(x) for x in str(sizes).split(",") if x.strip().isdigit())
 
 
-def peak_rss_mib(field: str = "VmHWM") -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
@@ -68,7 +60,7 @@ def main():
     timeout = timedelta(minutes=5)
     strategy = DDPStrategy(timeout=timeout) if args.strategy == "ddp" else \
         ModelParallelStrategy(parallelize_fn=shard_loss, timeout=timeout)
-    baseline = peak_rss_mib("VmRSS")  # imports done, no model yet
+    baseline = harness.status_mib("VmRSS")  # imports done, no model yet
     torch.manual_seed(0)
     loss, _ = common.make_loss("ppo_big_actor")
     n_params = sum(p.numel() for p in loss.parameters())
@@ -94,13 +86,12 @@ def main():
         "loss_own_parameters": sum(local_bytes(p) for p in loss.parameters()) if args.strategy == "fsdp" else 0,
     }
     result = {"strategy": args.strategy, "rank": rank, "n_params": n_params, "bytes": held,
-              "total_mib": sum(held.values()) / 2**20, "peak_rss_mib": peak_rss_mib(),
-              "peak_over_baseline_mib": peak_rss_mib() - baseline}
+              "total_mib": sum(held.values()) / 2**20, "peak_rss_mib": harness.status_mib("VmHWM"),
+              "peak_over_baseline_mib": harness.status_mib("VmHWM") - baseline}
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, result)
     if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(gathered, f, indent=1)
+        harness.write_json(args.out, gathered)
     learner.close()
 
 

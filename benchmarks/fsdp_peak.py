@@ -31,15 +31,14 @@ contender, and the ratios ``learner_fsdp / hand_fsdp2`` (goal <= 1.1) and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
+import harness
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 CONTENDERS = ("learner_fsdp", "hand_fsdp2", "learner_ddp")
 SAC_CONTENDERS = ("learner_fsdp", "learner_fsdp_ensemble_whole", "learner_ddp")
 
@@ -57,14 +56,6 @@ def shard_all_but_ensembles(module, mesh):
     return module
 
 
-def rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
-
-
 def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
     sys.path.insert(0, HERE)
     import functools
@@ -80,7 +71,7 @@ def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    baseline = rss_mib("VmRSS")  # imports done, model not built yet
+    baseline = harness.status_mib("VmRSS")  # imports done, model not built yet
     workload = "ppo_big_actor" if case == "ppo" else "sac_big_critic"
     cells = (width,) * (6 if case == "ppo" else 4)
     batches = [common.make_batch(workload[:3], n=64, seed=step + 10 * rank) for step in range(2)]
@@ -106,13 +97,12 @@ def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
         for batch in batches:
             learner.update(batch)
         done = learner
-    result = {"rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": rss_mib("VmHWM") - baseline,
+    result = {"rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": harness.status_mib("VmHWM") - baseline,
               "n_params": n_params}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
+        harness.write_json(out, gathered, indent=None)
     if done is dist:
         dist.barrier()
         dist.destroy_process_group()
@@ -153,18 +143,13 @@ def hand_fsdp2(cells, timeout):
     return loss, n_params
 
 
-def launch(kind: str, width: int, out: str, case: str = "ppo") -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RL_WARNINGS="False")
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--worker", kind, "--width", str(width), "--out", out, "--case", case]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(out) as f:
-        ranks = json.load(f)
+def launch(kind: str, width: int, case: str = "ppo") -> dict:
+    """One 2-rank launch of contender ``kind``: every rank's figures and the worst rank's peak."""
+    with harness.scratch_path() as out:
+        cmd = harness.torchrun(2, __file__, "--worker", kind, "--width", str(width), "--out", out, "--case", case)
+        start = time.monotonic()
+        harness.run_bounded(cmd, 600, kind)
+        ranks = harness.read_json(out)
     return {"kind": kind, "seconds": time.monotonic() - start, "ranks": ranks,
             "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks), "n_params": ranks[0]["n_params"]}
 
@@ -178,7 +163,8 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     args.width = args.width or (4096 if args.case == "ppo" else 2048)
-    args.out = args.out or os.path.join(HERE, "results", "fsdp_peak.json" if args.case == "ppo" else "fsdp_peak_sac.json")
+    args.out = args.out or os.path.join(HERE, "results",
+                                        "fsdp_peak.json" if args.case == "ppo" else "fsdp_peak_sac.json")
     if args.worker:
         return worker(args.worker, args.width, args.out, args.case)
     if args.case == "sac":
@@ -198,14 +184,11 @@ def main() -> None:
 def interleaved(args, contenders, *case) -> tuple[list[dict], dict[str, float]]:
     """``args.repeats`` launches of each contender, in rotated order; every run and each one's median peak."""
     runs = []
-    tmp = args.out + ".rank.json"
     for rep in range(args.repeats):
-        order = contenders[rep % 3:] + contenders[:rep % 3]
-        for kind in order:
-            runs.append(launch(kind, args.width, tmp, *case))
+        for kind in harness.rotation(rep, contenders):
+            runs.append(launch(kind, args.width, *case))
             print(f"{kind:27s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
                   f"({runs[-1]['seconds']:.0f} s)", flush=True)
-    os.remove(tmp)
     return runs, {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in contenders}
 
 
@@ -218,9 +201,7 @@ def summary(args, runs: list[dict], median: dict[str, float], algorithm: str, **
         "width": args.width, "n_params": n_params, "copy_mib": copy_mib, "repeats": args.repeats,
         "median_peak_mib": median, "copies": {k: v / copy_mib for k, v in median.items()}, **ratios, "runs": runs,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    harness.write_json(args.out, result)
     return result
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch  # noqa: E402
 from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner, shard_loss  # noqa: E402
 
 
@@ -44,8 +44,8 @@ def measure(workload: str, reps: int, block: int, batch: int) -> dict:
     batches = [common.make_batch(workload, n=batch, seed=10 * rank + i) for i in range(block)]
     times = {"served": [], "plain": []}
     for rep in range(reps + 1):  # the first block warms up
-        order = (("served", served), ("plain", plain)) if rep % 2 else (("plain", plain), ("served", served))
-        for name, each in order:
+        for name in harness.rotation(rep, ["plain", "served"]):
+            each = served if name == "served" else plain
             served.fabric.barrier()
             start = time.perf_counter()
             for b in batches:
@@ -66,21 +66,12 @@ def main():
     args = parser.parse_args()
     rows = [measure("ppo", args.reps, 8, common.BATCH), measure("ppo_big_actor", args.reps, 2, 64)]
     if rows[0]["rank"] == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "git": common_git()}, f, indent=1)
+        harness.write_json(args.out, {"rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                      "git": harness.git_head()})
         for r in rows:
             print(f"{r['workload']:>14}: served {r['ms_per_update']['served']:.2f} ms, not served "
                   f"{r['ms_per_update']['plain']:.2f} ms per update, ratio {r['ratio']:.3f}; served copy "
                   f"{r['served_mib']:.2f} MiB per rank ({r['actor_params']:,} actor parameters)", flush=True)
-
-
-def common_git() -> str:
-    import subprocess
-
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
 
 
 if __name__ == "__main__":

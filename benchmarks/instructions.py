@@ -23,7 +23,7 @@ of ``--updates`` updates and dumps that block's count under its name. The conten
 a's (same losses, seeds, batches, clipping, five copies each taking turns) with the hand loop's
 A/A twin; each copy takes ``--warmup`` updates first (default 2; the first creates Adam's
 state), then the blocks take turns in a random order drawn anew each repetition
-(``common.order_for``), the garbage collector running between repetitions and never inside a
+(``harness.order_for``), the garbage collector running between repetitions and never inside a
 block, as in case a. The report is the median ratio over paired blocks and the blocks' range
 (a bootstrap interval over three nearly equal blocks would be that range anyway). Needs valgrind
 with its headers (Debian's ``valgrind`` package) and gcc. Results:
@@ -36,7 +36,6 @@ import argparse
 import ctypes
 import gc
 import glob
-import json
 import os
 import shutil
 import statistics
@@ -50,6 +49,8 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("RL_WARNINGS", "False")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+import harness  # noqa: E402
 
 HELPER = r"""
 #include <valgrind/callgrind.h>
@@ -73,22 +74,22 @@ def _child(lib: str, name: str, reps: int, updates: int, warmup: int) -> None:
     warnings.filterwarnings("ignore")
     import common
 
-    common.set_one_thread()
+    harness.set_one_thread()
     helper = ctypes.CDLL(lib)
     batches = common.make_batches(name)
     builders = common.case_a_contenders(name)
-    steps = {key: common.rotating(builders[label], batches) for key, (label, _, _) in CONTENDERS.items()}
+    steps = {key: harness.rotating(builders[label], batches) for key, (label, _, _) in CONTENDERS.items()}
     calls = dict.fromkeys(steps, 0)
     for key, step in steps.items():
-        for _ in range(warmup * common.INSTANCES):
+        for _ in range(warmup * harness.INSTANCES):
             step(calls[key])
             calls[key] += 1
     gc.collect()
-    gc.freeze()  # as common.interleaved: collections between repetitions, never inside a block
+    gc.freeze()  # as harness.interleaved: collections between repetitions, never inside a block
     for rep in range(reps):
         gc.collect()
         gc.disable()
-        for key in common.order_for(rep, list(steps)):
+        for key in harness.order_for(rep, list(steps)):
             step, i0 = steps[key], calls[key]
             block = f"{key}:{rep}".encode()
             helper.block_start()
@@ -139,8 +140,6 @@ def rows_for(name: str, per_update: dict[str, list[float]]) -> list[dict]:
     range is what is reported, and ``within_goal`` says whether all of it lies within case a's
     goal: a statement about instructions, not about time.
     """
-    import common
-
     rows = []
     for key, (label, base, goal) in CONTENDERS.items():
         if base is None:
@@ -151,7 +150,7 @@ def rows_for(name: str, per_update: dict[str, list[float]]) -> list[dict]:
             "workload": name, "contender": label, "baseline": CONTENDERS[base][0],
             "instructions_per_update": statistics.median(num), "baseline_per_update": statistics.median(den),
             "extra_per_update": statistics.median(num) - statistics.median(den),
-            "ratio": common.paired_ratio(num, den), "range": [min(ratios), max(ratios)], "goal": goal,
+            "ratio": harness.paired_ratio(num, den), "range": [min(ratios), max(ratios)], "goal": goal,
             "within_goal": None if goal is None else max(ratios) <= goal,
         })
     return rows
@@ -168,12 +167,10 @@ def _report(name: str, per_update: dict[str, list[float]], rows: list[dict], rep
 
 
 def main(argv: list[str] | None = None) -> int:
-    import common
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="ppo,dqn,sac")
     parser.add_argument("--reps", type=int, default=3, help="blocks per contender (default 3)")
-    parser.add_argument("--updates", type=int, default=common.INSTANCES,
+    parser.add_argument("--updates", type=int, default=harness.INSTANCES,
                         help="updates per block, a multiple of the copies (default: one per copy)")
     parser.add_argument("--warmup", type=int, default=2, help="updates per copy before counting (default 2)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "instructions.json"))
@@ -181,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=2400, help="seconds allowed per workload's run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.updates % common.INSTANCES:
-        parser.error(f"--updates must be a multiple of the {common.INSTANCES} copies, so that every block "
+    if args.updates % harness.INSTANCES:
+        parser.error(f"--updates must be a multiple of the {harness.INSTANCES} copies, so that every block "
                      "holds each copy equally often")
     if args.child:
         _child(args.child, args.workloads, args.reps, args.updates, args.warmup)
@@ -192,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmarks/instructions.py needs {' and '.join(missing)} (Debian: apt install valgrind gcc); "
               "nothing was measured.", file=sys.stderr)
         return 2
-    import run
-
-    started, machine = time.time(), run.machine()  # the code as it is when the counting starts
+    started, machine = time.time(), harness.machine()  # the code as it is when the counting starts
     names = args.workloads.split(",")
     with tempfile.TemporaryDirectory() as build:
         lib = os.path.join(build, "callgrind_blocks.so")
@@ -220,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
               "reps": args.reps, "updates": args.updates, "warmup": args.warmup,
               "seconds": round(time.time() - started), "machine": machine,
               "valgrind": subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    harness.write_json(args.out, result)
     print(f"wrote {args.out} ({result['seconds']} s)")
     return 1 if result["failed"] else 0
 

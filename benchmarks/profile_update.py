@@ -42,6 +42,7 @@ from tensordict import TensorDict, TensorDictBase  # noqa: E402
 from torch import nn  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 
@@ -95,15 +96,15 @@ def null_contenders(name: str):
 
 def part_overhead(workloads, reps: int, inner: int) -> dict:
     print("== overhead: near-free loss forward; us/update, median over", reps, "interleaved repetitions of",
-          inner, "updates;\n   cpu = process CPU time, wall = perf_counter; min = least disturbed block (the intrinsic cost "
-          "on a shared machine)")
+          inner, "updates;\n   cpu = process CPU time, wall = perf_counter; "
+          "min = least disturbed block (the intrinsic cost on a shared machine)")
     results = {}
     for name in workloads:
         cpu: dict[str, list[float]] = {}
-        wall = common.interleaved(null_contenders(name), reps=reps, inner=inner, warmup=20, cpu=cpu)
+        wall = harness.interleaved(null_contenders(name), reps=reps, inner=inner, warmup=20, cpu=cpu)
         print(f"-- {name}: {common.WORKLOAD_DESC[name]}")
         for clock, s in (("cpu", cpu), ("wall", wall)):
-            for stat, agg in (("min", min), ("median", common.median)):
+            for stat, agg in (("min", min), ("median", harness.median)):
                 base = agg(s["hand torchrl loop"]) * 1e6
                 base_f = agg(s["hand Fabric loop"]) * 1e6
                 for c, xs in s.items():
@@ -119,39 +120,19 @@ STAGES = ("batch checks", "forward", "sum losses", "backward", "detach output", 
           "non-finite check", "optimizer step", "zero_grad", "rest + wrappers")
 
 
-class _StageClock:
-    """CPU nanoseconds per stage of one update, by wrappers around what the update calls.
+def _stage_steps(name: str):
+    """Per contender, ``run(td) -> {stage: CPU ns}`` for one update (thread CPU time).
 
     The learners are timed running their real ``update``: the functions and hooks it calls are
-    wrapped (``_check_batch``, ``_forward``, ``total_loss``, ``_backward``, ``detached``,
-    ``_clip_gradients``, ``_reported_norm`` and ``set_entry``, ``_refuse_step``, ``_optimizer_step``,
-    ``zero_grad``), so no copy of its body can drift from it. "rest + wrappers" is what the update's
-    total holds beyond its timed stages: its own bookkeeping between them (window start, counters),
-    freeing its locals (the loss output and what remains of the autograd graph) on return, and the
-    clock reads themselves (~0.6 us each here, two per wrapped call); the hand loops get the same row
-    (their stage marks and the freeing on return). Stage rows are what each piece costs inside a real
-    update (caches cold, unlike the hot loops of ``pieces``).
+    wrapped by a ``harness.StageClock`` (``_check_batch``, ``_forward``, ``total_loss``, ``_backward``,
+    ``detached``, ``_clip_gradients``, ``_reported_norm`` and ``set_entry``, ``_refuse_step``,
+    ``_optimizer_step``, ``zero_grad``), so no copy of its body can drift from it. "rest + wrappers"
+    is what the update's total holds beyond its timed stages: its own bookkeeping between them
+    (window start, counters), freeing its locals (the loss output and what remains of the autograd
+    graph) on return, and the clock's own work (~0.6 us per clock read here, two per wrapped call);
+    the hand loops get the same row (their stage marks and the freeing on return). Stage rows are
+    what each piece costs inside a real update (caches cold, unlike the hot loops of ``pieces``).
     """
-
-    def __init__(self):
-        self.ns: dict[str, int] = {}
-
-    def wrap(self, stage: str, fn):
-        import functools
-        import time
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            t = time.thread_time_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.ns[stage] = self.ns.get(stage, 0) + time.thread_time_ns() - t
-        return timed
-
-
-def _stage_steps(name: str):
-    """Per contender, ``run(td) -> {stage: CPU ns}`` for one update."""
     import time
     import fabric_learner.learner as learner_module
 
@@ -187,7 +168,7 @@ def _stage_steps(name: str):
         lr = make()
         for td in common.make_batches(name, count=2):
             lr.update(td)  # past the one-time coverage check
-        clock = _StageClock()
+        clock = harness.StageClock(ns=time.thread_time_ns)
         for attr, stage in (("_forward", "forward"), ("_backward", "backward"), ("_clip_gradients", "clip"),
                             ("_refuse_step", "non-finite check"), ("_optimizer_step", "optimizer step")):
             object.__setattr__(lr, attr, clock.wrap(stage, getattr(lr, attr)))
@@ -229,19 +210,19 @@ def _stage_steps(name: str):
 def part_stages(workloads, n: int) -> dict:
     """Median CPU time of each stage over ``n`` interleaved updates; robust to preemption spikes."""
     print(f"== stages: median CPU us per call over {n} updates (contenders alternate update by update; the "
-          "learners run their real update, timed by wrappers, see _StageClock)")
+          "learners run their real update, timed by wrappers, see _stage_steps)")
     out = {}
     for name in workloads:
         steps = _stage_steps(name)
         batches = common.make_batches(name)
         samples = {c: {s: [] for s in STAGES} for c in steps}
         for i in range(n + 10):
-            for c in common.order_for(i, list(steps)):
+            for c in harness.order_for(i, list(steps)):
                 stages = steps[c](batches[i % len(batches)])
                 if i >= 10:
                     for stage, ns in stages.items():
                         samples[c][stage].append(ns / 1e3)
-        med = {c: {s: common.median(v) for s, v in st.items() if v} for c, st in samples.items()}
+        med = {c: {s: harness.median(v) for s, v in st.items() if v} for c, st in samples.items()}
         print(f"-- {name}: {common.WORKLOAD_DESC[name]}")
         cols = list(steps)
         print("   " + f"{'stage':16s}" + "".join(f"{c:>22s}" for c in cols))
@@ -285,7 +266,8 @@ def part_pieces(workloads) -> None:
             ("tuple(output.values(leaves))  [LossForwarder]",
              lambda: tuple(out.values(include_nested=True, leaves_only=True))),
             ("_carrier._on_device(batch, cpu)  [LossForwarder]",
-             lambda: __import__("fabric_learner._carrier", fromlist=["_on_device"])._on_device(batch, torch.device("cpu"))),
+             lambda: __import__("fabric_learner._carrier", fromlist=["_on_device"])._on_device(
+                 batch, torch.device("cpu"))),
             ("isinstance(batch, TensorDictBase)", lambda: isinstance(batch, TensorDictBase)),
             ("clip_grad_norm_(params, 1.0)  [both; for scale]", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)),
             ("clip_grad_norm_(..., foreach=True)  [LocalLearner]",
@@ -325,7 +307,7 @@ def _fabric_wrapper_cost(name: str) -> None:
     }
     best = {k: float("inf") for k in calls}
     for rep in range(30):
-        for k in common.order_for(rep, list(calls)):
+        for k in harness.order_for(rep, list(calls)):
             t = time.thread_time_ns()
             for _ in range(100):
                 calls[k]()
@@ -402,7 +384,8 @@ def part_cprofile(workloads, n: int) -> None:
         for label, make in (
             ("LocalLearner.update", lambda: LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP)),
             ("FabricLearner(cpu,1).update",
-             lambda: FabricLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP, accelerator="cpu", devices=1)),
+             lambda: FabricLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP, accelerator="cpu",
+                                   devices=1)),
         ):
             learner = make()
             for i in range(5):
@@ -501,7 +484,7 @@ def main() -> None:
     p.add_argument("--stage-n", type=int, default=300, help="updates per contender in the stages part")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
-    common.set_one_thread()
+    harness.set_one_thread()
     workloads = [w for w in args.workloads.split(",") if w]
     parts = set(args.part.split(","))
     if "stages" in parts:

@@ -17,8 +17,6 @@ policy's weights (84 MB) and a PPO batch of 2048 MuJoCo-like frames.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import socket
 import statistics
 import time
@@ -27,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import harness
 
 PAYLOADS = {"weights_21M": 21_000_000, "ppo_batch_2048": 2048 * (2 * 17 + 6 + 1 + 1 + 1 + 1 + 1)}
 REPS = 9
@@ -76,8 +76,7 @@ def main(argv=None) -> dict:
     times: dict[str, list[float]] = {}
     try:
         for rep in range(REPS):
-            order = ["shared", "pipe", "torch_mp", "gloo"]
-            order = order[rep % 4:] + order[:rep % 4]
+            order = harness.rotation(rep, ["shared", "pipe", "torch_mp", "gloo"])
             for name, tensor in data.items():
                 for how in order:
                     tensor[0] = float(rep)
@@ -107,8 +106,7 @@ def main(argv=None) -> dict:
         result[key] = {"median_ms": round(ms, 2), "MB_per_s": round(PAYLOADS[name] * 4 / 1e6 / (ms / 1e3))}
         print(f"{key:28s} {ms:9.2f} ms  {result[key]['MB_per_s']:7d} MB/s", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"reps": REPS, "payload_floats": PAYLOADS, "results": result}, f, indent=1)
+        harness.write_json(args.out, {"reps": REPS, "payload_floats": PAYLOADS, "results": result})
     return result
 
 

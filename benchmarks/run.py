@@ -10,8 +10,8 @@ Each case compares a learner call with the code a user would write by hand for t
 same seeds, same data. Contenders take turns: every repetition runs each of them once (``inner``
 calls timed together with ``time.perf_counter``; one update per block in case a and, in full
 mode, b), in a random order, so slow phases of a noisy machine hit all of them; the garbage
-collector runs between repetitions, never inside one (``common.interleaved``). In cases a and b
-each contender is five copies taking turns (``common.rotating``) and the intervals resample copies,
+collector runs between repetitions, never inside one (``harness.interleaved``). In cases a and b
+each contender is five copies taking turns (``harness.rotating``) and the intervals resample copies,
 then repetitions; case b reports process CPU time summed over the ranks and meets a goal only when
 its CPU and its wall interval both do. Reported: the median per call over the repetitions,
 ``ratio`` = learner median / hand-written median, and ``paired`` = the median of the
@@ -28,11 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,13 +39,13 @@ from typing import Any, Callable
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: one thread, here and in every rank
 os.environ.setdefault("RL_WARNINGS", "False")
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -119,59 +115,36 @@ class Row:
     wall_ci: tuple[float, float] | None = None
 
 
-def decide(ci: tuple[float, float], goal: float | None) -> bool | None:
-    """One rule for both answers: met when the whole interval is at or under the goal, not met when
-    the whole interval is over it, undecided (``None``) when the interval straddles it. The point
-    median and the CPU-time ratio are reported beside the verdict and never move it."""
-    if goal is None:
-        return None
-    lo, hi = ci
-    if hi <= goal:
-        return True
-    if lo > goal:
-        return False
-    return None
-
-
-def verdict(ci: tuple[float, float], goal: float | None) -> str:
-    if goal is None:
-        return "-"
-    met = decide(ci, goal)
-    if met is None:
-        return f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {goal:.2f})"
-    return "met" if met else "NOT met"
-
-
 def compare(case: str, workload: str, samples_s: dict[str, list[float]], contender: str, baseline: str,
             goal: float | None, *, unit: str = "ms", note: str = "",
             cpu_s: dict[str, list[float]] | None = None, by_cpu: bool = False, copies: int = 1) -> Row:
     """A Row from interleaved per-call samples in seconds (reported in milliseconds).
 
-    The verdict is ``decide`` on the bootstrap interval of the wall-clock samples (over ``copies``
-    copies of each contender, see ``common.rotating``). With ``by_cpu`` (case b, where a block's
+    The verdict is ``harness.decide`` on the bootstrap interval of the wall-clock samples (over ``copies``
+    copies of each contender, see ``harness.rotating``). With ``by_cpu`` (case b, where a block's
     wall time also holds the barrier's wait for the other rank) the row reports process CPU time,
     and a goal is met only when both the CPU and the wall interval meet it: CPU time alone would
     not see a cost that is spent waiting.
     """
     wall_c, wall_b = samples_s[contender], samples_s[baseline]
     c, b = (cpu_s[contender], cpu_s[baseline]) if by_cpu else (wall_c, wall_b)
-    cm, bm = common.median(c) * 1e3, common.median(b) * 1e3
-    ci = common.bootstrap_ci(c, b, copies=copies)
+    cm, bm = harness.median(c) * 1e3, harness.median(b) * 1e3
+    ci = harness.bootstrap_ci(c, b, copies=copies)
     cpu_ratio = None
     cpu_samples = {}
     if cpu_s and contender in cpu_s and baseline in cpu_s:
-        cpu_ratio = common.median(cpu_s[contender]) / common.median(cpu_s[baseline])
+        cpu_ratio = harness.median(cpu_s[contender]) / harness.median(cpu_s[baseline])
         cpu_samples = {k: [x * 1e3 for x in cpu_s[k]] for k in (contender, baseline)}
-    met, text, extra = decide(ci, goal), verdict(ci, goal), {}
+    met, text, extra = harness.decide(ci, goal), harness.verdict(ci, goal), {}
     if by_cpu:
-        wall_ci = common.bootstrap_ci(wall_c, wall_b, copies=copies)
-        extra = {"measure": "cpu", "wall_paired": common.paired_ratio(wall_c, wall_b), "wall_ci": wall_ci}
-        wall_met = decide(wall_ci, goal)
+        wall_ci = harness.bootstrap_ci(wall_c, wall_b, copies=copies)
+        extra = {"measure": "cpu", "wall_paired": harness.paired_ratio(wall_c, wall_b), "wall_ci": wall_ci}
+        wall_met = harness.decide(wall_ci, goal)
         if met is not wall_met:
             met = False if False in (met, wall_met) else None
             text = ("NOT met" if met is False else "undecided") + (
                 f" (cpu interval {ci[0]:.2f}-{ci[1]:.2f}, wall {wall_ci[0]:.2f}-{wall_ci[1]:.2f}, vs {goal:.2f})")
-    return Row(case, workload, contender, baseline, unit, cm, bm, cm / bm, common.paired_ratio(c, b), ci, cpu_ratio,
+    return Row(case, workload, contender, baseline, unit, cm, bm, cm / bm, harness.paired_ratio(c, b), ci, cpu_ratio,
                goal, met, text, note, {contender: [x * 1e3 for x in wall_c], baseline: [x * 1e3 for x in wall_b]},
                cpu_samples, **extra)
 
@@ -184,13 +157,13 @@ def case_a(cfg: Config) -> list[Row]:
     for name in cfg.workloads:
         batches = common.make_batches(name)
         cpu: dict[str, list[float]] = {}
-        samples = common.interleaved(
-            {label: common.rotating(build, batches) for label, build in common.case_a_contenders(name).items()},
+        samples = harness.interleaved(
+            {label: harness.rotating(build, batches) for label, build in common.case_a_contenders(name).items()},
             reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu,
         )
         assert torch.get_num_threads() == 1, torch.get_num_threads()
         note = common.WORKLOAD_DESC[name]
-        row = functools.partial(compare, "a", name, samples, unit="ms/update", cpu_s=cpu, copies=common.INSTANCES)
+        row = functools.partial(compare, "a", name, samples, unit="ms/update", cpu_s=cpu, copies=harness.INSTANCES)
         rows += [
             row("LocalLearner.update", "hand torchrl loop", 1.03, note=note),
             row("FabricLearner(cpu,1).update", "hand torchrl loop", 1.02, note=note),
@@ -205,44 +178,15 @@ def case_a(cfg: Config) -> list[Row]:
 # ---- cases b, e (DDP) and f: multi-rank launches --------------------------------------------------
 
 
-def _run_bounded(cmd: list[str], timeout_s: int, what: str, **extra_env: str) -> str:
-    """Run ``cmd`` in its own session with one thread per process; kill the whole group on timeout."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=ROOT, **extra_env)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED",
-                "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        raise RuntimeError(f"{what} did not finish in {timeout_s}s:\n{log[-3000:]}") from None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the launch outlives it
-        except (ProcessLookupError, PermissionError):
-            pass
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{log[-3000:]}")
-    return log
-
-
 def launch_ranks(nproc: int, cfg: Config, *, get_weights: bool) -> dict[str, Any]:
     """Run ``ddp_case.py`` under torchrun on ``nproc`` gloo ranks, one thread each; its JSON."""
-    fd, out = tempfile.mkstemp(prefix="fl_bench_ddp_", suffix=".json")
-    os.close(fd)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(HERE, "ddp_case.py"), "--out", out, "--workloads", ",".join(cfg.workloads),
-           "--reps", str(cfg.ddp_reps), "--inner", str(cfg.ddp_inner), "--warmup", str(cfg.warmup),
-           "--gw-reps", str(cfg.gw_reps if get_weights else 0), "--gw-inner", str(cfg.gw_inner)]
-    try:
-        _run_bounded(cmd, cfg.ddp_timeout_s, f"{nproc}-rank launch")
-        with open(out) as f:
-            return json.load(f)
-    finally:
-        os.unlink(out)
+    with harness.scratch_path() as out:
+        cmd = harness.torchrun(
+            nproc, os.path.join(HERE, "ddp_case.py"), "--out", out, "--workloads", ",".join(cfg.workloads),
+            "--reps", str(cfg.ddp_reps), "--inner", str(cfg.ddp_inner), "--warmup", str(cfg.warmup),
+            "--gw-reps", str(cfg.gw_reps if get_weights else 0), "--gw-inner", str(cfg.gw_inner))
+        harness.run_bounded(cmd, cfg.ddp_timeout_s, f"{nproc}-rank launch")
+        return harness.read_json(out)
 
 
 def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
@@ -259,7 +203,7 @@ def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
         note = ("2 gloo ranks, 1 thread each; process CPU time summed over the ranks (verdict: CPU and wall)"
                 + ("" if res["same_weights"] is not False else "; WEIGHTS DIFFER"))
         row = functools.partial(compare, "b", name, res["samples_s"], unit="ms/update (cpu, both ranks)",
-                                cpu_s=res["cpu_s"], by_cpu=True, copies=common.INSTANCES)
+                                cpu_s=res["cpu_s"], by_cpu=True, copies=harness.INSTANCES)
         rows.append(row("FabricLearner(ddp)", "hand DDP", 1.05, note=note))
         rows.append(row("hand DDP (twin)", "hand DDP", None,
                         note="A/A control: two identical loops; its distance from 1 is this run's noise floor"))
@@ -275,8 +219,8 @@ def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
     single.update({(r.workload, r.baseline): r.baseline_median for r in single_rows if r.case == "a"})
     for name in two["updates"]:
         for contender in ("FabricLearner(ddp)", "hand DDP"):
-            ms2 = common.median(two["updates"][name]["samples_s"][contender]) * 1e3
-            ms1 = None if one is None else common.median(one["updates"][name]["samples_s"][contender]) * 1e3
+            ms2 = harness.median(two["updates"][name]["samples_s"][contender]) * 1e3
+            ms1 = None if one is None else harness.median(one["updates"][name]["samples_s"][contender]) * 1e3
             ref = "FabricLearner(cpu,1).update" if contender == "FabricLearner(ddp)" else "hand torchrl loop"
             ms0 = single.get((name, ref))
             base = ms1 if ms1 is not None else ms0  # the 1-rank time efficiency is measured against
@@ -331,13 +275,13 @@ def case_d(cfg: Config) -> list[Row]:
 
     cpu: dict[str, list[float]] = {}
     try:
-        save = common.interleaved({
+        save = harness.interleaved({
             "torch.save(state_dicts)": hand_save,
             "torch.save + fsync + rename": hand_atomic_save,
             "LocalLearner.save": lambda i: local.save(paths["local"]),
             "FabricLearner.save": lambda i: fabric.save(paths["fabric"]),
         }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1, cpu=cpu)
-        load = common.interleaved({
+        load = harness.interleaved({
             "torch.load + load_state_dicts": hand_load,
             "LocalLearner.load": lambda i: local.load(paths["local"]),
             "FabricLearner.load": lambda i: fabric.load(paths["fabric"]),
@@ -371,7 +315,7 @@ def case_e(cfg: Config) -> list[Row]:
     local = LocalLearner(loss, policy=policy)
     fabric = FabricLearner(loss, policy=policy, accelerator="cpu", devices=1)
     cpu: dict[str, list[float]] = {}
-    samples = common.interleaved({
+    samples = harness.interleaved({
         "raw TensorDict.from_module(policy).data.clone()": lambda i: TensorDict.from_module(policy).data.clone(),
         "raw {k: v.detach().clone() for state_dict}": lambda i: {
             k: v.detach().clone() for k, v in policy.state_dict().items()},
@@ -393,10 +337,10 @@ def case_e(cfg: Config) -> list[Row]:
 # ======================================================================================================
 # HOOKS: cases other engineers add. Each is ``fn(cfg) -> list[Row] | None``; ``None`` means "not
 # implemented yet" and is listed as skipped. Build rows with ``compare(case, workload, samples_s,
-# contender, baseline, goal, unit=...)`` from ``common.interleaved(...)`` samples (seconds), or
+# contender, baseline, goal, unit=...)`` from ``harness.interleaved(...)`` samples (seconds), or
 # construct ``Row`` directly for non-time metrics (e.g. unit="MiB" for memory; ratio = learner/hand).
-# Multi-rank hooks should follow ``launch_ranks``/``ddp_case.py`` (torchrun, timeout, barrier +
-# destroy_process_group at the end).
+# Multi-rank hooks should follow ``launch_ranks``/``ddp_case.py`` (``harness.torchrun`` and
+# ``harness.run_bounded``: one thread, timeout; barrier + destroy_process_group at the end).
 # ======================================================================================================
 
 
@@ -414,16 +358,11 @@ def case_c_fsdp_memory(cfg: Config) -> list[Row] | None:
     got = {}
     # the default allocator, and glibc's mmap threshold fixed at 1 MiB (see fsdp_memory.py)
     for strategy, threshold in (("ddp", None), ("fsdp", None), ("ddp", "1048576"), ("fsdp", "1048576")):
-        fd, out = tempfile.mkstemp(prefix=f"fl_bench_{strategy}_", suffix=".json")
-        os.close(fd)
-        try:
-            _run_bounded([sys.executable, os.path.join(HERE, "fsdp_memory.py"), "--strategy", strategy, "--out", out],
-                         cfg.ddp_timeout_s, f"fsdp_memory.py --strategy {strategy}",
-                         **({"MALLOC_MMAP_THRESHOLD_": threshold} if threshold else {}))
-            with open(out) as f:
-                got[strategy, threshold] = json.load(f)
-        finally:
-            os.unlink(out)
+        with harness.scratch_path() as out:
+            harness.run_bounded([sys.executable, os.path.join(HERE, "fsdp_memory.py"), "--strategy", strategy,
+                                 "--out", out], cfg.ddp_timeout_s, f"fsdp_memory.py --strategy {strategy}",
+                                **({"MALLOC_MMAP_THRESHOLD_": threshold} if threshold else {}))
+            got[strategy, threshold] = harness.read_json(out)
     n = got["ddp", None][0]["n_params"]
     rows = []
     for metric, key, threshold in (
@@ -475,7 +414,7 @@ def case_compile(cfg: Config) -> list[Row] | None:
                 calls.append(time.perf_counter() - t)
             compile_s[label] = (max(calls), sum(calls))
         cpu: dict[str, list[float]] = {}
-        samples = common.interleaved(
+        samples = harness.interleaved(
             {label: (lambda i, obj=obj: obj.update(batches[i % k])) for label, obj in contenders.items()},
             reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu,
         )
@@ -486,7 +425,8 @@ def case_compile(cfg: Config) -> list[Row] | None:
         def note(label: str) -> str:
             slowest, total = compile_s[label]
             shared = "; FabricLearner reuses LocalLearner's graph" if "Fabric" in label else ""
-            return f"{common.WORKLOAD_DESC[name]}; warm-up (compiling) {total:.1f} s, slowest call {slowest:.1f} s{shared}"
+            return (f"{common.WORKLOAD_DESC[name]}; warm-up (compiling) {total:.1f} s, "
+                    f"slowest call {slowest:.1f} s{shared}")
 
         for label in contenders:
             if label not in (base, "hand torch.compile loop"):
@@ -584,41 +524,8 @@ def plot(rows: list[Row], scaling: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    import lightning
-    import tensordict
-    import torchrl
-
-    import hashlib
-
-    code = hashlib.sha256()
-    pkg = os.path.join(ROOT, "fabric_learner")
-    for fname in sorted(os.listdir(pkg)):
-        if fname.endswith(".py"):
-            with open(os.path.join(pkg, fname), "rb") as f:
-                code.update(fname.encode() + f.read())
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "fabric_learner"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=10).stdout.strip() != ""
-    except (OSError, subprocess.SubprocessError):
-        head, dirty = "?", None
-    return {"git_head": head, "fabric_learner_dirty": dirty, "fabric_learner_sha256": code.hexdigest()[:16],
-            "cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "tensordict": tensordict.__version__, "torchrl": torchrl.__version__,
-            "lightning": lightning.__version__}
-
-
 def replot(path: str) -> int:
-    with open(path) as f:
-        saved = json.load(f)
+    saved = harness.read_json(path)
     rows = [Row(**{**r, "ci": tuple(r["ci"])}) for r in saved["rows"]]
     meta = saved["meta"]
     print(fmt_table(rows))
@@ -658,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = tuple(w for w in args.workloads.split(",") if w)
     unknown = sorted(set(workloads) - set(common.WORKLOADS))
     if unknown or not workloads:
-        p.error(f"--workloads {args.workloads!r}: unknown {unknown or 'empty'}; choose from {', '.join(common.WORKLOADS)}")
+        p.error(f"--workloads {args.workloads!r}: unknown {unknown or 'empty'}; "
+                f"choose from {', '.join(common.WORKLOADS)}")
     if workloads != common.WORKLOADS:
         cfg = replace(cfg, workloads=workloads)
     if args.reps is not None:
@@ -669,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out = os.path.join(RESULTS, "latest.json" if cfg == FULL else "partial.json")
     only = set(args.only.split(","))
     warnings.filterwarnings("ignore")
-    common.set_one_thread()
+    harness.set_one_thread()
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     rows: list[Row] = []
@@ -705,9 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: r.case)
 
     total = time.perf_counter() - t0
-    meta = {"mode": "smoke" if args.smoke else "quick" if cfg.quick else "full", "config": asdict(cfg), "machine": machine(),
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "wall_s": total,
-            "case_wall_s": timings, "skipped_hooks": skipped,
+    meta = {"mode": "smoke" if args.smoke else "quick" if cfg.quick else "full", "config": asdict(cfg),
+            "machine": harness.machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "wall_s": total, "case_wall_s": timings, "skipped_hooks": skipped,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     table = fmt_table(rows)
     print()
@@ -726,12 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> "
           f"{meta['loadavg_after'][0]:.1f}, {meta['machine']['cpus']} CPUs")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "scaling": scaling, "table": table,
-                   "scaling_table": fmt_scaling(scaling) if scaling else ""}, f, indent=1)
-    os.replace(tmp, args.out)
+    harness.write_json(args.out, {"meta": meta, "rows": [asdict(r) for r in rows], "scaling": scaling, "table": table,
+                                  "scaling_table": fmt_scaling(scaling) if scaling else ""})
     png = os.path.splitext(args.out)[0] + ".png"
     plot(rows, scaling, png, _title(meta))
     print(f"wrote {args.out} and {png}")

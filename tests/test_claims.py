@@ -1,4 +1,5 @@
-"""The README's published numbers: honest verdicts, a table no older than the code it times, curves that name their run."""
+"""The README's published numbers: honest verdicts, a table no older than the code it times, curves that name
+their run."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ UPDATE_PATH = ["fabric_learner/learner.py", "fabric_learner/fabric.py", "fabric_
 
 
 def test_one_rule_decides_met_and_not_met_and_noise_never_helps():
-    from run import decide, verdict
+    from harness import decide, verdict
 
     assert decide((0.95, 1.02), 1.03) is True
     assert decide((1.04, 1.10), 1.03) is False
@@ -27,6 +28,9 @@ def test_one_rule_decides_met_and_not_met_and_noise_never_helps():
     assert decide((0.98, 1.08), 1.03) is decide((0.98, 1.08), 1.03) is None
     assert decide((1.031, 1.2), 1.03) is False and decide((0.8, 1.03), 1.03) is True
     assert decide((0.5, 2.0), None) is None and verdict((0.5, 2.0), None) == "-"
+    # a floor is the mirror image: met only when the whole interval is at or above it
+    assert decide((0.97, 1.1), 0.97, at_least=True) is True and decide((0.9, 0.969), 0.97, at_least=True) is False
+    assert decide((0.95, 0.99), 0.97, at_least=True) is None
 
 
 def _git(*args):
@@ -72,7 +76,8 @@ def test_the_published_instruction_counts_are_the_files_and_no_older_than_the_up
     machine = result["machine"]
     assert machine.get("fabric_learner_dirty") is False, (
         f"counted at {machine.get('git_head')} with fabric_learner/ uncommitted or unknown "
-        f"(fabric_learner_dirty={machine.get('fabric_learner_dirty')!r}): rerun benchmarks/instructions.py on a clean tree")
+        f"(fabric_learner_dirty={machine.get('fabric_learner_dirty')!r}): "
+        "rerun benchmarks/instructions.py on a clean tree")
     rows = {(row["workload"], row["contender"].split(".")[0]): row
             for name, counts in result["per_update"].items() for row in rows_for(name, counts)}
     assert list(rows.values()) == result["rows"], "the stored rows do not follow from the stored counts"

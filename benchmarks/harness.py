@@ -1,0 +1,496 @@
+"""The benchmark harness: what the scripts of benchmarks/ share apart from their workloads, written once.
+
+- process: ``set_one_thread``, and ``status_mib`` (a memory figure of this process, /proc/self/status);
+- relaunch: ``torchrun`` (the command for N local ranks), ``run_bounded`` (a child process with one
+  thread, a clean environment and a timeout) and ``scratch_path`` (where the child writes its result);
+- provenance: ``git_head``, ``git_dirty``, ``git_label``, ``package_sha256`` (every file of the package),
+  and ``provenance`` / ``machine``, the blocks a result file records;
+- ``StageClock``: the time a run spends in each named stage, by wrappers around its calls;
+- verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
+- result files: ``write_json`` and ``read_json``;
+- interleaving: contenders taking turns (``order_for``, ``rotation``, ``interleaved``, ``rotating``)
+  and the intervals read from them (``paired_ratio``, ``bootstrap_ci``, ``ratio_of_sums``).
+
+Loading it imports only the standard library (torch and numpy are imported by the functions that
+use them), so a worker can load it before it measures its own memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PACKAGE = os.path.join(ROOT, "fabric_learner")
+
+
+# ---- process -------------------------------------------------------------------------------------
+
+
+def set_one_thread() -> None:
+    """One intra-op thread in this process, and in any process it starts."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def status_mib(field: str) -> float:
+    """This process's ``field`` of /proc/self/status in MiB (``VmRSS`` resident now, ``VmHWM`` its peak,
+    ``VmSize`` / ``VmPeak`` address space now / at most); raises ``KeyError`` when there is no such field."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+# ---- relaunch ------------------------------------------------------------------------------------
+
+# what an enclosing launch (torchrun, ``fabric run``) sets; a child that kept them would join it
+LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED",
+                    "TORCHELASTIC_RUN_ID")
+
+
+def torchrun(nproc: int, *argv: str) -> list[str]:
+    """The command running ``argv`` (a script and its arguments) as ``nproc`` local ranks under torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *argv]
+
+
+def run_bounded(cmd: list[str], timeout_s: float, what: str, *, check: bool = True,
+                **extra_env: str) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` from the repository root and returns it finished, its stdout and stderr together in
+    ``stdout``.
+
+    The child gets one thread per process, torchrl's warnings off, this checkout first on its path,
+    no variable of an enclosing launch, and ``extra_env``. It runs in its own session, and its whole
+    process group is killed when it ends, so nothing it started outlives it. ``RuntimeError`` (with
+    the output's tail) when it runs past ``timeout_s`` or, with ``check``, exits non-zero.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=ROOT, **extra_env)
+    for key in LAUNCH_VARIABLES:
+        env.pop(key, None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise RuntimeError(f"{what} did not finish in {timeout_s}s:\n{log[-3000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{log[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, log)
+
+
+@contextlib.contextmanager
+def scratch_path(name: str = "result.json") -> Iterator[str]:
+    """A path in a fresh temporary folder, not yet a file (a child writes its result there); the
+    folder goes when the block ends."""
+    folder = tempfile.mkdtemp(prefix="fl_bench_")
+    try:
+        yield os.path.join(folder, name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---- provenance ----------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    """``git``'s output in the repository root, stripped; ``None`` when git cannot answer."""
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_head(*, short: bool = True) -> str:
+    """The commit checked out (abbreviated unless ``short=False``), or "unknown"."""
+    return _git("rev-parse", *(["--short"] if short else []), "HEAD") or "unknown"
+
+
+def git_dirty(*paths: str) -> bool | None:
+    """Whether ``paths`` (git pathspecs from the repository root) differ from the commit; ``None`` if unknown."""
+    status = _git("status", "--porcelain", "--", *paths)
+    return None if status is None else status != ""
+
+
+def git_label(*paths: str) -> str:
+    """``git_head()``, with "+dirty" when ``paths`` differ from it."""
+    return git_head() + ("+dirty" if git_dirty(*paths) else "")
+
+
+def package_sha256() -> str:
+    """16 hex digits of a sha256 over every file under fabric_learner/, at any depth, taken in the order of
+    their relative paths, each with its path: any change to any of them changes it. Bytecode caches
+    (``__pycache__``) are left out; they follow the sources."""
+    files = []
+    for folder, subfolders, names in os.walk(PACKAGE):
+        subfolders[:] = [d for d in subfolders if d != "__pycache__"]
+        files += [os.path.relpath(os.path.join(folder, name), PACKAGE).replace(os.sep, "/") for name in names]
+    digest = hashlib.sha256()
+    for relative in sorted(files):
+        with open(os.path.join(PACKAGE, relative), "rb") as f:
+            data = f.read()
+        digest.update(f"{relative}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
+def provenance() -> dict[str, Any]:
+    """The code a result was measured on: commit, package changed since it (bool or None), package hash."""
+    return {"git_head": git_head(), "fabric_learner_dirty": git_dirty("fabric_learner"),
+            "fabric_learner_sha256": package_sha256()}
+
+
+def machine() -> dict[str, Any]:
+    """``provenance()`` plus the machine and the library versions."""
+    import lightning
+    import tensordict
+    import torch
+    import torchrl
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {**provenance(), "cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "tensordict": tensordict.__version__,
+            "torchrl": torchrl.__version__, "lightning": lightning.__version__}
+
+
+# ---- stage clock ---------------------------------------------------------------------------------
+
+
+class StageClock:
+    """Time spent in each named stage, summed over the calls it wraps, on each of its timers.
+
+    ``StageClock()`` sums wall seconds (``time.perf_counter``) in ``seconds`` and process CPU
+    seconds (``time.process_time``) in ``cpu``; ``StageClock(ns=time.thread_time_ns)`` sums thread
+    CPU nanoseconds in ``ns``. Each timer's sums are an attribute of that name, a dict stage ->
+    sum, which may be reset by assigning a new dict. ``calls[stage]`` lists each wrapped call's
+    duration on the first timer. A stage entered inside another adds its time to its own name
+    (both are counted); for ``count_calls`` the calls inside it belong to the outer stage.
+    """
+
+    def __init__(self, **timers: Callable[[], float]) -> None:
+        timers = timers or {"seconds": time.perf_counter, "cpu": time.process_time}
+        self._names = tuple(timers)
+        self._readers = tuple(timers.values())
+        for name in self._names:
+            setattr(self, name, {})
+        self.calls: dict[str, list[float]] = {}
+        # the timers' readings at the start of a run (set by its caller): "setup" then lasts until the
+        # first item a wrapped iterator is asked for
+        self.origin: tuple[float, ...] | None = None
+        self.stage: str | None = None  # the outermost stage running now, for count_calls
+        self.python_calls: dict[str, int] | None = None
+
+    def _read(self) -> list[float]:
+        return [read() for read in self._readers]
+
+    def _enter(self, stage: str) -> str | None:
+        outer, self.stage = self.stage, self.stage or stage
+        return outer
+
+    def _add(self, stage: str, end: Sequence[float], start: Sequence[float]) -> float:
+        """Adds ``end - start`` of every timer to ``stage``; returns the first timer's difference."""
+        for name, stop, begin in zip(self._names, end, start):
+            sums = getattr(self, name)
+            sums[stage] = sums.get(stage, 0) + (stop - begin)
+        return end[0] - start[0]
+
+    def count_calls(self) -> None:
+        """From now on counts Python and C function calls per stage (a profile hook: slow, but exact);
+        calls outside every stage count as "setup" until a setup time is recorded, "rest" after."""
+        self.python_calls = {}
+        counts = self.python_calls
+        first = self._names[0]
+
+        def hook(frame, event, arg):
+            if event == "call" or event == "c_call":
+                stage = self.stage or ("rest" if "setup" in getattr(self, first) else "setup")
+                counts[stage] = counts.get(stage, 0) + 1
+        sys.setprofile(hook)
+
+    def wrap(self, stage: str, fn: Callable) -> Callable:
+        """``fn``, its every call timed into ``stage``."""
+        calls = self.calls.setdefault(stage, [])
+        if len(self._readers) == 1:
+            # One timer (the update profile's): only what it needs around the call, since the wrapper's own
+            # cost lands in that profile's "rest + wrappers" row.
+            read, name = self._readers[0], self._names[0]
+
+            def timed_once(*args, **kwargs):
+                outer = self._enter(stage)
+                start = read()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    took = read() - start
+                    sums = getattr(self, name)
+                    sums[stage] = sums.get(stage, 0) + took
+                    calls.append(took)
+                    self.stage = outer
+            return timed_once
+
+        def timed(*args, **kwargs):
+            outer = self._enter(stage)
+            start = self._read()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls.append(self._add(stage, self._read(), start))
+                self.stage = outer
+        return timed
+
+    def wrap_iterator(self, stage: str, make_iterator: Callable[[], Iterator]) -> Callable[[], Iterator]:
+        """``make_iterator``, its iterators' every ``next`` timed into ``stage``; with ``origin`` set, the
+        time from it to the first ``next`` goes to "setup"."""
+        def timed_iterator():
+            it = make_iterator()
+            while True:
+                start = self._read()
+                if self.origin is not None and "setup" not in getattr(self, self._names[0]):
+                    self._add("setup", start, self.origin)
+                outer = self._enter(stage)
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    self._add(stage, self._read(), start)
+                    self.stage = outer
+                yield item
+        return timed_iterator
+
+
+# ---- verdicts ------------------------------------------------------------------------------------
+
+
+def decide(ci: tuple[float, float], goal: float | None, *, at_least: bool = False) -> bool | None:
+    """The one rule for both answers: ``True`` (met) when the whole interval lies within the goal,
+    ``False`` (not met) when the whole interval lies beyond it, ``None`` (undecided) when it
+    straddles the goal or there is none.
+
+    The goal is a ceiling (met at or under it) unless ``at_least``, which makes it a floor (met at
+    or over it): the mirror image, so noise never helps either way. The point estimate is reported
+    beside the verdict and never moves it.
+    """
+    if goal is None:
+        return None
+    lo, hi = ci
+    if at_least:
+        return True if lo >= goal else False if hi < goal else None
+    return True if hi <= goal else False if lo > goal else None
+
+
+def verdict(ci: tuple[float, float], goal: float | None) -> str:
+    """``decide``'s answer for a ceiling in words: "met", "NOT met", "undecided (...)", or "-" without a goal."""
+    if goal is None:
+        return "-"
+    met = decide(ci, goal)
+    if met is None:
+        return f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {goal:.2f})"
+    return "met" if met else "NOT met"
+
+
+# ---- result files --------------------------------------------------------------------------------
+
+
+def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> None:
+    """Writes ``data`` to ``path`` as JSON, making its folder if missing. The file appears whole: it is
+    written beside ``path`` and renamed onto it, so a reader finds the old file or the new one."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=indent)
+    os.replace(tmp, path)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---- interleaving and intervals ------------------------------------------------------------------
+
+
+def order_for(rep: int, names: Sequence[str]) -> list[str]:
+    """A random order of ``names`` for repetition ``rep``: the same on every rank and every run.
+
+    Shuffled rather than rotated: in a rotation each contender nearly always follows the same
+    one, and what a block leaves in the caches then biases its successor (an A/A pair of
+    identical loops measured 0.99 that way, 1.00 shuffled).
+    """
+    return random.Random(rep).sample(list(names), len(names))
+
+
+def rotation(rep: int, names: Sequence[str]) -> list[str]:
+    """``names`` rotated left by ``rep``: for whole launches, where each takes a fixed turn."""
+    k = rep % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def interleaved(
+    contenders: dict[str, Callable[[int], None]],
+    *,
+    reps: int,
+    inner: int,
+    warmup: int,
+    sync: Callable[[], None] | None = None,
+    cpu: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
+    """Per-call wall seconds of each contender, ``reps`` samples each.
+
+    ``contenders[name](i)`` does the i-th unit of work. Each repetition runs every contender
+    once, ``inner`` calls timed together with ``time.perf_counter``, in the order ``order_for``
+    gives. ``sync`` (a barrier) runs before and after each timed block when given (multi-rank).
+    When ``cpu`` is a dict, it receives the same samples in process CPU seconds
+    (``time.process_time``), which leave out the time this process waited for a core.
+
+    The garbage collector runs once per repetition, between repetitions, never inside one: what
+    the warm-up left alive is frozen out of its scans (``gc.freeze``), so a collection costs
+    little and many short repetitions (``inner=1``) are affordable; many short, paired blocks
+    resolve a difference far better than a few long ones on a noisy machine. A contender that
+    allocates more Python objects is therefore not charged for the extra collections it causes.
+    """
+    names = list(contenders)
+    for name in names:
+        for i in range(warmup):
+            contenders[name](i)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    counters = {n: warmup for n in names}
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    try:
+        for rep in range(reps):
+            gc.collect()
+            gc.disable()
+            for name in order_for(rep, names):
+                fn = contenders[name]
+                if sync is not None:
+                    sync()
+                i0 = counters[name]
+                c0 = time.process_time()
+                t0 = time.perf_counter()
+                for i in range(i0, i0 + inner):
+                    fn(i)
+                if sync is not None:
+                    sync()
+                t1 = time.perf_counter()
+                c1 = time.process_time()
+                samples[name].append((t1 - t0) / inner)
+                if cpu is not None:
+                    cpu.setdefault(name, []).append((c1 - c0) / inner)
+                counters[name] = i0 + inner
+            if was_enabled:
+                gc.enable()
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+    return samples
+
+
+INSTANCES = 5  # copies of each contender, taking turns (``rotating``); coprime with the 4 batches
+
+
+def rotating(build: Callable[[], Any], batches: Sequence[Any], instances: int = INSTANCES) -> Callable[[int], None]:
+    """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``.
+
+    Two identical contenders, built the same way from the same seeds, can differ by 1-3% for
+    their whole life, most likely from where their tensors land in memory (not isolated here):
+    in one full run with three copies, LocalLearner's copies measured 1.003, 1.014 and 1.032 of
+    the hand loop on PPO, and under DDP the A/A twin's copies 0.972, 0.977 and 1.017 on DQN. More
+    repetitions of one copy do not average that away; several copies taking turns do, and
+    ``bootstrap_ci(..., copies=...)`` counts how many there were. Every contender gets the same
+    number of copies and sees the same batch on the same call, so call ``i`` of two contenders
+    is still the same work; with ``inner=1`` and a warm-up that is a multiple of ``instances``,
+    repetition ``r`` is copy ``r % instances``.
+    """
+    updates = [build().update for _ in range(instances)]
+    k = len(batches)
+    return lambda i: updates[i % instances](batches[i % k])
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median over repetitions of num[r] / den[r]: adjacent blocks, so shared noise cancels."""
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: int = 0,
+                 copies: int = 1) -> tuple[float, float]:
+    """95% bootstrap interval of ``paired_ratio``: how far noise alone moves it.
+
+    With ``copies`` > 1 (samples from ``rotating``: sample ``r`` came from copy ``r % copies``) it
+    resamples in two stages, copies and then repetitions within each, so the interval also holds
+    the copy-to-copy spread, which repetitions of the same copies cannot shrink.
+    """
+    rng = random.Random(seed)
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    groups = [group for group in (ratios[c::copies] for c in range(copies)) if group]
+    meds = []
+    for _ in range(n):
+        drawn = []
+        for group in rng.choices(groups, k=len(groups)):
+            drawn += rng.choices(group, k=len(group))
+        meds.append(statistics.median(drawn))
+    meds.sort()
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
+def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000,
+                  seed: int = 0) -> tuple[float, tuple[float, float]]:
+    """sum(num) / sum(den) over every repetition's paired segments, and its 95% bootstrap interval.
+
+    Resampled in two stages: repetitions, then segments in pairs within each, because a run
+    keeps its speed relative to the others for its whole life (runs of the same code differed by
+    2-5% per repetition where their paired segments alone gave intervals of ±1%), so the interval
+    must see how many runs it rests on, not only how many segments.
+    """
+    import numpy
+
+    rng = numpy.random.default_rng(seed)
+    reps = [(numpy.asarray(a), numpy.asarray(b)) for a, b in zip(num, den)]
+    boot = numpy.empty(n)
+    for i in range(n):
+        tops = bottoms = 0.0
+        for r in rng.integers(0, len(reps), size=len(reps)):
+            a, b = reps[r]
+            picks = rng.integers(0, len(a), size=len(a))
+            tops += a[picks].sum()
+            bottoms += b[picks].sum()
+        boot[i] = tops / bottoms
+    boot.sort()
+    total = sum(a.sum() for a, _ in reps) / sum(b.sum() for _, b in reps)
+    return float(total), (float(boot[int(0.025 * n)]), float(boot[int(0.975 * n) - 1]))
