@@ -24,9 +24,10 @@ venv: $(VENV)/.installed
 demo: venv
 	OMP_NUM_THREADS=1 $(PY) examples/ppo_pendulum.py
 
-# two workers, each taking whole modules (their launches share module fixtures) in the order
+# the linter first (its settings are in pyproject.toml), then two workers, each taking whole modules (their launches share module fixtures) in the order
 # tests/conftest.py gives them (xdist would otherwise reorder them by their number of tests)
 test: venv
+	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # the repeated-launch stress: ten runs per launcher instead of two (about 4 minutes)

@@ -61,9 +61,10 @@ def evaluate(qnet, episodes: int = 5) -> float:
 
 
 def worker(mode: str, frames: int, out: str) -> None:
+    from datetime import timedelta
+
     import torch
     from lightning.fabric.strategies import DDPStrategy
-    from datetime import timedelta
     from tensordict.nn import TensorDictSequential
     from torchrl.collectors import AsyncCollector, Collector
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer

@@ -36,12 +36,12 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
+import common
+import harness
+import torch
+from lightning.fabric.strategies import ModelParallelStrategy
 
-import common  # noqa: E402
-import harness  # noqa: E402
-from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss
 
 GOAL = 0.3
 WORKLOAD = "ppo_big_actor"

@@ -25,13 +25,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RL_WARNINGS", "False")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
+import common
+import harness
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
 
-import common  # noqa: E402
-import harness  # noqa: E402
-from fabric_learner import FabricLearner  # noqa: E402
+from fabric_learner import FabricLearner
 
 
 def _summed_over_ranks(cpu: dict[str, list[float]]) -> dict[str, list[float]]:

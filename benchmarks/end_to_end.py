@@ -56,11 +56,11 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
 
+import harness  # noqa: E402
 import numpy  # noqa: E402
+import ppo_mujoco as recipe  # noqa: E402
 import torch  # noqa: E402
 
-import harness  # noqa: E402
-import ppo_mujoco as recipe  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "end_to_end.json"

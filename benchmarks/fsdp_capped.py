@@ -41,9 +41,9 @@ def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> 
     import resource
     from datetime import timedelta
 
+    import common
     import torch
 
-    import common
     from fabric_learner import FabricLearner, LocalLearner
 
     torch.set_num_threads(1)

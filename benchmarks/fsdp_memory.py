@@ -25,13 +25,13 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+import common
+import harness
+import torch
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 
-import common  # noqa: E402
-import harness  # noqa: E402
-from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss
 
 
 def local_bytes(t: torch.Tensor) -> int:

@@ -61,13 +61,13 @@ def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
     import functools
     from datetime import timedelta
 
+    import common
     import torch
     import torch.distributed as dist
-
-    import common
-    from fabric_learner import FabricLearner  # every contender imports the same before its baseline
     from torch.distributed.fsdp import fully_shard  # noqa: F401
     from torchrl.objectives import ClipPPOLoss  # noqa: F401
+
+    from fabric_learner import FabricLearner  # every contender imports the same before its baseline
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -112,12 +112,11 @@ def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
 
 def hand_fsdp2(cells, timeout):
     """ClipPPOLoss over networks sharded by hand, one FSDP2 unit per Linear, then per network."""
+    import common
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torchrl.objectives import ClipPPOLoss
-
-    import common
 
     torch.manual_seed(0)
     functional, _ = common.make_loss("ppo_big_actor", cells=cells)  # the same networks and weights

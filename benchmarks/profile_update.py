@@ -37,13 +37,13 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("RL_WARNINGS", "False")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from tensordict import TensorDict, TensorDictBase  # noqa: E402
-from torch import nn  # noqa: E402
+import common
+import harness
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
 
-import common  # noqa: E402
-import harness  # noqa: E402
-from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
+from fabric_learner import FabricLearner, LocalLearner
 
 
 class NullLoss(nn.Module):
@@ -134,6 +134,7 @@ def _stage_steps(name: str):
     what each piece costs inside a real update (caches cold, unlike the hot loops of ``pieces``).
     """
     import time
+
     import fabric_learner.learner as learner_module
 
     def hand(loop, backward, clip):

@@ -22,11 +22,10 @@ import statistics
 import time
 from datetime import timedelta
 
+import harness
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import harness
 
 PAYLOADS = {"weights_21M": 21_000_000, "ppo_batch_2048": 2048 * (2 * 17 + 6 + 1 + 1 + 1 + 1 + 1)}
 REPS = 9

@@ -41,11 +41,11 @@ os.environ.setdefault("RL_WARNINGS", "False")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import common  # noqa: E402
+import harness  # noqa: E402
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-import common  # noqa: E402
-import harness  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")

@@ -38,7 +38,6 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 
-
 __all__ = ["AsyncCollection", "VersionedPolicy"]
 
 VERSION_KEY = "policy_version"

@@ -23,11 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torchrl.trainers.algorithms.configs  # noqa: F401  (registers torchrl's configs)
 from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-
-import torchrl.trainers.algorithms.configs  # noqa: F401  (registers torchrl's configs)
 
 from fabric_learner._launch import DEFAULT_TIMEOUT
 

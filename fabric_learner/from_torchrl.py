@@ -19,15 +19,15 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torchrl.trainers.algorithms.td3 import TD3OptimizationStepper
 from torchrl.trainers.trainers import (
+    DefaultOptimizationStepper,
     LRSchedulerHook,
     OptimizerHook,
     TargetNetUpdaterHook,
     UpdateWeights,
     ValueEstimatorHook,
 )
-from torchrl.trainers.algorithms.td3 import TD3OptimizationStepper
-from torchrl.trainers.trainers import DefaultOptimizationStepper
 from torchrl.trainers.trainers import Trainer as _TorchRLTrainer
 
 from fabric_learner._stages import Stage

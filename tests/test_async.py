@@ -20,12 +20,12 @@ from tensordict.nn import TensorDictModule
 
 sys.path.insert(0, WORKERS)
 
-import async_common as ac  # noqa: E402
-import trainer_common as tc  # noqa: E402
-from rl_cases import make_loss  # noqa: E402
-from torchrl.collectors import Collector  # noqa: E402
+import async_common as ac
+import trainer_common as tc
+from rl_cases import make_loss
+from torchrl.collectors import Collector
 
-from fabric_learner import AsyncCollection, LocalLearner, Trainer, VersionedPolicy  # noqa: E402
+from fabric_learner import AsyncCollection, LocalLearner, Trainer, VersionedPolicy
 
 
 def local(loss, optimizer, policy):

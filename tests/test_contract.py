@@ -134,7 +134,8 @@ def test_non_scalar_loss_raises_before_any_change(kind):
     assert learner._accum_step == 0
 
 
-@pytest.mark.parametrize("kwargs", [{"grad_accum_steps": 0}, {"grad_accum_steps": 1.5}, {"clip_grad_norm": 0}, {"clip_grad_norm": -1.0}])
+@pytest.mark.parametrize("kwargs", [{"grad_accum_steps": 0}, {"grad_accum_steps": 1.5}, {"clip_grad_norm": 0},
+                                    {"clip_grad_norm": -1.0}])
 def test_bad_construction_arguments(kind, kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         make_learner(kind, ToyLoss(), **kwargs)

@@ -13,7 +13,6 @@ from rl_cases import CASES, CLIP, LR, STEPS, flat_params, make_batch, make_loss,
 from fabric_learner import LocalLearner
 
 
-
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")

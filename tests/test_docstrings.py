@@ -11,8 +11,20 @@ import sys
 
 import pytest
 
-from fabric_learner import FabricLearner, Learner, LocalLearner, Stage, Trainer, launcher
-from fabric_learner import collectives, configs, from_torchrl, onpolicy, replay, weights
+from fabric_learner import (
+    FabricLearner,
+    Learner,
+    LocalLearner,
+    Stage,
+    Trainer,
+    collectives,
+    configs,
+    from_torchrl,
+    launcher,
+    onpolicy,
+    replay,
+    weights,
+)
 
 PUBLIC = {
     "LocalLearner": LocalLearner,

@@ -20,12 +20,12 @@ import torch
 from multiproc import WORKERS, launch
 
 sys.path.insert(0, WORKERS)
-import algorithm_trainers as A  # noqa: E402
-from torchrl.trainers.trainers import UTDRHook  # noqa: E402
+import algorithm_trainers as A
+from torchrl.trainers.trainers import UTDRHook
 
-from fabric_learner import LocalLearner  # noqa: E402
-from fabric_learner.from_torchrl import learner_trainer  # noqa: E402
-from fabric_learner.replay import prioritized_sampler  # noqa: E402
+from fabric_learner import LocalLearner
+from fabric_learner.from_torchrl import learner_trainer
+from fabric_learner.replay import prioritized_sampler
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -15,8 +15,6 @@ from tensordict import TensorDict
 
 from fabric_learner import LocalLearner
 
-
-
 TAMPERED = {**{f"sharded: {c}": ("sharded", c, tamper.SHARDED[c]) for c in tamper.SHARDED},
             **{f"ddp.pt: {c}": ("ddp.pt", c, tamper.FILE[c]) for c in tamper.FILE}}
 
@@ -403,10 +401,9 @@ def test_ensemble_layers_routed_through_their_units_give_the_losss_own_gradients
 
 
 def test_a_loss_that_concatenates_its_ensemble_keeps_it_whole_and_trains_the_same():
+    import rl_cases
     from torchrl.data import Bounded
     from torchrl.objectives import CQLLoss
-
-    import rl_cases
 
     def build():
         torch.manual_seed(0)
@@ -451,10 +448,9 @@ def _discrete_sac():
 
 
 def _iql():
+    import rl_cases
     from torchrl.modules import MLP, ValueOperator
     from torchrl.objectives import IQLLoss
-
-    import rl_cases
 
     torch.manual_seed(0)
     value = ValueOperator(MLP(in_features=4, out_features=1, num_cells=[16]), in_keys=["observation"])

@@ -86,9 +86,8 @@ def test_under_torchrun_devices_and_nodes_come_from_the_launched_world(launched)
 
 
 def test_a_fabric_learner_that_disagrees_with_the_launcher_starts_nothing(launched):
-    from rl_cases import make_loss
-
     import torch.distributed as dist
+    from rl_cases import make_loss
 
     launched("torchrun", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     group = dist.group.WORLD if dist.is_initialized() else None  # earlier in-process tests may leave one

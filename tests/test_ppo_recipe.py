@@ -13,13 +13,13 @@ import os
 import sys
 
 import torch
-from tensordict import TensorDict
 from multiproc import ROOT
+from tensordict import TensorDict
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-import ppo_mujoco as recipe  # noqa: E402
+import ppo_mujoco as recipe
 
-from fabric_learner import LocalLearner  # noqa: E402
+from fabric_learner import LocalLearner
 
 UPDATES = 20
 SEED = 3

@@ -137,7 +137,8 @@ def test_the_trainer_logs_the_mean_of_each_scalar_over_a_batchs_updates():
     for key in outputs[0].keys():
         expected = sum(o.get(key).reshape(()).to(torch.float64) for o in outputs) / len(outputs)
         assert average.get(key).dtype == torch.float32
-        torch.testing.assert_close(average.get(key), expected.float(), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(average.get(key), expected.float(), rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("name", ["flat", "batched", "named", "locked", "lazy", "device"])

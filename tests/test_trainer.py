@@ -18,18 +18,18 @@ from torchrl.trainers import OptimizationStepper
 
 sys.path.insert(0, WORKERS)
 
-import trainer_common as tc  # noqa: E402
+import trainer_common as tc
 
-from fabric_learner import LocalLearner  # noqa: E402
-from fabric_learner.onpolicy import (  # noqa: E402
+from fabric_learner import LocalLearner
+from fabric_learner.onpolicy import (
     EpochPartitionSampler,
     global_mean,
     normalize_advantage,
     partition_indices,
 )
-from fabric_learner.replay import TorchPrioritizedSampler  # noqa: E402
-from fabric_learner.trainer import Trainer  # noqa: E402
-from fabric_learner.weights import PublishWeights, collector_policy, shares_policy_memory  # noqa: E402
+from fabric_learner.replay import TorchPrioritizedSampler
+from fabric_learner.trainer import Trainer
+from fabric_learner.weights import PublishWeights, collector_policy, shares_policy_memory
 
 
 def local(loss, optimizer, policy):

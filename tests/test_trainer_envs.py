@@ -4,8 +4,8 @@ GymEnv, SerialEnv, ParallelEnv (worker processes), TransformedEnv stacks, torchr
 PendulumEnv, and multi-process collectors, each for two batches: once with a collector that
 runs dry before the Trainer's total_frames and once with a Trainer that stops first. All cases
 run in one process (one launch), and again on 2 gloo ranks (a second launch), each case under DDP
-or FSDP in turn so that both strategies see every kind (tests/workers/env_matrix.py). Each case is bounded in time inside the launch, so a hang fails fast and names
-its case; the launch itself must exit 0 with no process left behind.
+or FSDP in turn so that both strategies see every kind (tests/workers/env_matrix.py). Each case is bounded in
+time inside the launch, so a hang fails fast and names its case; the launch itself must exit 0 with no process left behind.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from multiproc import WORKERS, launch
 pytest.importorskip("gymnasium")
 sys.path.insert(0, WORKERS)
 
-import env_matrix as em  # noqa: E402
+import env_matrix as em
 
 LAUNCH_LIMIT = {1: 180, 2: 300}  # seconds for a whole launch; each case has em.CASE_LIMIT inside it
 
@@ -117,7 +117,8 @@ def test_an_env_nested_without_end_fails_with_an_error_naming_it():
 
     from torchrl.envs import EnvBase
 
-    from fabric_learner.checkpoint.trainer_state import MAX_ENV_NODES as _MAX_ENV_NODES, EnvPlan as _EnvPlan
+    from fabric_learner.checkpoint.trainer_state import MAX_ENV_NODES as _MAX_ENV_NODES
+    from fabric_learner.checkpoint.trainer_state import EnvPlan as _EnvPlan
 
     class Wrapper(EnvBase):
         def __init__(self, inner=None):

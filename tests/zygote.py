@@ -46,9 +46,9 @@ import numpy  # noqa: E402
 import tensordict  # noqa: E402,F401
 import torch  # noqa: E402,F401
 import torchrl  # noqa: E402,F401
+from multiproc import pids, proc_stat, tagged_pids  # noqa: E402
 
 import fabric_learner  # noqa: E402,F401
-from multiproc import pids, proc_stat, tagged_pids  # noqa: E402
 
 
 def _threads() -> int:

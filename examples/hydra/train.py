@@ -28,7 +28,8 @@ def main(cfg) -> None:
         print(f"done: torchrl's {type(trainer).__name__}, {trainer.collected_frames} frames", flush=True)
         return
     if learner.global_rank == 0:
-        how = "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__ if hasattr(learner, "fabric") else "one process"
+        how = "one process" if not hasattr(learner, "fabric") else (
+            "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__)
         print(f"done: {learner.world_size} rank(s) {type(learner).__name__} {how}, {learner.num_updates} updates, "
               f"{trainer.collected_frames} frames", flush=True)
     if hasattr(learner, "close"):

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from fabric_learner import _rng
+from fabric_learner._stages import StageOptimizers
 from fabric_learner.backends import sharded_state
 from fabric_learner.backends.base import Counters, Resumed, Setup, setup_stage_optimizers
 from fabric_learner.checkpoint import dcp_folder
 from fabric_learner.optim import build_optimizer
-from fabric_learner._stages import StageOptimizers
 from fabric_learner.sharding import ShardedLoss, check_sharded, shard_loss
 
 

@@ -322,7 +322,7 @@ class SafeReader(FileSystemReader):
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except pickle.UnpicklingError as err:
             raise pickle.UnpicklingError(f"{path}: {err} Nothing was loaded.") from None
-        except Exception as err:  # truncated or garbled: pickle raises many kinds of error
+        except Exception as err:  # noqa: BLE001 - truncated or garbled: pickle raises many kinds of error
             raise ValueError(f"{path} is not readable checkpoint metadata ({type(err).__name__}: {err}); "
                              "nothing was loaded. It may be truncated.") from None
         check_metadata(metadata, path)

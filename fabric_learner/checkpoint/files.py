@@ -10,8 +10,8 @@ import pickle
 import pickletools
 import tempfile
 import zipfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -132,7 +132,7 @@ def weights_only_load(path: str | os.PathLike) -> Any:
             f"unpickling could run code; nothing was loaded (torch: {reason[-1] if reason else err!r}). Load only "
             "checkpoints written by fabric_learner."
         ) from None
-    except Exception as err:  # a truncated or foreign file: zip, pickle and storage errors of many kinds
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file: zip, pickle and storage errors of many kinds
         raise ValueError(f"{path} is not a readable torch file ({type(err).__name__}: {err}); nothing was loaded. "
                          "It may be truncated or not be a checkpoint.") from None
 

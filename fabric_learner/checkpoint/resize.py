@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from fabric_learner import _compat
 
 

@@ -19,7 +19,6 @@ from torchrl.envs import EnvBase
 
 from fabric_learner import _rng
 
-
 #: The format of a Trainer checkpoint's rank states and of its folder's meta.json.
 CHECKPOINT_FORMAT = "fabric_learner.trainer/1"
 COUNTERS = ("collected_frames", "_last_save", "_optim_count")

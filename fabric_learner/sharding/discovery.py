@@ -11,7 +11,6 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-
 #: torchrl losses that hand their stacked ensemble parameters to ``vmap`` (or its loop) as they are,
 #: or only ``.detach()``-ed. Others (CQL and REDQ concatenate them first, CrossQ's critics hold
 #: batch-norm statistics) keep their ensemble in the ``ShardedLoss``'s unit, gathered for the call.

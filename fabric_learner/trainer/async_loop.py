@@ -81,7 +81,7 @@ class _Feeder(threading.Thread):
                 if self.stop_event.is_set():
                     return
             self.exhausted = True
-        except BaseException as err:  # reported by the learner's thread
+        except BaseException as err:  # noqa: BLE001 - reported by the learner's thread
             self.error = err
         finally:
             self.delivered.set()

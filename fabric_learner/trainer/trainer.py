@@ -50,6 +50,7 @@ What changes against torchrl's Trainer, and why:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import warnings
@@ -380,10 +381,8 @@ class Trainer(_TorchRLTrainer):
 
     def __del__(self):
         # torchrl's Trainer.__del__ shuts the collector down again, even after train() did
-        try:
+        with contextlib.suppress(Exception):  # at garbage collection: nobody to report to
             self._close_collector(raise_on_error=False)
-        except Exception:
-            pass
 
     def _close_collector(self, *, raise_on_error: bool) -> None:
         """Shut the collector down once (closing its env and worker processes)."""

@@ -26,8 +26,7 @@ from torch import nn
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, SamplerWithoutReplacement, TensorDictReplayBuffer
 from torchrl.envs import Compose, GymEnv, RewardSum, StepCounter, TransformedEnv
-from torchrl.modules import MLP, EGreedyModule, IndependentNormal, ProbabilisticActor, QValueActor, TanhNormal, \
-    ValueOperator
+from torchrl.modules import MLP, EGreedyModule, IndependentNormal, ProbabilisticActor, QValueActor, TanhNormal, ValueOperator
 from torchrl.objectives import A2CLoss, ClipPPOLoss, CQLLoss, DDPGLoss, DQNLoss, IQLLoss, SACLoss, SoftUpdate, TD3Loss
 from torchrl.trainers.algorithms import (
     A2CTrainer,

@@ -6,7 +6,6 @@ Usage: python async_checks.py OUT_DIR            writes OUT_DIR/rank{r}.pt (test
 
 from __future__ import annotations
 
-
 import os
 import sys
 import time
@@ -15,11 +14,11 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import async_common as ac  # noqa: E402
-import torch  # noqa: E402
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
+import async_common as ac
+import torch
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
-from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss
 
 WORLD = 2
 SLOW = 0.1  # seconds per step on rank 1: a 24-frame batch takes 0.6 s there, a few ms on rank 0

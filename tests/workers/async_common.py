@@ -15,19 +15,19 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch  # noqa: E402
-import trainer_common as tc  # noqa: E402
-from rl_cases import make_loss  # noqa: E402
-from tensordict.nn import TensorDictSequential  # noqa: E402
-from torchrl.collectors import AsyncCollector  # noqa: E402
-from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402
-from torchrl.envs import StepCounter, TransformedEnv  # noqa: E402
-from torchrl.modules import EGreedyModule  # noqa: E402
-from torchrl.objectives import SoftUpdate  # noqa: E402
-from torchrl.trainers import ReplayBufferTrainer  # noqa: E402
+import torch
+import trainer_common as tc
+from rl_cases import make_loss
+from tensordict.nn import TensorDictSequential
+from torchrl.collectors import AsyncCollector
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.envs import StepCounter, TransformedEnv
+from torchrl.modules import EGreedyModule
+from torchrl.objectives import SoftUpdate
+from torchrl.trainers import ReplayBufferTrainer
 
-from fabric_learner import AsyncCollection, VersionedPolicy  # noqa: E402
-from fabric_learner.trainer import GlobalLogScalar, Trainer  # noqa: E402
+from fabric_learner import AsyncCollection, VersionedPolicy
+from fabric_learner.trainer import GlobalLogScalar, Trainer
 
 FRAMES_PER_BATCH, RB_BATCH, OPTIM_STEPS, LR = tc.FRAMES_PER_BATCH, tc.RB_BATCH, tc.OPTIM_STEPS, tc.LR
 

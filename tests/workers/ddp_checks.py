@@ -13,15 +13,23 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-from lightning.fabric.strategies import DDPStrategy  # noqa: E402
-from rl_cases import (  # noqa: E402
-    CASES, CLIP, LR, STEPS, WithConstantEntry, flat_params, group_timeouts, halves, make_batch, make_loss, run_steps,
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from rl_cases import (
+    CASES,
+    CLIP,
+    LR,
+    WithConstantEntry,
+    flat_params,
+    group_timeouts,
+    halves,
+    make_batch,
+    make_loss,
+    run_steps,
 )
-from tensordict import LazyStackedTensorDict  # noqa: E402
+from tensordict import LazyStackedTensorDict
 
-from fabric_learner import FabricLearner  # noqa: E402
-
+from fabric_learner import FabricLearner
 
 
 def ddp(**kwargs):

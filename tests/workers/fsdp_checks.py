@@ -14,11 +14,11 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from rl_cases import CASES, CLIP, LR, group_timeouts, halves, make_batch, make_loss, run_steps  # noqa: E402
+import torch
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from rl_cases import CASES, CLIP, LR, group_timeouts, halves, make_batch, make_loss, run_steps
 
-from fabric_learner import FabricLearner, LocalLearner, shard_loss  # noqa: E402
+from fabric_learner import FabricLearner, LocalLearner, shard_loss
 
 TIMEOUT = timedelta(seconds=90)
 

@@ -16,9 +16,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from rl_cases import group_timeouts, halves, make_batch, make_loss  # noqa: E402
+from rl_cases import group_timeouts, halves, make_batch, make_loss
 
-from fabric_learner import FabricLearner  # noqa: E402
+from fabric_learner import FabricLearner
 
 
 def main(scenario, strategy):

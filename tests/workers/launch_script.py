@@ -22,11 +22,11 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from rl_cases import group_timeouts, halves, make_batch, make_loss  # noqa: E402
+import torch
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from rl_cases import group_timeouts, halves, make_batch, make_loss
 
-from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss
 
 
 def train(kwargs, fail_rank=-1):

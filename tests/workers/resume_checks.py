@@ -22,11 +22,11 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-from lightning.fabric.strategies import DDPStrategy  # noqa: E402
-from rl_cases import CLIP, LR, halves, make_batch, make_loss  # noqa: E402
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from rl_cases import CLIP, LR, halves, make_batch, make_loss
 
-from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
+from fabric_learner import FabricLearner, LocalLearner
 
 SAVE_AT, STEPS = 2, 4
 real_torch_save = torch.save

@@ -12,12 +12,12 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from rl_cases import halves, make_batch, make_loss  # noqa: E402
-from test_stages import STAGES  # noqa: E402
+import torch
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from rl_cases import halves, make_batch, make_loss
+from test_stages import STAGES
 
-from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss
 
 TIMEOUT = timedelta(seconds=90)
 STEPS = 6

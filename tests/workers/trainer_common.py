@@ -12,19 +12,19 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-from rl_cases import N_ACTIONS, OBS, make_loss  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-from tensordict.nn import TensorDictSequential  # noqa: E402
-from torchrl.collectors import Collector  # noqa: E402
-from torchrl.data import Composite, LazyTensorStorage, OneHot, TensorDictReplayBuffer, Unbounded  # noqa: E402
-from torchrl.envs import EnvBase, StepCounter, TransformedEnv  # noqa: E402
-from torchrl.modules import EGreedyModule  # noqa: E402
-from torchrl.objectives import SoftUpdate  # noqa: E402
-from torchrl.trainers import LogScalar, ReplayBufferTrainer, UpdateWeights  # noqa: E402
+import torch
+from rl_cases import N_ACTIONS, OBS, make_loss
+from tensordict import TensorDict
+from tensordict.nn import TensorDictSequential
+from torchrl.collectors import Collector
+from torchrl.data import Composite, LazyTensorStorage, OneHot, TensorDictReplayBuffer, Unbounded
+from torchrl.envs import EnvBase, StepCounter, TransformedEnv
+from torchrl.modules import EGreedyModule
+from torchrl.objectives import SoftUpdate
+from torchrl.trainers import LogScalar, ReplayBufferTrainer, UpdateWeights
 
-from fabric_learner.replay import TorchPrioritizedSampler  # noqa: E402
-from fabric_learner.trainer import GlobalLogScalar, Trainer  # noqa: E402
+from fabric_learner.replay import TorchPrioritizedSampler
+from fabric_learner.trainer import GlobalLogScalar, Trainer
 
 NUM_ENVS, STEPS_PER_BATCH, MAX_STEPS = 4, 6, 5
 FRAMES_PER_BATCH = NUM_ENVS * STEPS_PER_BATCH

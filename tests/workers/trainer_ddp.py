@@ -14,15 +14,15 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch  # noqa: E402
-import trainer_common as tc  # noqa: E402
-import functools  # noqa: E402
+import functools
 
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
+import torch
+import trainer_common as tc
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
-from fabric_learner import FabricLearner, shard_loss  # noqa: E402
-from fabric_learner.onpolicy import EpochPartitionSampler, normalize_advantage  # noqa: E402
-from fabric_learner.weights import publish_from_rank0  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss
+from fabric_learner.onpolicy import EpochPartitionSampler, normalize_advantage
+from fabric_learner.weights import publish_from_rank0
 
 WORLD = 2
 

@@ -15,11 +15,11 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch  # noqa: E402
-import trainer_common as tc  # noqa: E402
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
+import torch
+import trainer_common as tc
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
-from fabric_learner import FabricLearner, shard_loss  # noqa: E402
+from fabric_learner import FabricLearner, shard_loss
 
 WORLD = 4
 TIMEOUT = timedelta(seconds=120)
