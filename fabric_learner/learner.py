@@ -157,17 +157,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> out = learner.update(batch)
         >>> sorted(out.keys()), learner.num_updates
         (['grad_norm', 'loss'], 1)
@@ -386,17 +379,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> weights = learner.get_weights()
         >>> sorted(weights.keys())
         ['bias', 'weight']
@@ -420,17 +406,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> _ = learner.update(batch)
         >>> state = learner.checkpoint()
         >>> sorted(state)
@@ -523,17 +502,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> import os, tempfile
         >>> _ = learner.update(batch)
         >>> with tempfile.TemporaryDirectory() as folder:
@@ -558,17 +530,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> import os, tempfile
         >>> _ = learner.update(batch)
         >>> with tempfile.TemporaryDirectory() as folder:

@@ -308,16 +308,11 @@ class GlobalMeanLoss(nn.Module):
 
     Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
-        >>> loss = GlobalMeanLoss(DQNLoss(torch.nn.Linear(4, 2), action_space="categorical",
-        ...                               delay_value=False, reduction="none"), mask_key="valid")
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     valid=torch.arange(8) < 6,
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.onpolicy import GlobalMeanLoss
+        >>> from fabric_learner.testing import dqn_example
+        >>> dqn, _, batch = dqn_example(n=8, reduction="none")  # a loss per transition
+        >>> batch["valid"] = torch.arange(8) < 6
+        >>> loss = GlobalMeanLoss(dqn, mask_key="valid")
         >>> per_sample = loss.loss_module(batch)["loss"]
         >>> torch.allclose(loss(batch)["loss"], per_sample[:6].mean())
         True
