@@ -103,6 +103,26 @@ def stages_of(trainer: _TorchRLTrainer) -> list[Stage] | None:
     ``DefaultOptimizationStepper`` (CQL's) is the single-optimizer learner when it minimises all
     the loss's ``loss*`` outputs, else one stage ``"loss"`` over every trained parameter on the
     terms it selects (CQL leaves out ``loss_actor_bc``, which it only reports).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.data import Bounded
+        >>> from torchrl.modules import ValueOperator
+        >>> from torchrl.objectives import TD3Loss
+        >>> from torchrl.trainers import Trainer as TorchRLTrainer
+        >>> from torchrl.trainers.algorithms.td3 import TD3OptimizationStepper
+        >>> from fabric_learner.from_torchrl import stages_of
+        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+        >>> qvalue = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
+        >>> loss = TD3Loss(actor, qvalue, action_spec=Bounded(-1.0, 1.0, shape=(1,)), num_qvalue_nets=2)
+        >>> def adam(prefix):
+        ...     return torch.optim.Adam([p for n, p in loss.named_parameters() if n.startswith(prefix)], lr=1e-3)
+        >>> stepper = TD3OptimizationStepper(adam("actor"), adam("qvalue"), policy_update_delay=2)
+        >>> trainer = TorchRLTrainer(collector=None, total_frames=0, frame_skip=1, optim_steps_per_batch=1,
+        ...                          loss_module=loss, optimization_stepper=stepper, clip_norm=1.0, progress_bar=False)
+        >>> [(stage.name, stage.method, stage.every, stage.clip_grad_norm) for stage in stages_of(trainer)]
+        [('critic', 'value_loss', 1, 1.0), ('actor', 'actor_loss', 2, 1.0)]
     """
     stepper = getattr(trainer, "optimization_stepper", None)
     clip = _clip_of(trainer)

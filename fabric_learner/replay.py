@@ -35,7 +35,15 @@ __all__ = ["TorchPrioritizedSampler", "prioritized_sampler", "torchrl_extension_
 
 @functools.cache
 def torchrl_extension_error() -> str | None:
-    """Why torchrl's compiled extension does not load in this install, or ``None`` when it does (tried once)."""
+    """Why torchrl's compiled extension does not load in this install, or ``None`` when it does (tried once).
+
+    Examples:
+        >>> from fabric_learner.replay import prioritized_sampler, torchrl_extension_error
+        >>> error = torchrl_extension_error()  # e.g. "...undefined symbol..." on a torch torchrl was not built for
+        >>> type(prioritized_sampler(8, alpha=0.6, beta=0.4)).__name__ == (
+        ...     "PrioritizedSampler" if error is None else "TorchPrioritizedSampler")
+        True
+    """
     try:
         import torchrl._torchrl  # noqa: F401
     except ImportError as err:

@@ -28,7 +28,21 @@ __all__ = ["PublishFromRank0", "PublishWeights", "collector_policy", "publish_fr
 
 
 def collector_policy(collector) -> nn.Module | None:
-    """The module a (single-process) collector runs, the one whose weights must follow the learner."""
+    """The module a (single-process) collector runs, the one whose weights must follow the learner.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from fabric_learner.weights import collector_policy
+        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+        >>> collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8,
+        ...                       auto_register_policy_transforms=False)
+        >>> collector_policy(collector) is actor
+        True
+        >>> collector.shutdown()
+    """
     for attr in ("_policy_w_state_dict", "policy", "_wrapped_policy"):
         module = getattr(collector, attr, None)
         if isinstance(module, nn.Module):
@@ -42,6 +56,26 @@ def shares_policy_memory(learner, collector) -> bool:
     Unsharded: every parameter of the policy is a live parameter of the learner. Sharded: every
     parameter is one the learner serves (kept full and refreshed after each step, see
     ``FabricLearner.serve``).
+
+    Examples:
+        >>> import copy, torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from torchrl.modules import ValueOperator
+        >>> from torchrl.objectives import DDPGLoss
+        >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.weights import shares_policy_memory
+        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
+        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> same = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8,
+        ...                  auto_register_policy_transforms=False)
+        >>> copied = Collector(GymEnv("Pendulum-v1"), copy.deepcopy(actor), frames_per_batch=4, total_frames=8,
+        ...                    auto_register_policy_transforms=False)
+        >>> shares_policy_memory(learner, same), shares_policy_memory(learner, copied)
+        (True, False)
+        >>> same.shutdown(); copied.shutdown()
     """
     policy = collector_policy(collector)
     if policy is None:
@@ -62,6 +96,28 @@ def serve_collector_policy(learner, collector) -> None:
 
     Under FSDP this is what lets a collector run the very module the loss trains, as under DDP
     (a collective: the policy's weights are gathered at once).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from torchrl.modules import ValueOperator
+        >>> from torchrl.objectives import DDPGLoss
+        >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.weights import serve_collector_policy, shares_policy_memory
+        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
+        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8,
+        ...                       auto_register_policy_transforms=False)
+        >>> serve_collector_policy(learner, collector)  # one process: the actor already holds the weights
+        >>> shares_policy_memory(learner, collector)
+        True
+        >>> collector.shutdown()
+
+        With ``FabricLearner(..., strategy="fsdp", devices=2)`` each rank calls it with its own collector;
+        without it the actor would hold no weights outside ``update``.
     """
     policy = collector_policy(collector) if collector is not None else None
     if policy is not None:
