@@ -85,6 +85,7 @@ def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = D
 
     Examples:
         >>> import torch
+        >>> from fabric_learner.collectives import global_sum
         >>> global_sum(torch.tensor([1.0, 2.0, 4.0]), mask=torch.tensor([True, False, True]))
         tensor(5.)
     """
@@ -98,6 +99,7 @@ def global_count(n: int | torch.Tensor, group: Any = DATA_PARALLEL) -> torch.Ten
     """Sum over ranks of a local count (samples, valid mask entries, tokens), as float64. A collective.
 
     Examples:
+        >>> from fabric_learner.collectives import global_count
         >>> global_count(3)
         tensor(3., dtype=torch.float64)
     """
@@ -122,6 +124,7 @@ def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = 
 
     Examples:
         >>> import torch
+        >>> from fabric_learner.collectives import global_mean
         >>> global_mean(torch.tensor([1.0, 2.0, 6.0]), mask=torch.tensor([True, False, True]))
         tensor(3.5000)
     """

@@ -51,6 +51,7 @@ class LocalLearnerConfig:
 
     Examples:
         >>> from hydra.utils import instantiate
+        >>> from fabric_learner.configs import LocalLearnerConfig
         >>> make = instantiate(LocalLearnerConfig(clip_grad_norm=1.0))
         >>> make.keywords["clip_grad_norm"]
         1.0
@@ -80,6 +81,7 @@ class FabricLearnerConfig(LocalLearnerConfig):
 
     Examples:
         >>> from hydra.utils import instantiate
+        >>> from fabric_learner.configs import FabricLearnerConfig
         >>> make = instantiate(FabricLearnerConfig(strategy="ddp", devices=2))
         >>> make.keywords["strategy"], make.keywords["devices"]
         ('ddp', 2)
@@ -102,6 +104,7 @@ def register_configs(store: ConfigStore | None = None) -> None:
 
     Examples:
         >>> from hydra.core.config_store import ConfigStore
+        >>> from fabric_learner.configs import register_configs
         >>> register_configs()
         >>> sorted(ConfigStore.instance().list("learner"))
         ['fabric.yaml', 'local.yaml']

@@ -61,6 +61,8 @@ def optimizer_factory(optimizer: torch.optim.Optimizer) -> Callable[[Any], torch
     parameters it trains (after sharding, under FSDP). One parameter group only.
 
     Examples:
+        >>> import torch
+        >>> from fabric_learner.from_torchrl import optimizer_factory
         >>> opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
         >>> optimizer_factory(opt)([torch.nn.Parameter(torch.zeros(3))]).defaults["lr"]
         0.001
@@ -185,6 +187,7 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
         >>> from torchrl.objectives import DQNLoss
         >>> from torchrl.trainers import Trainer as TorchRLTrainer
         >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.from_torchrl import learner_trainer
         >>> loss = DQNLoss(torch.nn.Linear(4, 2), action_space="categorical", delay_value=False)
         >>> original = TorchRLTrainer(collector=None, total_frames=0, frame_skip=1, optim_steps_per_batch=2,
         ...                           loss_module=loss, optimizer=torch.optim.Adam(loss.parameters(), lr=1e-3),

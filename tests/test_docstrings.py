@@ -3,7 +3,8 @@
 The objects come from ``__all__``: the package's and that of every public module (no part of its
 name starts with ``_``), plus the ``Learner`` methods users call. So a name that is exported without
 an example fails here instead of being skipped. Constants (``CHECKPOINT_FORMAT``) are exempt by
-type; an object exported from several modules is tested once, under the first name found.
+type; an object exported from several modules is tested once, under the first name found. Each
+example runs in an empty namespace, as a user pasting it would: it imports what it uses.
 ``SHOWN_ONLY`` lists the examples that need more than a test may start (a Hydra app): they must
 parse, and are not run.
 """
@@ -54,7 +55,7 @@ PUBLIC = public_objects()
 
 def _examples(name, obj) -> doctest.DocTest:
     module = sys.modules[obj.__module__]
-    tests = doctest.DocTestFinder(recurse=False).find(obj, name, module=module, globs=vars(module))
+    tests = doctest.DocTestFinder(recurse=False).find(obj, name, module=module, globs={})
     assert len(tests) == 1 and tests[0].examples, f"{name} has no Examples in its docstring"
     return tests[0]
 

@@ -82,6 +82,7 @@ def whole_world(mesh):
     2-D (data, tensor) mesh is flattened since the learner does no tensor parallelism.
 
     Examples:
+        >>> from fabric_learner import whole_world
         >>> whole_world(None) is None  # no mesh: FSDP2's default, the whole world
         True
     """

@@ -64,6 +64,7 @@ def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL) ->
     Examples:
         >>> import functools
         >>> from lightning.fabric.strategies import ModelParallelStrategy
+        >>> from fabric_learner import shard_loss
         >>> strategy = ModelParallelStrategy(parallelize_fn=functools.partial(shard_loss, min_unit_numel=1))
         >>> # FabricLearner(loss, optimizer_factory, strategy=strategy, devices=2) shards every layer alone
     """
