@@ -43,6 +43,7 @@ class Stage:
         every (int): the stage steps on every ``every``-th update (TD3's ``policy_update_delay``).
 
     Examples:
+        >>> from fabric_learner import Stage
         >>> stages = [Stage("critic", "qvalue_network_params", method="value_loss"),
         ...           Stage("actor", "actor_network_params", method="actor_loss", every=2)]
     """

@@ -53,6 +53,22 @@ class VersionedPolicy(TensorDictModuleBase):
     its weights) under ``key`` for every element of the batch. The version is read before the
     policy runs: if new weights and their version are written while it acts, the frame is
     labelled with the older version, never a newer one.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from fabric_learner import VersionedPolicy
+        >>> policy = VersionedPolicy(TensorDictModule(torch.nn.Linear(4, 2), ["observation"], ["action_value"]))
+        >>> policy(TensorDict(observation=torch.randn(3, 4), batch_size=[3]))["policy_version"]
+        tensor([0, 0, 0])
+
+        New weights arrive together with their version, as a collector's weight update sends them:
+
+        >>> weights = VersionedPolicy.weights(TensorDict.from_module(policy.policy), version=5)
+        >>> _ = weights.to_module(policy)
+        >>> policy(TensorDict(observation=torch.randn(3, 4), batch_size=[3]))["policy_version"]
+        tensor([5, 5, 5])
     """
 
     def __init__(self, policy: nn.Module, key: str = VERSION_KEY) -> None:
@@ -88,6 +104,20 @@ class AsyncCollection:
         poll_s: how long a rank waits for a batch before meeting the other ranks when it has
             none (a round without any new batch on any rank takes no update).
         key: the key under which :class:`VersionedPolicy` writes the version.
+
+    Examples:
+        >>> from fabric_learner import AsyncCollection
+        >>> config = AsyncCollection(max_policy_lag=8)
+        >>> config.max_queued_batches, config.key
+        (2, 'policy_version')
+        >>> AsyncCollection(max_queued_batches=0)
+        Traceback (most recent call last):
+            ...
+        ValueError: max_queued_batches must be a positive int, got 0: the queue must hold a batch.
+
+        It takes effect as ``Trainer(learner=..., collector=..., async_collection=config, ...)``, with a
+        collector whose policy is a :class:`VersionedPolicy`. On one rank that is a learner and a collector
+        working side by side; with more ranks each has its own queue and they meet once per round.
     """
 
     max_policy_lag: int | None = None

@@ -64,6 +64,15 @@ def launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
     Under plain ``python``: the script's defaults, overridden by the options given. Under
     ``fabric run`` or ``torchrun``: only the options given.
+
+    Examples:
+        >>> import argparse
+        >>> from fabric_learner.cli import add_launch_arguments, launch_kwargs
+        >>> parser = add_launch_arguments(argparse.ArgumentParser(), devices=2)
+        >>> launch_kwargs(parser.parse_args(["--precision", "bf16-mixed"]))  # plain python
+        {'accelerator': 'auto', 'strategy': 'auto', 'devices': 2, 'num_nodes': 1, 'precision': 'bf16-mixed'}
+
+        Under ``torchrun`` the same call gives ``{'precision': 'bf16-mixed'}``: the launcher decides the rest.
     """
     defaults = getattr(args, _DEFAULTS_KEY, None)
     if defaults is None:

@@ -22,7 +22,15 @@ __all__ = ["all_reduce", "distributed_world_size", "global_count", "global_mean"
 
 
 def distributed_world_size(group: Any = DATA_PARALLEL) -> int:
-    """Ranks along mesh dimension ``group`` (or in a process group); 1 without a process group."""
+    """Ranks along mesh dimension ``group`` (or in a process group); 1 without a process group.
+
+    Examples:
+        >>> from fabric_learner.collectives import distributed_world_size
+        >>> distributed_world_size()  # one process
+        1
+
+        Under DDP on 4 ranks it answers 4; on a registered ``(dp=2, tp=2)`` mesh, ``"dp"`` answers 2.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(process_group(group))
@@ -41,6 +49,17 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = DATA_PARALLEL
     Returns a new tensor on ``tensor``'s device and dtype; ``tensor`` itself is not modified.
     Without a process group (or with one rank) it returns a copy. NCCL groups get the
     tensor on the current CUDA device, gloo on CPU.
+
+    Examples:
+        >>> import torch
+        >>> from fabric_learner.collectives import all_reduce
+        >>> x = torch.tensor([1.0, 5.0])
+        >>> all_reduce(x, "max")  # one process: a copy
+        tensor([1., 5.])
+        >>> all_reduce(x) is x
+        False
+
+        With several ranks every rank gets the element-wise sum (or max, min) of all ranks' tensors.
     """
     out = tensor.detach().clone()
     if distributed_world_size(group) == 1:
@@ -66,6 +85,7 @@ def global_sum(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = D
 
     Examples:
         >>> import torch
+        >>> from fabric_learner.collectives import global_sum
         >>> global_sum(torch.tensor([1.0, 2.0, 4.0]), mask=torch.tensor([True, False, True]))
         tensor(5.)
     """
@@ -79,6 +99,7 @@ def global_count(n: int | torch.Tensor, group: Any = DATA_PARALLEL) -> torch.Ten
     """Sum over ranks of a local count (samples, valid mask entries, tokens), as float64. A collective.
 
     Examples:
+        >>> from fabric_learner.collectives import global_count
         >>> global_count(3)
         tensor(3., dtype=torch.float64)
     """
@@ -103,6 +124,7 @@ def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None, group: Any = 
 
     Examples:
         >>> import torch
+        >>> from fabric_learner.collectives import global_mean
         >>> global_mean(torch.tensor([1.0, 2.0, 6.0]), mask=torch.tensor([True, False, True]))
         tensor(3.5000)
     """

@@ -50,6 +50,7 @@ class LocalLearnerConfig:
 
     Examples:
         >>> from hydra.utils import instantiate
+        >>> from fabric_learner.configs import LocalLearnerConfig
         >>> make = instantiate(LocalLearnerConfig(clip_grad_norm=1.0))
         >>> make.keywords["clip_grad_norm"]
         1.0
@@ -79,6 +80,7 @@ class FabricLearnerConfig(LocalLearnerConfig):
 
     Examples:
         >>> from hydra.utils import instantiate
+        >>> from fabric_learner.configs import FabricLearnerConfig
         >>> make = instantiate(FabricLearnerConfig(strategy="ddp", devices=2))
         >>> make.keywords["strategy"], make.keywords["devices"]
         ('ddp', 2)
@@ -101,6 +103,7 @@ def register_configs(store: ConfigStore | None = None) -> None:
 
     Examples:
         >>> from hydra.core.config_store import ConfigStore
+        >>> from fabric_learner.configs import register_configs
         >>> register_configs()
         >>> sorted(ConfigStore.instance().list("learner"))
         ['fabric.yaml', 'local.yaml']

@@ -61,6 +61,8 @@ def optimizer_factory(optimizer: torch.optim.Optimizer) -> Callable[[Any], torch
     parameters it trains (after sharding, under FSDP). One parameter group only.
 
     Examples:
+        >>> import torch
+        >>> from fabric_learner.from_torchrl import optimizer_factory
         >>> opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
         >>> optimizer_factory(opt)([torch.nn.Parameter(torch.zeros(3))]).defaults["lr"]
         0.001
@@ -103,6 +105,26 @@ def stages_of(trainer: _TorchRLTrainer) -> list[Stage] | None:
     ``DefaultOptimizationStepper`` (CQL's) is the single-optimizer learner when it minimises all
     the loss's ``loss*`` outputs, else one stage ``"loss"`` over every trained parameter on the
     terms it selects (CQL leaves out ``loss_actor_bc``, which it only reports).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.data import Bounded
+        >>> from torchrl.modules import ValueOperator
+        >>> from torchrl.objectives import TD3Loss
+        >>> from torchrl.trainers import Trainer as TorchRLTrainer
+        >>> from torchrl.trainers.algorithms.td3 import TD3OptimizationStepper
+        >>> from fabric_learner.from_torchrl import stages_of
+        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+        >>> qvalue = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
+        >>> loss = TD3Loss(actor, qvalue, action_spec=Bounded(-1.0, 1.0, shape=(1,)), num_qvalue_nets=2)
+        >>> def adam(prefix):
+        ...     return torch.optim.Adam([p for n, p in loss.named_parameters() if n.startswith(prefix)], lr=1e-3)
+        >>> stepper = TD3OptimizationStepper(adam("actor"), adam("qvalue"), policy_update_delay=2)
+        >>> trainer = TorchRLTrainer(collector=None, total_frames=0, frame_skip=1, optim_steps_per_batch=1,
+        ...                          loss_module=loss, optimization_stepper=stepper, clip_norm=1.0, progress_bar=False)
+        >>> [(stage.name, stage.method, stage.every, stage.clip_grad_norm) for stage in stages_of(trainer)]
+        [('critic', 'value_loss', 1, 1.0), ('actor', 'actor_loss', 2, 1.0)]
     """
     stepper = getattr(trainer, "optimization_stepper", None)
     clip = _clip_of(trainer)
@@ -165,6 +187,7 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
         >>> from torchrl.objectives import DQNLoss
         >>> from torchrl.trainers import Trainer as TorchRLTrainer
         >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.from_torchrl import learner_trainer
         >>> loss = DQNLoss(torch.nn.Linear(4, 2), action_space="categorical", delay_value=False)
         >>> original = TorchRLTrainer(collector=None, total_frames=0, frame_skip=1, optim_steps_per_batch=2,
         ...                           loss_module=loss, optimizer=torch.optim.Adam(loss.parameters(), lr=1e-3),

@@ -33,7 +33,21 @@ from fabric_learner.optim import coverage_error, uncovered_with_grad
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend does, for code that must branch on it (e.g. collective weight gathers)."""
+    """What a backend does, for code that must branch on it (e.g. collective weight gathers).
+
+    ``sharded``: each rank holds only a shard of the trained parameters, so reading them whole
+    is a collective; ``distributed``: more than one rank takes part in every update.
+
+    Examples:
+        >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, _ = dqn_example()
+        >>> LocalLearner(loss, policy=net).capabilities
+        Capabilities(sharded=False, distributed=False)
+
+        A ``FabricLearner`` with ``strategy="fsdp", devices=2`` reports
+        ``Capabilities(sharded=True, distributed=True)`` on both ranks; with ``"ddp"``, ``sharded=False``.
+    """
 
     sharded: bool
     distributed: bool
@@ -60,6 +74,21 @@ class Learner(nn.Module):
     ``compile=True`` runs the loss forward (and so its backward) through ``torch.compile``, with
     results equal to eager's up to float rounding; a loss that does not compile runs eagerly after
     one warning naming it (see ``_compile``). With ``optimizer=None`` the Adam is then fused.
+
+    Examples:
+        ``LocalLearner`` and ``FabricLearner`` are the Learners to build; here two micro-batches make
+        one optimizer step:
+
+        >>> from fabric_learner import Learner, LocalLearner
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, policy=net, grad_accum_steps=2)
+        >>> isinstance(learner, Learner), [name for name, _ in learner.named_children()]
+        (True, ['loss_module'])
+        >>> sorted(learner.update(batch).keys()), learner.num_updates  # first micro-batch: no step yet
+        (['loss'], 0)
+        >>> sorted(learner.update(batch).keys()), learner.num_updates
+        (['grad_norm', 'loss'], 1)
     """
 
     capabilities = Capabilities(sharded=False, distributed=False)
@@ -157,17 +186,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> out = learner.update(batch)
         >>> sorted(out.keys()), learner.num_updates
         (['grad_norm', 'loss'], 1)
@@ -386,17 +408,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> weights = learner.get_weights()
         >>> sorted(weights.keys())
         ['bias', 'weight']
@@ -420,17 +435,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> _ = learner.update(batch)
         >>> state = learner.checkpoint()
         >>> sorted(state)
@@ -523,17 +531,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> import os, tempfile
         >>> _ = learner.update(batch)
         >>> with tempfile.TemporaryDirectory() as folder:
@@ -558,17 +559,10 @@ class Learner(nn.Module):
 
         Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
         >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
         >>> import os, tempfile
         >>> _ = learner.update(batch)
         >>> with tempfile.TemporaryDirectory() as folder:

@@ -45,17 +45,11 @@ class LocalLearner(Learner):
 
     Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
-        >>> net = torch.nn.Linear(4, 2)
-        >>> loss = DQNLoss(net, action_space="categorical", delay_value=False)
+        >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()  # DQNLoss(nn.Linear(4, 2), ...) and 8 transitions
         >>> learner = LocalLearner(loss, lambda params: torch.optim.Adam(params, lr=1e-3), policy=net,
         ...                        clip_grad_norm=1.0)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
         >>> sorted(learner.update(batch).keys())
         ['grad_norm', 'loss']
         >>> learner.num_updates, learner.world_size

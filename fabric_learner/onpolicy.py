@@ -103,6 +103,7 @@ def normalize_advantage(
     Examples:
         >>> import torch
         >>> from tensordict import TensorDict
+        >>> from fabric_learner.onpolicy import normalize_advantage
         >>> batch = TensorDict(advantage=torch.tensor([1.0, 2.0, 3.0, 6.0]), batch_size=[4])
         >>> normalize_advantage(batch)["advantage"]
         tensor([-0.9258, -0.4629,  0.0000,  1.3887])
@@ -149,6 +150,7 @@ class GlobalAdvantageNormalization(TrainerHookBase):
     Examples:
         >>> import torch
         >>> from tensordict import TensorDict
+        >>> from fabric_learner.onpolicy import GlobalAdvantageNormalization
         >>> hook = GlobalAdvantageNormalization(per="batch")
         >>> out = hook(TensorDict(advantage=torch.tensor([1.0, 2.0, 3.0, 6.0]), batch_size=[4]))
         >>> round(out["advantage"].mean().item(), 6), round(out["advantage"].std().item(), 6)
@@ -209,6 +211,7 @@ class LearnerValueEstimator(ValueEstimatorHook):
         >>> from tensordict.nn import TensorDictModule
         >>> from torchrl.objectives.value import GAE
         >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.onpolicy import LearnerValueEstimator
         >>> critic = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["state_value"])
         >>> learner = LocalLearner(critic)
         >>> hook = LearnerValueEstimator(learner, GAE(gamma=0.99, lmbda=0.95, value_network=critic))
@@ -308,16 +311,11 @@ class GlobalMeanLoss(nn.Module):
 
     Examples:
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
-        >>> loss = GlobalMeanLoss(DQNLoss(torch.nn.Linear(4, 2), action_space="categorical",
-        ...                               delay_value=False, reduction="none"), mask_key="valid")
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     valid=torch.arange(8) < 6,
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
+        >>> from fabric_learner.onpolicy import GlobalMeanLoss
+        >>> from fabric_learner.testing import dqn_example
+        >>> dqn, _, batch = dqn_example(n=8, reduction="none")  # a loss per transition
+        >>> batch["valid"] = torch.arange(8) < 6
+        >>> loss = GlobalMeanLoss(dqn, mask_key="valid")
         >>> per_sample = loss.loss_module(batch)["loss"]
         >>> torch.allclose(loss(batch)["loss"], per_sample[:6].mean())
         True
@@ -394,6 +392,7 @@ def partition_indices(n: int, minibatch_size: int, *, generator: torch.Generator
 
     Examples:
         >>> import torch
+        >>> from fabric_learner.onpolicy import partition_indices
         >>> parts = partition_indices(10, 4, generator=torch.Generator().manual_seed(0))
         >>> [len(p) for p in parts], len(set(torch.cat(parts).tolist()))
         ([4, 4], 8)
@@ -437,6 +436,7 @@ class EpochPartitionSampler(TrainerHookBase):
     Examples:
         >>> import torch
         >>> from tensordict import TensorDict
+        >>> from fabric_learner.onpolicy import EpochPartitionSampler
         >>> sampler = EpochPartitionSampler(4, seed=0)
         >>> batch = TensorDict({"i": torch.arange(10)}, [10])
         >>> _ = sampler.start_epoch(batch)

@@ -35,7 +35,15 @@ __all__ = ["TorchPrioritizedSampler", "prioritized_sampler", "torchrl_extension_
 
 @functools.cache
 def torchrl_extension_error() -> str | None:
-    """Why torchrl's compiled extension does not load in this install, or ``None`` when it does (tried once)."""
+    """Why torchrl's compiled extension does not load in this install, or ``None`` when it does (tried once).
+
+    Examples:
+        >>> from fabric_learner.replay import prioritized_sampler, torchrl_extension_error
+        >>> error = torchrl_extension_error()  # e.g. "...undefined symbol..." on a torch torchrl was not built for
+        >>> type(prioritized_sampler(8, alpha=0.6, beta=0.4)).__name__ == (
+        ...     "PrioritizedSampler" if error is None else "TorchPrioritizedSampler")
+        True
+    """
     try:
         import torchrl._torchrl  # noqa: F401
     except ImportError as err:
@@ -61,7 +69,8 @@ def prioritized_sampler(max_capacity: int, alpha: float, beta: float, **kwargs) 
     Examples:
         >>> import torch
         >>> from tensordict import TensorDict
-        >>> from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+        >>> from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictReplayBuffer
+        >>> from fabric_learner.replay import prioritized_sampler
         >>> sampler = prioritized_sampler(8, alpha=1.0, beta=1.0)
         >>> isinstance(sampler, PrioritizedSampler)
         True
@@ -131,6 +140,7 @@ class TorchPrioritizedSampler(PrioritizedSampler):
         NotImplementedError: a ``dtype`` other than float32 or float64.
 
     Examples:
+        >>> from fabric_learner import TorchPrioritizedSampler
         >>> sampler = TorchPrioritizedSampler(1000, alpha=0.6, beta=0.4)
         >>> sampler.alpha, sampler.beta
         (0.6, 0.4)

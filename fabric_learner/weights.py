@@ -28,7 +28,20 @@ __all__ = ["PublishFromRank0", "PublishWeights", "collector_policy", "publish_fr
 
 
 def collector_policy(collector) -> nn.Module | None:
-    """The module a (single-process) collector runs, the one whose weights must follow the learner."""
+    """The module a (single-process) collector runs, the one whose weights must follow the learner.
+
+    Examples:
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from fabric_learner.testing import ddpg_example
+        >>> from fabric_learner.weights import collector_policy
+        >>> _, actor, _ = ddpg_example()
+        >>> collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8,
+        ...                       auto_register_policy_transforms=False)
+        >>> collector_policy(collector) is actor
+        True
+        >>> collector.shutdown()
+    """
     for attr in ("_policy_w_state_dict", "policy", "_wrapped_policy"):
         module = getattr(collector, attr, None)
         if isinstance(module, nn.Module):
@@ -42,6 +55,23 @@ def shares_policy_memory(learner, collector) -> bool:
     Unsharded: every parameter of the policy is a live parameter of the learner. Sharded: every
     parameter is one the learner serves (kept full and refreshed after each step, see
     ``FabricLearner.serve``).
+
+    Examples:
+        >>> import copy
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.testing import ddpg_example
+        >>> from fabric_learner.weights import shares_policy_memory
+        >>> loss, actor, _ = ddpg_example()  # DDPG on linear networks shaped for Pendulum-v1
+        >>> learner = LocalLearner(loss, policy=actor)
+        >>> same = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8,
+        ...                  auto_register_policy_transforms=False)
+        >>> copied = Collector(GymEnv("Pendulum-v1"), copy.deepcopy(actor), frames_per_batch=4, total_frames=8,
+        ...                    auto_register_policy_transforms=False)
+        >>> shares_policy_memory(learner, same), shares_policy_memory(learner, copied)
+        (True, False)
+        >>> same.shutdown(); copied.shutdown()
     """
     policy = collector_policy(collector)
     if policy is None:
@@ -62,6 +92,24 @@ def serve_collector_policy(learner, collector) -> None:
 
     Under FSDP this is what lets a collector run the very module the loss trains, as under DDP
     (a collective: the policy's weights are gathered at once).
+
+    Examples:
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs import GymEnv
+        >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.testing import ddpg_example
+        >>> from fabric_learner.weights import serve_collector_policy, shares_policy_memory
+        >>> loss, actor, _ = ddpg_example()  # DDPG on linear networks shaped for Pendulum-v1
+        >>> learner = LocalLearner(loss, policy=actor)
+        >>> collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8,
+        ...                       auto_register_policy_transforms=False)
+        >>> serve_collector_policy(learner, collector)  # one process: the actor already holds the weights
+        >>> shares_policy_memory(learner, collector)
+        True
+        >>> collector.shutdown()
+
+        With ``FabricLearner(..., strategy="fsdp", devices=2)`` each rank calls it with its own collector;
+        without it the actor would hold no weights outside ``update``.
     """
     policy = collector_policy(collector) if collector is not None else None
     if policy is not None:
@@ -88,15 +136,13 @@ def publish_to_collector(learner, collector) -> bool:
 
     Examples:
         >>> import copy, torch
-        >>> from tensordict.nn import TensorDictModule
         >>> from torchrl.collectors import Collector
         >>> from torchrl.envs import GymEnv
-        >>> from torchrl.modules import ValueOperator
-        >>> from torchrl.objectives import DDPGLoss
         >>> from fabric_learner import LocalLearner
-        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
-        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
-        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> from fabric_learner.testing import ddpg_example
+        >>> from fabric_learner.weights import collector_policy, publish_to_collector
+        >>> loss, actor, _ = ddpg_example()  # DDPG on linear networks shaped for Pendulum-v1
+        >>> learner = LocalLearner(loss, policy=actor)
         >>> collector = Collector(GymEnv("Pendulum-v1"), copy.deepcopy(actor), frames_per_batch=4, total_frames=8,
         ...                       auto_register_policy_transforms=False)
         >>> with torch.no_grad():
@@ -149,16 +195,13 @@ class PublishWeights(TrainerHookBase):
         ValueError: ``interval < 1``.
 
     Examples:
-        >>> import copy, torch
-        >>> from tensordict.nn import TensorDictModule
         >>> from torchrl.collectors import Collector
         >>> from torchrl.envs import GymEnv
-        >>> from torchrl.modules import ValueOperator
-        >>> from torchrl.objectives import DDPGLoss
         >>> from fabric_learner import LocalLearner
-        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
-        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
-        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> from fabric_learner.testing import ddpg_example
+        >>> from fabric_learner.weights import PublishWeights
+        >>> loss, actor, _ = ddpg_example()  # DDPG on linear networks shaped for Pendulum-v1
+        >>> learner = LocalLearner(loss, policy=actor)
         >>> collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=4, total_frames=8,
         ...                       auto_register_policy_transforms=False)
         >>> hook = PublishWeights(learner, collector)
@@ -229,16 +272,11 @@ def publish_from_rank0(learner, target: Any) -> TensorDictBase | None:
         TypeError: ``target`` is none of the above.
 
     Examples:
-        >>> import copy, torch
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.collectors import Collector
-        >>> from torchrl.envs import GymEnv
-        >>> from torchrl.modules import ValueOperator
-        >>> from torchrl.objectives import DDPGLoss
         >>> from fabric_learner import LocalLearner
-        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
-        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
-        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> from fabric_learner.testing import ddpg_example
+        >>> from fabric_learner.weights import publish_from_rank0
+        >>> loss, actor, _ = ddpg_example()  # DDPG on linear networks shaped for Pendulum-v1
+        >>> learner = LocalLearner(loss, policy=actor)
         >>> received = []
         >>> sent = publish_from_rank0(learner, received.append)
         >>> received[0] is sent, sorted(sent.keys())
@@ -275,16 +313,11 @@ class PublishFromRank0(TrainerHookBase):
         ValueError: ``interval < 1``.
 
     Examples:
-        >>> import copy, torch
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.collectors import Collector
-        >>> from torchrl.envs import GymEnv
-        >>> from torchrl.modules import ValueOperator
-        >>> from torchrl.objectives import DDPGLoss
         >>> from fabric_learner import LocalLearner
-        >>> actor = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
-        >>> critic = ValueOperator(torch.nn.Linear(4, 1), in_keys=["observation", "action"])
-        >>> learner = LocalLearner(DDPGLoss(actor, critic, delay_actor=False, delay_value=False), policy=actor)
+        >>> from fabric_learner.testing import ddpg_example
+        >>> from fabric_learner.weights import PublishFromRank0
+        >>> loss, actor, _ = ddpg_example()  # DDPG on linear networks shaped for Pendulum-v1
+        >>> learner = LocalLearner(loss, policy=actor)
         >>> received = []
         >>> hook = PublishFromRank0(learner, received.append, interval=2)
         >>> hook(); hook(); hook()

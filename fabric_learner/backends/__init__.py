@@ -22,12 +22,31 @@ _BACKENDS: dict[type, type] = {}
 
 
 def register_backend(strategy_type: type, backend: type) -> None:
-    """Use ``backend`` for strategies of ``strategy_type`` (and its subclasses without their own)."""
+    """Use ``backend`` for strategies of ``strategy_type`` (and its subclasses without their own).
+
+    Examples:
+        >>> from lightning.fabric.strategies import DDPStrategy
+        >>> from fabric_learner.backends import ReplicatedBackend, backend_for, register_backend
+        >>> class MyDDP(DDPStrategy): ...
+        >>> class MyBackend(ReplicatedBackend): ...
+        >>> register_backend(MyDDP, MyBackend)
+        >>> backend_for(MyDDP()).__name__, backend_for(DDPStrategy()).__name__
+        ('MyBackend', 'ReplicatedBackend')
+    """
     _BACKENDS[strategy_type] = backend
 
 
 def backend_for(strategy: Any) -> type:
-    """The backend class registered for the nearest class of ``strategy``'s MRO."""
+    """The backend class registered for the nearest class of ``strategy``'s MRO.
+
+    Examples:
+        >>> from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+        >>> from fabric_learner.backends import backend_for
+        >>> backend_for(SingleDeviceStrategy()).__name__, backend_for(DDPStrategy()).__name__
+        ('ReplicatedBackend', 'ReplicatedBackend')
+        >>> backend_for(ModelParallelStrategy(parallelize_fn=lambda module, mesh: module)).__name__
+        'ShardedBackend'
+    """
     for cls in type(strategy).__mro__:
         if cls in _BACKENDS:
             return _BACKENDS[cls]

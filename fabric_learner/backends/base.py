@@ -22,7 +22,19 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Setup:
-    """What a backend is built from: Fabric (launched), the loss and how the learner runs it."""
+    """What a backend is built from: Fabric (launched), the loss and how the learner runs it.
+
+    Examples:
+        >>> from lightning.fabric import Fabric
+        >>> from fabric_learner.backends import ReplicatedBackend, Setup
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, _ = dqn_example()
+        >>> setup = Setup(Fabric(accelerator="cpu", devices=1), loss, optimizer=None, convert=None, call=None,
+        ...               compile=False, policy=net, stages=())
+        >>> backend = ReplicatedBackend(setup)  # optimizer=None: Adam over the loss's parameters
+        >>> type(backend.optimizer.optimizer).__name__
+        'Adam'
+    """
 
     fabric: Any
     loss_module: nn.Module
@@ -36,7 +48,24 @@ class Setup:
 
 @dataclass(frozen=True)
 class Counters:
-    """What a checkpoint records of the learner beside the model and optimizer state."""
+    """What a checkpoint records of the learner beside the model and optimizer state.
+
+    Examples:
+        >>> import os, tempfile, torch
+        >>> from pathlib import Path
+        >>> from lightning.fabric import Fabric
+        >>> from fabric_learner.backends import Counters, ReplicatedBackend, Setup
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, _ = dqn_example()
+        >>> backend = ReplicatedBackend(Setup(Fabric(accelerator="cpu", devices=1), loss, None, None, None,
+        ...                                   compile=False, policy=net, stages=()))
+        >>> names = [name for name, _ in backend.named_parameters()]
+        >>> counters = Counters(num_updates=3, accum_step=0, param_names=names, optimizer_param_names=names, rng=[])
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     backend.save(Path(folder) / "learner.ckpt", counters, blocking=True)
+        ...     torch.load(os.path.join(folder, "learner.ckpt"), weights_only=True)["num_updates"]
+        3
+    """
 
     num_updates: int
     accum_step: int
@@ -47,7 +76,16 @@ class Counters:
 
 @dataclass(frozen=True)
 class Resumed:
-    """A checkpoint a backend loaded in place: the counters the learner resumes from."""
+    """A checkpoint a backend loaded in place: the counters the learner resumes from.
+
+    Examples:
+        >>> from fabric_learner.backends import Resumed
+        >>> Resumed(num_updates=3, accum_step=0, rng=None)
+        Resumed(num_updates=3, accum_step=0, rng=None)
+
+        A sharded backend's ``load_folder`` returns one after every rank has read its shards into
+        place; a replicated backend returns the whole checkpoint instead, for the learner to load.
+    """
 
     num_updates: int
     accum_step: int
@@ -55,7 +93,25 @@ class Resumed:
 
 
 class Backend(Protocol):
-    """The placement of a loss's parameters under one family of Fabric strategies."""
+    """The placement of a loss's parameters under one family of Fabric strategies.
+
+    Examples:
+        ``FabricLearner`` picks the backend from its strategy and builds it from a ``Setup``:
+
+        >>> from lightning.fabric import Fabric
+        >>> from fabric_learner.backends import Setup, backend_for
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, _ = dqn_example()
+        >>> fabric = Fabric(accelerator="cpu", devices=1)
+        >>> backend = backend_for(fabric.strategy)(Setup(fabric, loss, None, None, None, compile=False, policy=net,
+        ...                                              stages=()))
+        >>> type(backend).__name__, backend.sharded, backend.sharded_module
+        ('ReplicatedBackend', False, None)
+        >>> backend.model_shapes()
+        {'value_network_params.module.0.module.weight': (2, 4), 'value_network_params.module.0.module.bias': (2,)}
+        >>> sorted(backend.get_weights(net, cpu_offload=True).keys())
+        ['bias', 'weight']
+    """
 
     sharded: ClassVar[bool]
     module: nn.Module  # what the learner's forward calls (Fabric's wrapper of the loss)

@@ -28,7 +28,25 @@ from fabric_learner.optim import build_optimizer
 
 
 class ReplicatedBackend:
-    """The loss behind Fabric's module wrapper (DDP or none), its optimizer set up by Fabric."""
+    """The loss behind Fabric's module wrapper (DDP or none), its optimizer set up by Fabric.
+
+    Examples:
+        >>> import torch
+        >>> from lightning.fabric import Fabric
+        >>> from fabric_learner.backends import ReplicatedBackend, Setup
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, _ = dqn_example()
+        >>> backend = ReplicatedBackend(Setup(Fabric(accelerator="cpu", devices=1), loss,
+        ...                                   lambda params: torch.optim.SGD(params, lr=0.1), None, None,
+        ...                                   compile=False, policy=net, stages=()))
+        >>> backend.serve(net)  # the policy runs on the trained parameters themselves: nothing to copy
+        True
+        >>> with backend.full_parameters() as whole:
+        ...     whole is loss
+        True
+
+        Under ``strategy="ddp"`` with N ranks each holds the same whole loss behind DDP's wrapper.
+    """
 
     sharded = False
     sharded_module = None

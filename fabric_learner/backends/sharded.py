@@ -34,7 +34,24 @@ def default_sharded_strategy(timeout=None):
 
 
 class ShardedBackend:
-    """FSDP2: the loss's trained parameters owned by a ``ShardedLoss``, sharded by the strategy's plan."""
+    """FSDP2: the loss's trained parameters owned by a ``ShardedLoss``, sharded by the strategy's plan.
+
+    Examples:
+        Building one needs Fabric launched with a ``ModelParallelStrategy`` (a process group); what it
+        refuses is known before any rank starts:
+
+        >>> import torch
+        >>> from fabric_learner.backends import ShardedBackend
+        >>> ShardedBackend.sharded
+        True
+        >>> ShardedBackend.refuse(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), compile=False)
+        Traceback (most recent call last):
+            ...
+        ValueError: A sharded strategy builds the optimizer after sharding, so it needs a factory, not an ...
+
+        ``FabricLearner(loss, optimizer_factory, strategy="fsdp", devices=2)`` builds it on both ranks,
+        each holding half of every parameter; with one rank it holds them whole.
+    """
 
     sharded = True
 

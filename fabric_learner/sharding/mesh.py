@@ -21,7 +21,19 @@ _mesh: Any = None  # the run's named DeviceMesh, set by use_mesh
 
 
 def use_mesh(mesh: Any) -> None:
-    """Make ``mesh`` (a ``DeviceMesh`` with ``mesh_dim_names``, or ``None``) the run's mesh."""
+    """Make ``mesh`` (a ``DeviceMesh`` with ``mesh_dim_names``, or ``None``) the run's mesh.
+
+    Examples:
+        >>> from fabric_learner.sharding import use_mesh
+        >>> use_mesh(None)  # no mesh: every rank is data-parallel
+        >>> use_mesh(object())
+        Traceback (most recent call last):
+            ...
+        ValueError: use_mesh needs a DeviceMesh with mesh_dim_names, e.g. init_device_mesh(..., ...
+
+        On several ranks, ``use_mesh(init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp")))``
+        makes collectives reduce over the 2 data-parallel ranks of each group instead of all 8.
+    """
     global _mesh
     if mesh is not None and not getattr(mesh, "mesh_dim_names", None):
         raise ValueError("use_mesh needs a DeviceMesh with mesh_dim_names, e.g. init_device_mesh(..., "
@@ -34,6 +46,15 @@ def process_group(dim: Any = DATA_PARALLEL) -> Any:
 
     ``None`` means the default group (the whole world): what ``"dp"`` is while no registered mesh
     names a data-parallel dimension smaller than the world.
+
+    Examples:
+        >>> from fabric_learner.sharding import process_group
+        >>> process_group("dp") is None  # one process, no mesh: the whole world
+        True
+        >>> process_group("tp")
+        Traceback (most recent call last):
+            ...
+        ValueError: No mesh with a 'tp' dimension is registered; nothing was reduced. Reduce over 'dp' ...
     """
     if not isinstance(dim, str):
         return dim
@@ -61,6 +82,7 @@ def whole_world(mesh):
     2-D (data, tensor) mesh is flattened since the learner does no tensor parallelism.
 
     Examples:
+        >>> from fabric_learner import whole_world
         >>> whole_world(None) is None  # no mesh: FSDP2's default, the whole world
         True
     """

@@ -64,6 +64,26 @@ class ShardedLoss(nn.Module):
     Scalars are stored with shape ``(1,)`` (FSDP2 shards along dim 0); ``shapes`` keeps the
     loss's own shapes. The loss is not a submodule: its parameters are replaced here.
     ``serve`` lists modules whose parameters stay full outside ``update`` (see the module doc).
+
+    Examples:
+        >>> import torch
+        >>> from fabric_learner.sharding import ShardedLoss
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, _ = dqn_example()
+        >>> owner = ShardedLoss(loss, torch.device("cpu"))
+        >>> owner.layer_units()  # the Q-network's one layer
+        [LayerUnit()]
+        >>> [tuple(p.shape) for _, p in owner.named_loss_parameters()]
+        [(2, 4), (2,)]
+        >>> net.weight.numel()  # the loss's own parameter is emptied: the owner holds it now
+        0
+        >>> with owner.full_parameters():  # full weights for code outside update
+        ...     net(torch.ones(1, 4)).shape
+        torch.Size([1, 2])
+
+        ``FabricLearner(..., strategy="fsdp")`` builds it (``learner.sharded_module``) and the strategy's
+        plan (:func:`shard_loss`) shards its units: with N ranks each holds about 1/N of every parameter,
+        and ``full_parameters`` becomes a collective.
     """
 
     def __init__(self, loss_module: nn.Module, device: torch.device, convert=None, serve=()) -> None:

@@ -27,6 +27,18 @@ def apply_fsdp(module: nn.Module, dp_mesh, min_unit_numel: int = MIN_UNIT_NUMEL)
     Units (``module.layer_units()``, when ``module`` is a ``ShardedLoss``) holding at least
     ``min_unit_numel`` parameters get a unit of their own, gathered only while the loss runs them;
     the rest is gathered together with the root for the whole call.
+
+    Examples:
+        A plan of one's own that shards over every rank and gives each layer its own unit:
+
+        >>> from lightning.fabric.strategies import ModelParallelStrategy
+        >>> from fabric_learner.sharding import apply_fsdp, whole_world
+        >>> def every_layer_alone(module, mesh):
+        ...     return apply_fsdp(module, whole_world(mesh), min_unit_numel=1)
+        >>> strategy = ModelParallelStrategy(parallelize_fn=every_layer_alone)
+
+        ``FabricLearner(loss, optimizer_factory, strategy=strategy, devices=2)`` then calls it on each
+        rank with the ``ShardedLoss`` and Fabric's mesh (``fully_shard`` needs that process group).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -52,6 +64,7 @@ def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL) ->
     Examples:
         >>> import functools
         >>> from lightning.fabric.strategies import ModelParallelStrategy
+        >>> from fabric_learner import shard_loss
         >>> strategy = ModelParallelStrategy(parallelize_fn=functools.partial(shard_loss, min_unit_numel=1))
         >>> # FabricLearner(loss, optimizer_factory, strategy=strategy, devices=2) shards every layer alone
     """
@@ -59,7 +72,23 @@ def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL) ->
 
 
 def check_sharded(module: ShardedLoss, world_size: int) -> None:
-    """Raise at construction when the parallelize_fn's sharding would train wrongly."""
+    """Raise at construction when the parallelize_fn's sharding would train wrongly.
+
+    Every parameter must be sharded, and over all ``world_size`` ranks (each rank feeds its own
+    batch, so gradients are averaged over all of them).
+
+    Examples:
+        A plan that forgot to shard is refused:
+
+        >>> import torch
+        >>> from fabric_learner.sharding import ShardedLoss, check_sharded
+        >>> from fabric_learner.testing import dqn_example
+        >>> owner = ShardedLoss(dqn_example()[0], torch.device("cpu"))
+        >>> check_sharded(owner, world_size=1)
+        Traceback (most recent call last):
+            ...
+        RuntimeError: The strategy's parallelize_fn left these parameters unsharded: [...]. It receives ...
+    """
     plain = [name for name, p in module.named_loss_parameters() if not isinstance(p, DTensor)]
     narrow = [name for name, p in module.named_loss_parameters()
               if isinstance(p, DTensor) and p.device_mesh.size() != world_size]

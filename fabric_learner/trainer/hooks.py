@@ -26,6 +26,22 @@ class LearnerStepper(OptimizationStepper):
     The learner forwards the loss, sums its ``"loss"`` entries, backpropagates (synchronising
     gradients across ranks), clips and steps. ``post_loss`` hooks then see the minibatch as the
     loss left it (DQN's ``td_error`` for priority updates). Its state lives in the learner.
+
+    Examples:
+        ``Trainer`` installs it as its ``optimization_stepper``:
+
+        >>> from fabric_learner import LocalLearner, Trainer
+        >>> from fabric_learner.testing import dqn_example
+        >>> from fabric_learner.trainer import LearnerStepper
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, policy=net)
+        >>> trainer = Trainer(learner=learner, collector=None, total_frames=0, optim_steps_per_batch=1,
+        ...                   progress_bar=False)
+        >>> stepper = trainer.optimization_stepper
+        >>> isinstance(stepper, LearnerStepper), sorted(stepper.step(trainer, batch).keys())
+        (True, ['grad_norm', 'loss'])
+        >>> stepper.optimizer_step_count, learner.num_updates
+        (1, 1)
     """
 
     def __init__(self, learner) -> None:
@@ -97,6 +113,18 @@ class GlobalLogScalar(LogScalar):
 
     A collective at ``pre_steps_log``: every rank must register it (they all run the same
     program). Logs e.g. the mean reward of all ranks' rollouts, not just rank 0's.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from fabric_learner.trainer import GlobalLogScalar
+        >>> hook = GlobalLogScalar(("next", "reward"), logname="r_training")
+        >>> batch = TensorDict(next=TensorDict(reward=torch.tensor([[1.0], [3.0], [5.0]]), batch_size=[3]),
+        ...                    batch_size=[3])
+        >>> hook(batch)  # one process: this batch's mean and standard deviation
+        {'r_training': 3.0, 'log_pbar': False, 'r_training_std': 2.0}
+
+        On N ranks every rank logs the same values, taken over the N batches together.
     """
 
     def __call__(self, batch: TensorDictBase) -> dict:
@@ -119,7 +147,23 @@ class GlobalLogScalar(LogScalar):
 
 
 class LogThroughput(TrainerHookBase):
-    """Logs global frames per second and optimizer updates per second (``post_steps_log``)."""
+    """Logs global frames per second and optimizer updates per second (``post_steps_log``).
+
+    Examples:
+        ``Trainer`` registers one unless built with ``log_throughput=False``; by hand:
+
+        >>> from fabric_learner import LocalLearner, Trainer
+        >>> from fabric_learner.testing import dqn_example
+        >>> from fabric_learner.trainer import LogThroughput
+        >>> loss, net, _ = dqn_example()
+        >>> trainer = Trainer(learner=LocalLearner(loss, policy=net), collector=None, total_frames=0,
+        ...                   optim_steps_per_batch=1, progress_bar=False, log_throughput=False)
+        >>> hook = LogThroughput(trainer)
+        >>> hook()  # the first call starts the clock
+        {}
+        >>> sorted(hook())  # rates since the previous call
+        ['fps', 'log_pbar', 'updates_per_s']
+    """
 
     def __init__(self, trainer, log_pbar: bool = True) -> None:
         self.trainer, self.log_pbar = trainer, log_pbar

@@ -12,6 +12,18 @@ class FabricLoggerAdapter:
 
     ``Trainer`` wraps a ``lightning.fabric.loggers.Logger`` in it automatically, e.g.
     ``Trainer(..., logger=TensorBoardLogger("runs", name="ppo"))``.
+
+    Examples:
+        >>> import os, tempfile, torch
+        >>> from lightning.fabric.loggers import CSVLogger
+        >>> from fabric_learner.trainer import FabricLoggerAdapter
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     logger = FabricLoggerAdapter(CSVLogger(folder, name="run"))
+        ...     logger.log_scalar("loss", torch.tensor(0.5), step=1)  # torchrl's call
+        ...     logger.finalize()
+        ...     print(open(os.path.join(logger.log_dir, "metrics.csv")).read().strip())
+        loss,step
+        0.5,1
     """
 
     def __init__(self, logger) -> None:

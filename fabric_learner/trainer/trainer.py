@@ -128,19 +128,12 @@ class Trainer(_TorchRLTrainer):
         optimisation steps run on a batch given by hand:
 
         >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.objectives import DQNLoss
-        >>> from fabric_learner import LocalLearner
-        >>> net = torch.nn.Linear(4, 2)
-        >>> learner = LocalLearner(DQNLoss(net, action_space="categorical", delay_value=False),
-        ...                        lambda params: torch.optim.Adam(params, lr=1e-3), policy=net)
+        >>> from fabric_learner import LocalLearner, Trainer
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.Adam(params, lr=1e-3), policy=net)
         >>> trainer = Trainer(learner=learner, collector=None, total_frames=0, optim_steps_per_batch=3,
         ...                   progress_bar=False)
-        >>> batch = TensorDict(observation=torch.randn(8, 4), action=torch.randint(2, (8,)),
-        ...     next=TensorDict(observation=torch.randn(8, 4), reward=torch.randn(8, 1),
-        ...                     done=torch.zeros(8, 1, dtype=torch.bool),
-        ...                     terminated=torch.zeros(8, 1, dtype=torch.bool)),
-        ...     batch_size=[8])
         >>> trainer.optim_steps(batch)
         >>> learner.num_updates, trainer.loss_module is learner.loss_module
         (3, True)
