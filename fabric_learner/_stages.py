@@ -17,6 +17,7 @@ from typing import Any, Union
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
+from torchrl.objectives import LossModule
 
 from fabric_learner._loss import loss_keys
 from fabric_learner.optim import build_optimizer
@@ -84,6 +85,13 @@ class Stage:
         return total.sum() if total.ndim else total
 
 
+def loss_methods(loss: nn.Module) -> list[str]:
+    """The public methods ``loss`` adds to torchrl's ``LossModule`` (and ``nn.Module``) whose names hold "loss"."""
+    base = set(dir(LossModule))
+    return sorted(m for m in dir(type(loss)) if "loss" in m and not m.startswith("_") and m not in base
+                  and not isinstance(getattr(type(loss), m, None), property) and callable(getattr(loss, m, None)))
+
+
 def check_stages(stages: Sequence[Stage], named_params: Iterable[tuple[str, nn.Parameter]], loss: nn.Module) -> None:
     """Raise, before anything is built, for stages that cannot train this loss as declared."""
     if not stages:
@@ -97,8 +105,11 @@ def check_stages(stages: Sequence[Stage], named_params: Iterable[tuple[str, nn.P
         if isinstance(s.every, bool) or not isinstance(s.every, int) or s.every < 1:
             raise ValueError(f"Stage {s.name!r}: every must be an integer >= 1, got {s.every!r}.")
         if s.method is not None and not callable(getattr(loss, s.method, None)):
+            methods = loss_methods(loss)
+            known = (f"Its loss methods are {methods}" if methods else
+                     f"{type(loss).__name__} has no loss method besides forward") + "; name one, or leave method=None"
             raise ValueError(f"Stage {s.name!r} runs loss method {s.method!r}, which {type(loss).__name__} does not "
-                             "have. Name one of its methods (e.g. 'value_loss', 'actor_loss') or leave method=None.")
+                             f"have. {known} (stages without a method share the forward; see Stage(loss=...)).")
     trained = [(n, p) for n, p in named_params if p.requires_grad]
     for n, _ in trained:
         owners = [s.name for s in stages if s.owns(n)]

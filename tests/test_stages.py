@@ -185,6 +185,20 @@ def test_stages_that_cannot_train_the_loss_are_refused_before_anything_is_built(
         LocalLearner(make_loss("td3")[0], stages=stages)
 
 
+@pytest.mark.parametrize("case, wrong, named", [
+    ("ddpg", "value_loss", "['loss_actor', 'loss_value']"),
+    ("td3", "loss_value", "['actor_loss', 'value_loss']"),
+    ("sac", "critic_loss", "['actor_loss', 'alpha_loss', 'qvalue_v1_loss', 'qvalue_v2_loss', 'value_loss']"),
+    ("dqn", "value_loss", "DQNLoss has no loss method besides forward"),
+])
+def test_an_unknown_stage_method_is_refused_naming_the_methods_that_loss_really_has(case, wrong, named):
+    loss = make_loss(case)[0]
+    first = next(n for n, _ in loss.named_parameters()).split(".")[0]
+    with pytest.raises(ValueError, match=f"{wrong!r}, which {type(loss).__name__} does not have") as err:
+        LocalLearner(loss, stages=[Stage("critic", first, method=wrong)])
+    assert named in str(err.value)
+
+
 STAGES = {"ddpg_stages": ddpg_stages, "ddpg_method_stages": ddpg_method_stages, "td3_stages": td3_stages,
           "sac_stages": sac_stages}
 CASE = {"ddpg_stages": "ddpg", "ddpg_method_stages": "ddpg", "td3_stages": "td3", "sac_stages": "sac"}
