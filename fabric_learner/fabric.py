@@ -384,7 +384,7 @@ class FabricLearner(Learner):
         self.wait_for_save()
         with naming(path):
             if dcp_folder.is_sharded_checkpoint(path):
-                restored = self._backend.load_folder(Path(path), self._optimizer_param_names())
+                restored = self._backend.load_folder(Path(path))
                 if isinstance(restored, Resumed):  # loaded in place
                     self._resume_counters(restored.num_updates, restored.accum_step, restored.rng)
                     self._weights_changed()

@@ -146,6 +146,35 @@ def test_round_trip_fsdp_ddp_local_fsdp_continues_training(fsdp):
                                        msg=f"{i}.{field}")
 
 
+def test_a_file_with_a_scalar_parameter_loads_into_fsdp_and_the_folder_it_then_writes_reloads(tmp_path):
+    """SAC's temperature is a scalar, sharded as (1,): its Adam moments take that shape on a load from a
+    file, its step stays (), so the learner's own next folder loads again (one FSDP rank, in process)."""
+    from fabric_learner import FabricLearner
+
+    local = LocalLearner(make_loss("sac")[0], opt(), clip_grad_norm=CLIP)
+    torch.manual_seed(0)
+    local.update(make_batch("sac", n=16, seed=1))
+    local.save(tmp_path / "local.pt")
+
+    def fsdp_learner(seed):
+        return FabricLearner(make_loss("sac", seed=seed)[0], opt(), clip_grad_norm=CLIP, accelerator="cpu",
+                             strategy="fsdp", devices=1)
+
+    a = fsdp_learner(4)
+    a.load(tmp_path / "local.pt")
+    assert_equal_states(a.checkpoint()["model"], local.checkpoint()["model"])
+    torch.manual_seed(1)
+    a.update(make_batch("sac", n=16, seed=2))
+    a.save(tmp_path / "folder")
+    b = fsdp_learner(5)
+    b.load(tmp_path / "folder")
+    saved, loaded = a.checkpoint()["optimizer"]["state"], b.checkpoint()["optimizer"]["state"]
+    assert saved.keys() == loaded.keys()
+    for i, s in saved.items():
+        assert_equal_states(loaded[i], s)
+    assert_equal_states(b.checkpoint()["model"], a.checkpoint()["model"])
+
+
 def test_sharded_resume_equals_uninterrupted_run(fsdp):
     for rank in fsdp["ranks"]:
         res = rank["resume"]
@@ -156,9 +185,14 @@ def test_sharded_resume_equals_uninterrupted_run(fsdp):
                 torch.testing.assert_close(value, res["b"]["optimizer"]["state"][i][field], atol=1e-6, rtol=0)
 
 
-def test_sharded_checkpoint_loads_into_one_process(fsdp):
+@pytest.mark.parametrize("into", ["local", "ddp on one rank"])
+def test_sharded_checkpoint_loads_into_one_process_and_ddp_on_one_rank(fsdp, into):
+    from fabric_learner import FabricLearner
+
     path = fsdp["dir"] / "sac_resume"
-    learner = LocalLearner(make_loss("sac", seed=3)[0], opt(), clip_grad_norm=CLIP)
+    learner = LocalLearner(make_loss("sac", seed=3)[0], opt(), clip_grad_norm=CLIP) if into == "local" else \
+        FabricLearner(make_loss("sac", seed=3)[0], opt(), clip_grad_norm=CLIP, accelerator="cpu", strategy="ddp",
+                      devices=1)
     learner.load(path)
     assert learner.num_updates == 2
     assert (path / "LATEST").is_file()

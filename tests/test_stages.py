@@ -206,12 +206,17 @@ DETERMINISTIC = {"ddpg_stages", "ddpg_method_stages"}
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def launch_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("stages")
+
+
+@pytest.fixture(scope="module")
+def ranks(launch_dir):
     import os
 
     from multiproc import WORKERS, launch
 
-    out = tmp_path_factory.mktemp("stages")
+    out = launch_dir
     proc = launch(os.path.join(WORKERS, "stages_checks.py"), out, timeout=480)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -243,3 +248,79 @@ def test_stages_on_two_ranks_keep_ranks_identical_and_deterministic_ones_equal_o
                 torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5)
         for k, v in learner.loss_module.state_dict().items():
             torch.testing.assert_close(r0["model"][k], v, atol=1e-5, rtol=1e-5, msg=k)
+
+
+def plain(value):
+    """A checkpoint's state with JSON's lists as the tuples torch keeps (Adam's betas), for comparison."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not all(isinstance(v, int) for v in value):
+        return tuple(plain(v) for v in value)
+    return value
+
+
+def assert_same_state(got, want):
+    """Weights, targets, every stage's optimizer moments and hyper-parameters, and counters, bit for bit."""
+    assert got["num_updates"] == want["num_updates"]
+    assert got["model"].keys() == want["model"].keys()
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    stages, wanted = got["optimizer"]["stages"], want["optimizer"]["stages"]
+    assert list(stages) == list(wanted)
+    for name, one in wanted.items():
+        assert plain(stages[name]["param_groups"]) == plain(one["param_groups"]), name
+        assert stages[name]["state"].keys() == one["state"].keys(), name
+        for i, fields in one["state"].items():
+            assert stages[name]["state"][i].keys() == fields.keys()
+            for f, v in fields.items():
+                assert torch.equal(torch.as_tensor(stages[name]["state"][i][f]), torch.as_tensor(v)), (name, i, f)
+
+
+def staged_state(learner):
+    full = learner.checkpoint()
+    return {k: full[k] for k in ("model", "optimizer", "num_updates")}
+
+
+def test_a_staged_checkpoint_reshards_from_fsdp_to_ddp_on_two_ranks_and_back(ranks):
+    for rank in ranks:  # each rank's view equals what was saved
+        r = rank["reshard"]
+        assert_same_state(r["ddp_loaded"], ranks[0]["reshard"]["fsdp_saved"])
+        assert_same_state(r["fsdp_loaded"], ranks[0]["reshard"]["ddp_saved"])
+        assert r["ddp_saved"]["num_updates"] == 3
+
+
+@pytest.mark.parametrize("into", ["local", "ddp on one rank"])
+def test_a_staged_fsdp_checkpoint_loads_into_one_process_and_ddp_on_one_rank(ranks, launch_dir, into):
+    from fabric_learner import FabricLearner
+
+    folder = launch_dir / "staged_fsdp"
+    loss = make_loss("sac", seed=11)[0]
+    learner = LocalLearner(loss, stages=sac_stages()) if into == "local" else \
+        FabricLearner(loss, stages=sac_stages(), accelerator="cpu", strategy="ddp", devices=1)
+    learner.load(folder)
+    assert_same_state(staged_state(learner), ranks[0]["reshard"]["fsdp_saved"])
+    torch.manual_seed(0)
+    out = learner.update(make_batch("sac", n=16, seed=960))  # and it trains on from there
+    assert {"grad_norm_critic", "grad_norm_actor", "grad_norm_alpha"} <= set(out.keys())
+
+
+def test_a_one_process_staged_checkpoint_loads_into_fsdp_and_its_folders_reload(ranks, launch_dir):
+    local = LocalLearner(make_loss("sac", seed=12)[0], stages=sac_stages())
+    local.load(launch_dir / "staged_local.pt")
+    for rank in ranks:
+        assert_same_state(rank["reshard"]["fsdp_from_local"], staged_state(local))
+        # the folder that learner then wrote loads again under FSDP (the temperature's step kept its shape)
+        assert_same_state(rank["reshard"]["fsdp_again_loaded"], ranks[0]["reshard"]["fsdp_again_saved"])
+
+
+def test_a_staged_fsdp_checkpoint_is_refused_by_learners_with_other_stages(ranks, launch_dir):
+    folder = launch_dir / "staged_fsdp"
+    single = LocalLearner(make_loss("sac")[0], opt())
+    with pytest.raises(ValueError, match="several optimizers"):
+        single.load(folder)
+    other = LocalLearner(make_loss("sac")[0], stages=[
+        Stage("critic", "qvalue_network_params", opt(), loss="loss_qvalue"),
+        Stage("rest", ["actor_network_params", "log_alpha"], opt(), loss=["loss_actor", "loss_alpha"])])
+    with pytest.raises(ValueError, match=r"optimizer state for \['actor', 'alpha', 'critic'\]; this learner has stages "
+                                         r"\['critic', 'rest'\]"):
+        other.load(folder)

@@ -149,9 +149,9 @@ class Backend(Protocol):
     def save(self, path: Path, counters: Counters, blocking: bool) -> Future | None:
         """Write a checkpoint (a collective); a future when written in the background."""
 
-    def load_folder(self, path: Path, optimizer_param_names: list[str]) -> Mapping[str, Any] | Resumed:
-        """Read a sharded folder: a whole checkpoint for the learner to load, or ``Resumed`` after
-        loading it in place (``optimizer_param_names``: the learner's, as ``Counters`` has them)."""
+    def load_folder(self, path: Path) -> Mapping[str, Any] | Resumed:
+        """Read a sharded folder: a whole checkpoint for the learner to load, or ``Resumed`` after loading
+        it in place."""
 
 
 def setup_stage_optimizers(fabric: Any, stages: Sequence[Any], named_parameters) -> Any:

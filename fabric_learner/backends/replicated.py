@@ -125,6 +125,6 @@ class ReplicatedBackend:
                            "param_names": counters.param_names, "accum_step": counters.accum_step,
                            "num_updates": counters.num_updates, "rng": counters.rng})
 
-    def load_folder(self, path: Path, optimizer_param_names: list[str]) -> dict[str, Any]:
+    def load_folder(self, path: Path) -> dict[str, Any]:
         """A sharded checkpoint, read whole into this process (every rank reads it)."""
         return dcp_folder.read_full(path)

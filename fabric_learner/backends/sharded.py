@@ -20,7 +20,7 @@ from fabric_learner import _rng
 from fabric_learner._stages import StageOptimizers
 from fabric_learner.backends import sharded_state
 from fabric_learner.backends.base import Counters, Resumed, Setup, setup_stage_optimizers
-from fabric_learner.checkpoint import dcp_folder
+from fabric_learner.checkpoint import dcp_folder, learner_state
 from fabric_learner.optim import build_optimizer
 from fabric_learner.sharding import ShardedLoss, check_sharded, shard_loss
 
@@ -157,6 +157,8 @@ class ShardedBackend:
                 "param_names": counters.optimizer_param_names, "param_groups": groups, "optim_scalars": scalars,
                 "shapes": sharded_state.shapes_meta(owner), "world_size": self.fabric.world_size,
             }
+            if isinstance(counters.param_names, dict):  # each stage's parameters, so unsharded learners split them
+                meta["stages"] = counters.param_names
             return tensors, meta
 
         if not blocking and self._stager is None:
@@ -164,11 +166,11 @@ class ShardedBackend:
         return dcp_folder.write_version(self.fabric, path, counters.num_updates, build,
                                         None if blocking else self._stager)
 
-    def load_folder(self, path: Path, optimizer_param_names: list[str]) -> Resumed:
+    def load_folder(self, path: Path) -> Resumed:
         """Each rank reads its own shards (a collective), resharding as needed; in place."""
         folder = dcp_folder.latest_version(path)
         meta = dcp_folder.read_meta(folder)  # checked against the stored tensors
-        self._check_meta(meta, path, optimizer_param_names)
+        self._check_meta(meta, path)
         rng = dcp_folder.read_rng(folder)
         _rng.check(rng)
         tensors, optim = sharded_state.load_targets(self.sharded_module, self._raw_optimizer())
@@ -176,10 +178,12 @@ class ShardedBackend:
         sharded_state.apply_loaded(self.sharded_module, self._raw_optimizer(), tensors, optim, meta)
         return Resumed(int(meta["num_updates"]), int(meta["accum_step"]), rng)
 
-    def _check_meta(self, meta: dict[str, Any], path: Path, optimizer_param_names: list[str]) -> None:
+    def _check_meta(self, meta: dict[str, Any], path: Path) -> None:
         """Raise before anything is read if the checkpoint is not of this loss module and optimizer."""
         shapes = self.model_shapes()
-        if sorted(meta["model_keys"]) != sorted(shapes) or sorted(meta["param_names"]) != sorted(optimizer_param_names):
+        named = list(self.named_parameters())
+        if sorted(meta["model_keys"]) != sorted(shapes) or \
+                sorted(meta["param_names"]) != sorted(learner_state.optimizer_param_names(named, self.optimizer)):
             raise ValueError(
                 f"The checkpoint at {path} was saved from a different loss module or optimizer; nothing was "
                 "loaded. Load it into a learner built the same way as the one that saved it."
@@ -189,7 +193,21 @@ class ShardedBackend:
         if wrong:
             raise ValueError(f"The checkpoint at {path} has other shapes than this loss module ({wrong[:8]}); "
                              "nothing was loaded. Load it into a learner built the same way as the one that saved it.")
+        staged = learner_state.saved_param_names(named, self.optimizer, isinstance(self.optimizer, StageOptimizers))
+        staged = {k: sorted(v) for k, v in staged.items()} if isinstance(staged, dict) else None
+        saved = {k: sorted(v) for k, v in meta["stages"].items()} if "stages" in meta else None
+        # a folder without "stages" may be a staged one written before they were recorded: its groups decide
+        if saved is not None and staged != saved:
+            raise ValueError(f"The checkpoint at {path} holds optimizer state for stages {sorted(saved)}; this "
+                             f"learner has {f'stages {sorted(staged)}' if staged else 'a single optimizer'}"
+                             f"{' (training other parameters)' if staged and sorted(staged) == sorted(saved) else ''}. "
+                             "Nothing was loaded: build the learner with the same stages.")
         ours, theirs = len(self.optimizer.param_groups), len(meta["param_groups"])
         if ours != theirs:
             raise ValueError(f"The checkpoint at {path} has {theirs} optimizer param group(s), this learner "
                              f"{ours}; nothing was loaded. Build the optimizer with the same param groups.")
+        names = {id(p): n for n, p in named}
+        ours_groups = {frozenset(names[id(p)] for p in g["params"]) for g in self.optimizer.param_groups}
+        if ours_groups != {frozenset(g["params"]) for g in meta["param_groups"]}:
+            raise ValueError(f"The checkpoint at {path} groups the optimizer's parameters otherwise than this "
+                             "learner; nothing was loaded. Build the optimizer with the same param groups.")

@@ -8,6 +8,7 @@ sharded tensors here is a collective.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -95,12 +96,16 @@ def optimizer_state(owner: ShardedLoss, raw, param_names: list[str]) -> dict[str
 
 def load_optimizer_state(owner: ShardedLoss, raw, state, param_names: list[str]) -> None:
     """Load an index-keyed full optimizer state (as ``optimizer_state`` returns) into ``raw``."""
+    # each field in the shape this optimizer keeps it (a scalar parameter's moments are (1,) here, its
+    # step stays ()), read from the optimizer's own (sharded, initialised) state: no gather
+    live = get_optimizer_state_dict(owner, raw)["state"]
     moments = {}
     for i, fields in state["state"].items():
-        param = owner.param(param_names[int(i)])
-        moments[owner.fqn(param_names[int(i)])] = {
-            f: v.reshape(param.shape) if isinstance(v, torch.Tensor) and v.shape != param.shape
-            and v.numel() == param.numel() else v
+        fqn = owner.fqn(param_names[int(i)])
+        shapes = {f: v.shape for f, v in live.get(fqn, {}).items() if isinstance(v, torch.Tensor)}
+        moments[fqn] = {
+            f: v.reshape(shapes[f]) if isinstance(v, torch.Tensor) and f in shapes and v.shape != shapes[f]
+            and v.numel() == math.prod(shapes[f]) else v
             for f, v in fields.items()
         }
     groups = [dict(g, params=[owner.fqn(param_names[i]) for i in g["params"]]) for g in state["param_groups"]]
@@ -161,7 +166,9 @@ def apply_loaded(owner: ShardedLoss, raw, tensors: dict[str, torch.Tensor], opti
                 fields[field] = tensors[key]
             else:
                 fields[field] = meta["optim_scalars"].get(by_flat[fqn], {}).get(field, fields[field])
-    for group, saved in zip(optim["param_groups"], meta["param_groups"]):
+    saved_groups = {frozenset(g["params"]): g for g in meta["param_groups"]}  # checked: the same groups
+    for group in optim["param_groups"]:
+        saved = saved_groups[frozenset(by_flat[p] for p in group["params"])]
         # JSON has no tuples: give hyper-parameters such as Adam's betas their type back
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v
                       for k, v in saved.items() if k != "params"})

@@ -4,7 +4,8 @@ Layout of ``path`` (a directory)::
 
     path/LATEST              name of the complete version below (replaced atomically)
     path/<version>/          a torch.distributed.checkpoint folder: .metadata, __<rank>_0.distcp
-    path/<version>/meta.json counters, optimizer hyper-parameters, parameter names and shapes
+    path/<version>/meta.json counters, optimizer hyper-parameters, parameter names and shapes,
+                         and with stages each stage's parameter names
 
 Tensors are stored under flat keys: ``model/<loss state key>`` and
 ``optim/<loss parameter name>/<state field>``, each rank writing its own shards, so a load can
@@ -462,6 +463,16 @@ def check_meta(meta: dict[str, Any], metadata: Metadata, file: Path) -> None:
         for k, v in g.items():
             if k != "params" and not _is_hyper_parameter(v):
                 raise refuse(f"hyper-parameter {k!r} is {v!r}, expected a number, a flag, a string or a list of numbers")
+    stages = meta.get("stages")
+    if stages is not None:
+        if not isinstance(stages, dict) or not all(isinstance(v, list) and all(isinstance(n, str) for n in v)
+                                                   for v in stages.values()):
+            raise refuse("'stages' is not a mapping of stage names to lists of parameter names")
+        owner = {n: stage for stage, names_ in stages.items() for n in names_}
+        if sorted(owner) != sorted(params) or len(owner) != sum(map(len, stages.values())):
+            raise refuse("'stages' do not hold each name of 'param_names' exactly once")
+        if any(len({owner.get(n) for n in g["params"]}) > 1 for g in groups):
+            raise refuse("a param group holds parameters of several stages")
     scalars = meta.get("optim_scalars", {})
     if not isinstance(scalars, dict) or not all(
             n in params and isinstance(f, dict) and all(isinstance(v, (int, float)) for v in f.values())
@@ -516,16 +527,27 @@ def read_full(path: str | os.PathLike) -> dict[str, Any]:
     shapes = meta["shapes"]
     model = {key: tensors[f"model/{key}"].reshape(shapes.get(key, tensors[f"model/{key}"].shape))
              for key in meta["model_keys"]}
-    names = meta["param_names"]
-    state: dict[int, dict[str, Any]] = {}
-    for i, name in enumerate(names):
-        fields = {f: t for k, t in tensors.items() if k.startswith(f"optim/{name}/") for f in [k[len(f"optim/{name}/"):]]}
-        fields.update(meta.get("optim_scalars", {}).get(name, {}))
-        if fields:
-            state[i] = {f: as_param_shape(v, shapes[name]) for f, v in fields.items()}
-    index = {name: i for i, name in enumerate(names)}
-    groups = [dict(g, params=[index[n] for n in g["params"]]) for g in meta["param_groups"]]
-    return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "param_names": names,
+
+    def optimizer(names: list[str]) -> dict[str, Any]:
+        """The state dict of the optimizer over ``names`` (in its order), with its own groups."""
+        state: dict[int, dict[str, Any]] = {}
+        for i, name in enumerate(names):
+            fields = {f: t for k, t in tensors.items() if k.startswith(f"optim/{name}/")
+                      for f in [k[len(f"optim/{name}/"):]]}
+            fields.update(meta.get("optim_scalars", {}).get(name, {}))
+            if fields:
+                state[i] = {f: as_param_shape(v, shapes[name]) for f, v in fields.items()}
+        index = {name: i for i, name in enumerate(names)}
+        groups = [dict(g, params=[index[n] for n in g["params"]]) for g in meta["param_groups"]
+                  if g["params"] and g["params"][0] in index]
+        return {"state": state, "param_groups": groups}
+
+    stages = meta.get("stages")  # a learner with several optimizers: one state dict per stage, as files hold
+    if stages is None:
+        optim, names = optimizer(meta["param_names"]), meta["param_names"]
+    else:
+        optim, names = {"stages": {stage: optimizer(n) for stage, n in stages.items()}}, stages
+    return {"model": model, "optimizer": optim, "param_names": names,
             "num_updates": meta["num_updates"], "accum_step": meta["accum_step"], "rng": read_rng(folder, tensors)}
 
 
