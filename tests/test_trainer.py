@@ -654,6 +654,38 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks_with_every_sample_once(ra
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_resume_on_two_ranks_does_not_repeat_the_random_warm_up_the_run_took(ranks, strategy):
+    """The one-process fixture's run had collected 48 frames; its resume on 2 ranks, whose collectors
+    have init_random_frames=24 each (48 over both), acts with the policy from the first frame on."""
+    for g in (r["resized"][strategy] for r in ranks):
+        collected_here = (g["after"]["collected_frames"] - g["collected_frames"]) // 2
+        assert collected_here == 3 * tc.FRAMES_PER_BATCH  # 48 -> 192 frames over both ranks
+        assert g["after"]["policy_frames"] == collected_here  # no frame at random
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("warm_up_left", [0, 2 * tc.FRAMES_PER_BATCH])
+def test_a_resume_in_one_process_takes_only_the_random_warm_up_left(ranks, strategy, warm_up_left):
+    """Run B's 2-rank checkpoint resumed by one process whose collector's init_random_frames reaches
+    ``warm_up_left`` frames past what B collected: the Trainer's global frame count decides, so the
+    collector acts at random for those frames only, then with the policy."""
+    saved = runs(ranks, strategy)[0]["B"]["collected_frames"]
+    trainer, learner, _, _, rb, collector = tc.build_dqn(
+        local, total_frames=saved + 4 * tc.FRAMES_PER_BATCH, init_random_frames=saved + warm_up_left)
+    acted = tc.policy_frames(collector)
+    with pytest.warns(UserWarning, match="written by 2 rank"):
+        trainer.load_from_file(ranks[0]["dir"] / f"trainer_ckpt_{strategy}")
+    assert trainer.collected_frames == saved
+    updates = learner.num_updates
+    trainer.train()
+    assert trainer.collected_frames == saved + 4 * tc.FRAMES_PER_BATCH
+    assert sum(acted) == 4 * tc.FRAMES_PER_BATCH - warm_up_left
+    # optimisation waits for the whole warm-up, as the configured run would: saved + warm_up_left frames
+    batches = [b for b in range(1, 5) if b * tc.FRAMES_PER_BATCH >= warm_up_left]
+    assert learner.num_updates == updates + tc.OPTIM_STEPS * len(batches)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_two_rank_checkpoint_resumes_in_one_process_with_every_sample_once(ranks, strategy):
     """Run B's checkpoint (2 ranks, half the frames) loaded by a one-process trainer."""
     b = [r["B"] for r in runs(ranks, strategy)]  # each rank's state when B saved

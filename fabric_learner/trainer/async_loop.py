@@ -29,6 +29,7 @@ class AsyncHost(Protocol):
     frame_skip: int
     total_frames: int
     collected_frames: int
+    init_random_frames: int  # this rank's collector's random warm-up, as configured
     world_size: int
     global_rank: int
 
@@ -145,7 +146,7 @@ class AsyncLoop:
     def run(self, host: AsyncHost) -> None:
         """The rounds (see the module docstring of ``fabric_learner.asynchronous``)."""
         cfg = self.cfg
-        init_random = int(getattr(host.collector, "init_random_frames", 0) or 0)
+        init_random = host.init_random_frames  # as configured (a resize shortens the collector's own)
         publish(host, host.learner.num_updates)  # the collector acts with the learner's weights from the start
         host.run_hook("setup")
         feeder = self.feeder = _Feeder(host.collector, cfg.max_queued_batches)

@@ -19,7 +19,9 @@ What changes against torchrl's Trainer, and why:
   of batches, logging steps are comparable across world sizes, and the progress bar shows the
   global count. A stop request (e.g. ``EarlyStopping``) on any rank stops all of them, and a
   collector running dry on one rank ends training everywhere instead of hanging the others.
-  Optimisation starts once every rank's collector is past its ``init_random_frames``.
+  Optimisation starts once every rank's collector is past its ``init_random_frames`` (per rank):
+  the global count reaches their sum. A resume on another number of ranks does not repeat the
+  part of that warm-up the run already took.
 - Loss averages logged after each batch are averaged over ranks. The logger and the progress
   bar are used on rank 0 only; a Lightning Fabric logger (e.g.
   ``lightning.fabric.loggers.TensorBoardLogger``) is accepted as well as a torchrl one.
@@ -209,6 +211,10 @@ class Trainer(_TorchRLTrainer):
             target_net_updater=target_net_updater,
             **kwargs,
         )
+        # The collector's warm-up as configured (also read by the asynchronous loop): a resume on another number
+        # of ranks shortens the fresh collector's own (see _skip_taken_random_frames), never the threshold
+        # optimisation waits for.
+        self.init_random_frames = int(getattr(collector, "init_random_frames", 0) or 0)
         # Decided now, while the env is alive: what checkpoints hold of it (see trainer_state.EnvPlan).
         self._env_plan = trainer_state.EnvPlan(collector)
         self._collector_closed = False
@@ -293,7 +299,7 @@ class Trainer(_TorchRLTrainer):
             self._pbar_str = {}
         self._setup_hook()
         iterator = iter(self.collector)
-        init_random = int(getattr(self.collector, "init_random_frames", 0) or 0)
+        init_random = self.init_random_frames
         try:
             while self.collected_frames < self.total_frames:  # a resumed run may have nothing left to do
                 batch = next(iterator, None)
@@ -603,9 +609,33 @@ class Trainer(_TorchRLTrainer):
             stacklevel=3,
         )
         reseed(self.collected_frames, self.global_rank)
+        self._skip_taken_random_frames()
         self._publish_after_load()
         self._loaded = True
         return self
+
+    def _skip_taken_random_frames(self) -> None:
+        """After a resume on another number of ranks: the fresh collector acts at random only for what is
+        left of the run's warm-up, which the global frame count decides (a collective).
+
+        The warm-up is every rank's ``init_random_frames`` together, as ``train()`` waits for it; of the
+        part the run has not collected yet, each rank takes its share (rounded up). A collector whose
+        worker processes already run (multi-process collectors) cannot be told: it warns instead.
+        """
+        mine = self.init_random_frames
+        warmup = int(all_reduce(torch.tensor(mine, dtype=torch.int64))) if self._distributed() else mine
+        if self.collector is None or mine <= 0:
+            return
+        left = -(-max(0, warmup - self.collected_frames) * mine // warmup)
+        if hasattr(type(self.collector), "_run_processes"):
+            if left < mine:
+                warnings.warn(
+                    f"Resumed at {self.collected_frames} frames of a run whose random warm-up is {warmup} frames over "
+                    f"all ranks, but this collector's worker processes were started with init_random_frames={mine} "
+                    f"and will act at random for that many frames again. Build the collector with "
+                    f"init_random_frames={left} when resuming.", stacklevel=4)
+            return
+        self.collector.init_random_frames = left
 
     def _resume_from_last_checkpoint(self) -> None:
         """Load the latest complete checkpoint at ``save_trainer_file``, if any (see ``resume=``).

@@ -88,7 +88,7 @@ class RecordingLogger:
 
 def build_dqn(learner_factory, *, total_frames: int, save_file=None, seed: int = 0, record=None,
               save_interval: int = 10**9, logger=None, progress_bar: bool = False, own_policy_copy: bool = False,
-              resume: bool = True):
+              resume: bool = True, init_random_frames: int | None = None):
     """A DQN trainer: collector with epsilon-greedy exploration, prioritized replay, soft target updates.
 
     ``learner_factory(loss, optimizer_factory, policy)`` builds the learner. ``record`` (a list)
@@ -107,7 +107,7 @@ def build_dqn(learner_factory, *, total_frames: int, save_file=None, seed: int =
     updater = SoftUpdate(loss, tau=0.1)
     learner = learner_factory(loss, functools.partial(torch.optim.Adam, lr=LR), explore if own_policy_copy else qnet)
     collector = Collector(env, acting, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1,
-                          auto_register_policy_transforms=False)
+                          auto_register_policy_transforms=False, init_random_frames=init_random_frames)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(1000), sampler=TorchPrioritizedSampler(1000, alpha=0.7, beta=0.5),
                                 priority_key="td_error", batch_size=RB_BATCH)
     trainer = Trainer(learner=learner, collector=collector, total_frames=total_frames, optim_steps_per_batch=OPTIM_STEPS,
@@ -123,6 +123,15 @@ def build_dqn(learner_factory, *, total_frames: int, save_file=None, seed: int =
     if not own_policy_copy:
         UpdateWeights(collector, 1).register(trainer)  # torchrl's hook keeps working alongside PublishWeights
     return trainer, learner, loss, qnet, rb, collector
+
+
+def policy_frames(collector) -> list[int]:
+    """A list that grows as ``collector`` runs: the frames of each step its policy acted in (a step at
+    random, within ``init_random_frames``, adds nothing)."""
+    steps = []
+    greedy = next(m for m in collector.policy.modules() if isinstance(m, EGreedyModule))
+    greedy.register_forward_hook(lambda module, args, out: steps.append(out.numel()))
+    return steps
 
 
 def record_update_outputs(trainer, learner) -> list[tuple[int, dict[str, float]]]:

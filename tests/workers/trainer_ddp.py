@@ -130,7 +130,10 @@ class Recorder:
 def resized(make):
     """The one-process trainer fixture (tests/fixtures/checkpoints/trainer) resumed on 2 ranks, then trained on."""
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoints", "trainer")
-    trainer, learner, _, _, rb, _ = tc.build_dqn(make, total_frames=4 * tc.FRAMES_PER_BATCH * WORLD)
+    # a warm-up of one batch per rank: 2 batches over both ranks, which the fixture's run (48 frames) took
+    trainer, learner, _, _, rb, collector = tc.build_dqn(make, total_frames=4 * tc.FRAMES_PER_BATCH * WORLD,
+                                                         init_random_frames=tc.FRAMES_PER_BATCH)
+    acted = tc.policy_frames(collector)
     trainer.load_from_file(fixture)
     out = {"rb_obs": rb[: len(rb)]["observation"].clone(), "rb_len": len(rb),
            "priorities": rb._sampler._sum_tree.values[: len(rb)].clone(),
@@ -138,7 +141,7 @@ def resized(make):
            "optim_count": trainer._optim_count}
     trainer.train()
     out["after"] = {"collected_frames": trainer.collected_frames, "num_updates": learner.num_updates,
-                    "params": {k: v for k, v in learner.checkpoint()["model"].items()}}
+                    "params": {k: v for k, v in learner.checkpoint()["model"].items()}, "policy_frames": sum(acted)}
     return out
 
 
