@@ -171,6 +171,28 @@ def outside_functorch():
     return pyfunctorch.temporarily_pop_interpreter_stack()
 
 
+def watch_target_updaters(loss: nn.Module, built) -> None:
+    """Call ``built()`` when a torchrl target-network updater is constructed on ``loss``, before it copies
+    the online weights into the targets (its constructor first marks every entry of the loss's private
+    ``_has_update_associated``)."""
+    marks = vars(loss).get("_has_update_associated")
+    if not isinstance(marks, dict) or isinstance(marks, _UpdaterMarks):
+        return
+
+    vars(loss)["_has_update_associated"] = _UpdaterMarks(marks, built)
+
+
+class _UpdaterMarks(dict):
+    def __init__(self, marks: dict, built) -> None:
+        super().__init__(marks)
+        self._built = built
+
+    def __setitem__(self, key, value) -> None:
+        if value:
+            self._built()
+        super().__setitem__(key, value)
+
+
 #: (object, attribute) pairs the functions above rely on, for tests/test_compat.py
 def required() -> list[tuple[str, Any, str]]:
     import torch.distributed.distributed_c10d as c10d
@@ -183,7 +205,7 @@ def required() -> list[tuple[str, Any, str]]:
     from torch.amp import GradScaler
     from torch.distributed.device_mesh import DeviceMesh
     from torchrl.data.replay_buffers.samplers import PrioritizedSampler
-    from torchrl.objectives import LossModule
+    from torchrl.objectives import DQNLoss, LossModule
 
     from fabric_learner.replay import TorchPrioritizedSampler
 
@@ -209,6 +231,7 @@ def required() -> list[tuple[str, Any, str]]:
         ("torch DeviceMesh", DeviceMesh, "_flatten"),
         ("torch GradScaler", GradScaler("cpu"), "_per_optimizer_states"),
         ("torchrl LossModule", LossModule, "_erase_cache"),
+        ("torchrl LossModule", DQNLoss(nn.Linear(2, 2), action_space="categorical"), "_has_update_associated"),
         ("torch nn.Module", nn.Linear(1, 1), "_parameters"),
         ("torch nn.Module", nn.Linear(1, 1), "_buffers"),
         ("torchrl PrioritizedSampler", PrioritizedSampler, "update_priority"),

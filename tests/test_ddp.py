@@ -226,7 +226,7 @@ def test_collectives_reduce_over_the_named_mesh_dimension_data_parallel_by_defau
         assert "('dp', 'tp'), not 'pp'" in unknown and "nothing was reduced" in unknown
 
 
-def test_any_mesh_dimension_is_this_process_alone_without_a_process_group():
+def test_any_mesh_dimension_is_this_process_alone_in_a_one_rank_world():
     from fabric_learner.collectives import global_sum
 
     assert global_sum(torch.ones(2), group="tp").item() == 2.0

@@ -324,3 +324,35 @@ def test_a_staged_fsdp_checkpoint_is_refused_by_learners_with_other_stages(ranks
     with pytest.raises(ValueError, match=r"optimizer state for \['actor', 'alpha', 'critic'\]; this learner has stages "
                                          r"\['critic', 'rest'\]"):
         other.load(folder)
+
+
+def one_process_with_target_updater():
+    from torchrl.objectives import SoftUpdate
+
+    loss = make_loss("ddpg")[0]
+    learner = LocalLearner(loss, stages=ddpg_stages())
+    updater = SoftUpdate(loss, tau=0.5)
+    for step in range(3):
+        torch.manual_seed(step)
+        learner.update(make_batch("ddpg", n=16, seed=700 + step))
+        updater.step()
+    return loss.state_dict()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_target_updater_built_after_the_learner_trains_the_targets_as_one_process_does(ranks, strategy):
+    """The README's order (learner, then SoftUpdate on its loss) under DDP and FSDP: targets included, the
+    weights after three updates equal one process's on the full batch (DDPG, deterministic)."""
+    want = one_process_with_target_updater()
+    r0, r1 = (r["target_updater"][strategy] for r in ranks)
+    assert any("target" in k for k in want)
+    for k, v in want.items():
+        assert torch.equal(r0[k], r1[k]), k
+        torch.testing.assert_close(r0[k], v, atol=1e-5, rtol=1e-5, msg=k)
+
+
+def test_a_target_updater_built_once_an_fsdp_learner_has_trained_is_refused_naming_the_fix(ranks):
+    for r in ranks:
+        assert r["target_updater"]["ddp_late"] is None  # DDP's loss holds its live weights: nothing to refuse
+        late = r["target_updater"]["fsdp_late"]
+        assert "SoftUpdate/HardUpdate" in late and "right after the learner" in late and "full_parameters" in late

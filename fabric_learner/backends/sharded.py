@@ -103,7 +103,7 @@ class ShardedBackend:
         return self.sharded_module.full_parameters()
 
     def weights_changed(self) -> None:
-        self.sharded_module.refresh_served()
+        self.sharded_module.weights_changed()
 
     def serve(self, module: nn.Module) -> bool:
         return self.sharded_module.serve(module)

@@ -60,8 +60,8 @@ def process_group(dim: Any = DATA_PARALLEL) -> Any:
         return dim
     mesh = _mesh
     if mesh is None or not (dist.is_available() and dist.is_initialized()):
-        if dim == DATA_PARALLEL:
-            return None
+        if dim == DATA_PARALLEL or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None  # the whole world, or this process alone: every dimension has one rank
         raise ValueError(f"No mesh with a {dim!r} dimension is registered; nothing was reduced. Reduce over "
                          f"{DATA_PARALLEL!r} (the default) or register the run's mesh with use_mesh(mesh).")
     names = tuple(mesh.mesh_dim_names)

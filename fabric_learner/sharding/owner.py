@@ -133,6 +133,10 @@ class ShardedLoss(nn.Module):
         self.__dict__["_members"] = {n: u.members for u in self.layers.values() if u.members for n in u.attrs.values()}
         self.__dict__["_served"] = set()
         self.__dict__["_inside"] = 0  # > 0 while the loss's parameters hold full tensors
+        # the loss's own parameters still hold the current full weights: from construction until the first
+        # update, load or full_parameters block, so what is built right after the learner (a target-network
+        # updater copying the online weights) sees them (see _empty)
+        self.__dict__["_current"] = True
         self.__dict__["_updating"] = 0  # > 0 while update() runs the loss: leaves route to their units
         self.__dict__["_online"] = {}
         self.__dict__["_guards"] = []
@@ -145,10 +149,9 @@ class ShardedLoss(nn.Module):
             for name, param in originals.items():
                 if name in self._served:
                     param.data = param.data.clone()  # its own storage: the shard will not alias it
-                else:
-                    param.data = marker(param, self._members.get(name))
         for unit in self.layers.values():
             unit.leaf.forward = types.MethodType(functools.partial(route, unit), unit.leaf)
+        _compat.watch_target_updaters(loss_module, self._updater_built)
         self._guard_emptied_modules()
 
     def layer_units(self) -> list[LayerUnit]:
@@ -182,6 +185,8 @@ class ShardedLoss(nn.Module):
         # FSDP2's pre-forward hook has gathered the parameters owned here (not the layers'):
         # they are plain tensors now. Each layer gathers its own when the loss reaches it.
         loss = self.loss_module
+        if self._current:
+            self._empty()
         _compat.erase_loss_cache(loss)
         self.__dict__["_online"] = {storage_of(p): n for n, p in self._originals.items()}
         self.__dict__["_inside"] += 1
@@ -217,6 +222,33 @@ class ShardedLoss(nn.Module):
         self._guard_emptied_modules()
         return True
 
+    def weights_changed(self) -> None:
+        """Collective, after an optimizer step or a load: the served parameters refreshed, the others emptied."""
+        if self._current:
+            self._empty()
+        self.refresh_served()
+
+    def _empty(self) -> None:
+        """Free the full weights of every parameter that is not served: the shards are the truth from now on."""
+        with torch.no_grad():
+            for name, original in self._originals.items():
+                if name not in self._served:
+                    original.data = marker(original, self._members.get(name))
+        self.__dict__["_current"] = False
+        _compat.erase_loss_cache(self.loss_module)
+
+    def _updater_built(self) -> None:
+        """A torchrl target-network updater is being built on the loss: it copies the online weights now."""
+        if self._current or self._inside:
+            return
+        raise RuntimeError(
+            "A target-network updater (torchrl's SoftUpdate/HardUpdate) was built on a loss whose FSDP learner has "
+            "already trained or loaded, so the loss's own parameters hold no weights to copy into the targets; "
+            "nothing was changed. Build the updater right after the learner (before its first update or load), "
+            "as the README's Trainer example does, or inside `with learner.full_parameters():` (a collective: "
+            "every rank must enter it)."
+        )
+
     def refresh_served(self, names=None) -> None:
         """Collective: copy the current full weights into the served parameters (one all-gather)."""
         names = [n for n in self.names if n in self._served and (names is None or n in names)]
@@ -249,12 +281,7 @@ class ShardedLoss(nn.Module):
             yield self.loss_module
         finally:
             self.__dict__["_inside"] -= 1
-            # The sharded parameters stay the truth; the full copies are dropped.
-            with torch.no_grad():
-                for name, original in self._originals.items():
-                    if name not in self._served:
-                        original.data = marker(original, self._members.get(name))
-            _compat.erase_loss_cache(self.loss_module)
+            self._empty()  # the sharded parameters stay the truth; the full copies are dropped
 
     def _guard_emptied_modules(self) -> None:
         """A forward pre-hook on each loss submodule holding an emptied parameter (see the module doc)."""
@@ -315,7 +342,7 @@ class _EmptiedGuard:
         self.owner, self.path, self.kind = owner, path, type(module).__name__
 
     def __call__(self, module, args):
-        if self.owner._inside:
+        if self.owner._inside or self.owner._current:
             return None
         raise RuntimeError(
             f"The loss's module {self.path!r} ({self.kind}) was called outside update(), but under FSDP its "

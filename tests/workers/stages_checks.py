@@ -96,6 +96,31 @@ def reshard(rank, out_dir):
     return out
 
 
+def target_updater(rank):
+    """A SoftUpdate built right after the learner, as the README's Trainer example builds it, stepped after
+    each update; then a second one built once the learner has trained."""
+    from torchrl.objectives import SoftUpdate
+
+    out = {}
+    for name in ("ddp", "fsdp"):
+        loss = make_loss("ddpg")[0]
+        learner = FabricLearner(loss, stages=STAGES["ddpg_stages"](), accelerator="cpu", devices=2,
+                                strategy=strategy(name))
+        updater = SoftUpdate(loss, tau=0.5)
+        for step in range(3):
+            torch.manual_seed(step)
+            learner.update(halves(make_batch("ddpg", n=16, seed=700 + step), rank))
+            with learner.full_parameters():
+                updater.step()
+        out[name] = learner.checkpoint()["model"]
+        try:
+            SoftUpdate(loss, tau=0.5)
+            out[name + "_late"] = None
+        except RuntimeError as err:
+            out[name + "_late"] = str(err)
+    return out
+
+
 def main(out_dir):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     results = {}
@@ -104,6 +129,7 @@ def main(out_dir):
                              ("sac", "sac_stages")):
             results[(name, stages)] = run(name, case, stages, rank, out_dir)
     results["reshard"] = reshard(rank, out_dir)
+    results["target_updater"] = target_updater(rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
