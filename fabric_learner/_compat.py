@@ -28,6 +28,13 @@ def strategy_timeout(strategy: Any) -> timedelta | None:
     return getattr(strategy, "_timeout", None)
 
 
+def default_store():
+    """The default process group's rendezvous store (a c10d ``Store``; torch has no public getter)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def set_strategy_timeout(strategy: Any, timeout: timedelta) -> None:
     """Set the timeout a strategy Fabric resolved from a name starts its group with (no public setter)."""
     strategy._timeout = timeout

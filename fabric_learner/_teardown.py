@@ -28,6 +28,7 @@ import weakref
 
 import torch.distributed as dist
 
+from fabric_learner import _call_order
 from fabric_learner._compat import release_ddp_group, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT
 
@@ -52,6 +53,7 @@ def register(learner, group_existed: bool) -> None:
             def excepthook(kind, value, tb):
                 _state["crashed"] = True
                 previous(kind, value, tb)
+                _call_order.announce_failure(kind.__name__)  # peers waiting in a collective call learn it
                 rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else os.environ.get("RANK", "?")
                 print(f"fabric_learner: rank {rank} failed ({kind.__name__}); exiting with status 1 without "
                       "waiting for the other ranks.", file=sys.stderr, flush=True)
@@ -79,6 +81,7 @@ def close(learner) -> None:
 def teardown_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
+    _call_order.announce("ended (closed its learner)")  # a peer still calling a collective fails at once
     if dist.get_backend() == "gloo":
         dist.monitored_barrier(timeout=DEFAULT_TIMEOUT, wait_all_ranks=True)
     else:

@@ -18,7 +18,7 @@ from tensordict import TensorDictBase
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _rng, _teardown
+from fabric_learner import _call_order, _rng, _teardown
 from fabric_learner._carrier import Carrier, run_loss
 from fabric_learner._compat import (
     allow_unused_parameters,
@@ -272,17 +272,31 @@ class FabricLearner(Learner):
             lost = _lost_peer(err) if self.world_size > 1 else None
             if lost is None:
                 raise
+            call = self.num_updates * self.grad_accum_steps + self._accum_step + 1
+            # off the hot path: the store is read only once a collective of update() has failed
+            _call_order.note_failure(f"failed (in update() call {call})")
+            peers = _call_order.peer_announcements()
             raise RuntimeError(
-                f"Rank {self.global_rank}: update() call {self.num_updates * self.grad_accum_steps + self._accum_step + 1} "
-                f"could not complete a collective with the other ranks ({lost}). Another rank called update() fewer "
-                "times, ended or died, or is busy elsewhere for longer than the process-group timeout "
-                f"({strategy_timeout(self.fabric.strategy) if self._timeout is None else self._timeout}). "
-                "Every rank must call update() the same number of times; see that rank's output for its own error."
+                f"Rank {self.global_rank}: update() call {call} could not complete a collective with the other ranks "
+                f"({lost}). {peers[:1].upper() + peers[1:] + '. ' if peers else ''}Another rank called update() "
+                "fewer times, called another collective method (get_weights, save, ...) instead, ended or died, or is "
+                f"busy elsewhere for longer than the process-group timeout ({self._group_timeout()}). Every rank "
+                "must call update() the same number of times, and the learner's other collective methods at the "
+                "same points; see that rank's output for its own error."
             ) from err
         plugin = self._precision
         if type(plugin).convert_output is not Precision.convert_output:
             result = result.apply(plugin.convert_output)  # reported values in the default dtype
         return result
+
+    def _group_timeout(self) -> timedelta | None:
+        return strategy_timeout(self.fabric.strategy) if self._timeout is None else self._timeout
+
+    def _collective(self, name: str, when: bool = True) -> contextlib.AbstractContextManager:
+        """Checks, before the call's first collective, that every rank is making this same call."""
+        if not when or self.world_size == 1:
+            return contextlib.nullcontext()
+        return _call_order.collective_call(name, self.global_rank, self.world_size, self._group_timeout())
 
     def _named_parameters(self):
         return self._backend.named_parameters()
@@ -302,6 +316,8 @@ class FabricLearner(Learner):
 
     def full_parameters(self) -> contextlib.AbstractContextManager:
         """See ``Learner.full_parameters``: under FSDP, every rank must enter it together."""
+        with self._collective("full_parameters", self.capabilities.sharded):
+            pass  # checked at the call, the gather runs on entering the block
         return self._backend.full_parameters()
 
     @property
@@ -318,7 +334,8 @@ class FabricLearner(Learner):
         policy a ``Trainer``'s collector runs are served without asking. Returns whether
         ``module`` holds parameters the loss trains.
         """
-        return self._backend.serve(module)
+        with self._collective("serve", self.capabilities.sharded):
+            return self._backend.serve(module)
 
     # ---- weights and state (collectives under sharded strategies) -----------------------------
 
@@ -328,7 +345,18 @@ class FabricLearner(Learner):
         Sharded, ``cpu_offload=True``: full weights on rank 0, an empty TensorDict elsewhere;
         ``cpu_offload=False``: full weights on every rank.
         """
-        return self._backend.get_weights(self.policy, cpu_offload)
+        with self._collective("get_weights", self.capabilities.sharded):
+            return self._backend.get_weights(self.policy, cpu_offload)
+
+    def checkpoint(self) -> dict[str, Any]:
+        """See ``Learner.checkpoint``: with several ranks a collective (every rank's random state)."""
+        with self._collective("checkpoint"):
+            return super().checkpoint()
+
+    def load_checkpoint(self, checkpoint) -> None:
+        """See ``Learner.load_checkpoint``: a collective on sharded learners."""
+        with self._collective("load_checkpoint", self.capabilities.sharded):
+            super().load_checkpoint(checkpoint)
 
     def _rng_states(self) -> list[dict[str, torch.Tensor]]:
         if self.world_size == 1:
@@ -369,6 +397,10 @@ class FabricLearner(Learner):
         saves synchronously (rank 0 writes one file from the live state; a background copy would
         cost the same memory as the file) and returns a finished future.
         """
+        with self._collective("save"):
+            return self._save(path, blocking)
+
+    def _save(self, path, blocking: bool) -> Future | None:
         self.wait_for_save()
         counters = Counters(self.num_updates, self._accum_step, self._saved_param_names(),
                             self._optimizer_param_names(), self._rng_states())
@@ -381,6 +413,10 @@ class FabricLearner(Learner):
         Never runs code from the file: files load ``weights_only``, sharded folders through
         ``dcp_folder.SafeReader``. Everything is validated before anything changes.
         """
+        with self._collective("load"):
+            self._load(path)
+
+    def _load(self, path) -> None:
         self.wait_for_save()
         with naming(path):
             if dcp_folder.is_sharded_checkpoint(path):

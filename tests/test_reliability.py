@@ -221,21 +221,33 @@ OUT_OF_STEP = [
 ]
 
 
+# rank 0 calls a collective method of the learner (get_weights, under DDP checkpoint) while rank 1 ...
+OUT_OF_ORDER = [
+    ("mismatch", "fsdp", "python"),  # ... calls save()
+    ("mismatch", "ddp", "python"),
+    ("closed", "fsdp", "python"),  # ... has closed its learner
+    ("closed", "ddp", "python"),
+    ("loop", "fsdp", "python"),  # ... calls update()
+    ("loop", "ddp", "python"),
+]
+
+
 @pytest.fixture(scope="module")
-def out_of_step_runs():
+def out_of_step_runs(tmp_path_factory):
     """Every launch below, two at a time (each waits out a collective timeout); a run that hangs is
     its own test's failure."""
     from multiproc import WORKERS, fabric_run, python, run, torchrun, two_at_a_time
 
     def one(case):
         scenario, strategy, launcher = case
-        script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy]
+        script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy,
+                  str(tmp_path_factory.mktemp(f"{scenario}-{strategy}"))]
         # fabric=: the Fabric's own 10 s timeout must hold, not the learner's 1 h (docs/reliability.md)
         how = {"python": python, "torchrun": torchrun}.get(launcher, functools.partial(fabric_run, strategy=strategy))
         # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
         return run(how(*script), timeout=150)
 
-    return two_at_a_time(OUT_OF_STEP, one)
+    return two_at_a_time(OUT_OF_STEP + OUT_OF_ORDER, one)
 
 
 @pytest.mark.parametrize("scenario,strategy,launcher", OUT_OF_STEP)
@@ -262,6 +274,35 @@ def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(out_of_step_runs,
 
         codes = elastic_exit_codes(proc.stdout)
         assert codes.keys() == {0, 1} and codes[0] == 1 and codes[1] != 0, (codes, proc.stdout[-4000:])
+
+
+@pytest.mark.parametrize("scenario,strategy,launcher", OUT_OF_ORDER)
+def test_a_collective_method_called_out_of_order_is_named_on_every_rank_that_can_still_speak(
+        out_of_step_runs, scenario, strategy, launcher):
+    from multiproc import finished
+
+    proc = finished(out_of_step_runs[scenario, strategy, launcher])
+    out = proc.stdout
+    call = "get_weights" if strategy == "fsdp" else "checkpoint"  # get_weights is no collective under DDP
+    assert proc.leftovers == 0 and "rank 0 passed the third call" not in out, out[-4000:]
+    if scenario == "mismatch":  # both ranks name both calls before any collective, and train on together
+        assert proc.returncode == 0, out[-4000:]
+        assert f"rank 0 raised: Rank 0: {call}() (collective call 1 of this process) does not match rank 1, which " \
+               "called save() at the same point. Nothing was gathered, written or changed." in out, out[-4000:]
+        assert f"rank 1 raised: Rank 1: save() (collective call 1 of this process) does not match rank 0, which " \
+               f"called {call}() at the same point." in out, out[-4000:]
+        assert "rank 0 trained on" in out and "rank 1 trained on" in out
+        assert os.listdir(proc.args[-1]) == []  # the refused save wrote nothing
+    elif scenario == "closed":  # from rank 1's announcement, not after waiting out a timeout
+        assert proc.returncode == 0, out[-4000:]
+        assert f"rank 0 raised: Rank 0: {call}() (collective call 1 of this process) cannot complete: rank 1 has " \
+               "ended (closed its learner) and will not join it." in out, out[-4000:]
+    else:  # rank 1's update names rank 0's call; rank 0 then learns rank 1 failed
+        assert proc.returncode != 0, out[-4000:]
+        assert "Rank 1: update() call 3 could not complete a collective with the other ranks (it timed out waiting " \
+               f"for them). Rank 0 is in {call}() (collective call 1)." in out, out[-4000:]
+        assert f"CallOrderError: Rank 0: {call}() (collective call 1 of this process) cannot complete: rank 1 has " \
+               "failed (in update() call 3) and will not join it." in out, out[-4000:]
 
 
 @pytest.mark.parametrize("timeout,error", [(0, ValueError), (-1.0, ValueError), ("5m", TypeError), (True, TypeError)])

@@ -27,6 +27,35 @@ from fabric_learner.learner import holds_trained, plain_weights
 from fabric_learner.optim import build_optimizer
 
 
+def match_bucket_strides(parameters) -> int:
+    """Give each gradient its parameter's strides where they differ only on size-1 dimensions.
+
+    DDP copies each gradient into a bucket view laid out with its parameter's strides and warns
+    ("Grad strides do not match bucket view strides") when the strides differ, even on a size-1
+    dimension, where the layouts hold the same elements at the same addresses. torchrl's stacked
+    ensembles (TD3's and SAC's two critics: a ``(2, 1, 16)`` weight with strides ``(16, 16, 1)``)
+    get gradients with strides ``(16, 1, 1)`` from their vmapped backward. Re-striding such a
+    gradient is a free view, so autograd stores it as it is and DDP's copy then matches. Returns
+    how many parameters got the hook (only those with a size-1 dimension can need it).
+    """
+    hooked = 0
+    for param in parameters:
+        if param.requires_grad and param.dim() > 1 and 1 in param.shape and param.is_contiguous():
+            param.register_hook(_restride_to(param.stride()))
+            hooked += 1
+    return hooked
+
+
+def _restride_to(stride: tuple[int, ...]):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        own = grad.stride() if grad.layout is torch.strided else stride
+        if own == stride or any(a != b for n, a, b in zip(grad.shape, own, stride) if n != 1):
+            return grad  # already matching, or a genuinely different layout (autograd copies it)
+        return grad.as_strided(grad.shape, stride, grad.storage_offset())
+
+    return hook
+
+
 class ReplicatedBackend:
     """The loss behind Fabric's module wrapper (DDP or none), its optimizer set up by Fabric.
 
@@ -75,6 +104,8 @@ class ReplicatedBackend:
         inner = wrapped_forward(self.module)
         wrapper.expose_leaves = not (inner is wrapper or (
             type(inner) is DistributedDataParallel and not inner.find_unused_parameters))
+        if isinstance(inner, DistributedDataParallel):
+            match_bucket_strides(loss_module.parameters())
 
     def named_parameters(self):
         return self.loss_module.named_parameters()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,21 @@ def default_sharded_strategy(timeout=None):
 
     kwargs = {} if timeout is None else {"timeout": timeout}
     return ModelParallelStrategy(parallelize_fn=shard_loss, **kwargs)
+
+
+def quiet_view_output_warning() -> None:
+    """Hide FSDP2's "returned a view tensor" warning for the learner's own ``ShardedLoss`` only.
+
+    FSDP2 warns when a sharded module returns a view that requires grad (DDPGLoss's
+    ``pred_value`` is a squeezed view): an in-place op on that view *after* the forward would drop
+    FSDP's pre-backward hook. The learner never writes into the loss output: it sums the loss
+    entries out of place and reports detached copies. So the hazard cannot arise on this module,
+    and DDPG's gradients under FSDP equal one process's (tests/test_fsdp.py, 2 ranks). Any other
+    FSDP2 module (a user's own) still warns; the filter is installed once, deduplicated by
+    ``warnings``.
+    """
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPShardedLoss\) returned a view tensor",
+                            category=UserWarning)
 
 
 class ShardedBackend:
@@ -75,6 +91,7 @@ class ShardedBackend:
         self.fabric, self.loss_module = fabric, loss_module
         self.sharded_module = ShardedLoss(loss_module, fabric.device, setup.convert,
                                           serve=[setup.policy] if setup.policy is not None else [])
+        quiet_view_output_warning()
         self.module = fabric.setup_module(self.sharded_module)
         check_sharded(self.sharded_module, fabric.world_size)
         if setup.stages:

@@ -272,10 +272,15 @@ def mesh_dimensions(rank):
 
 
 def main(out_dir, local_ckpt):
+    import warnings
+
     results = {"cases": {}, "accum": {}, "integrity": {}}
     rank = None
     for case in CASES:
-        learner, res = train(case, rank=int(os.environ.get("LOCAL_RANK", 0)))
+        with warnings.catch_warnings(record=True) as caught:  # DDP's stride warning fired on SAC and TD3
+            warnings.simplefilter("always")
+            learner, res = train(case, rank=int(os.environ.get("LOCAL_RANK", 0)))
+        res["warnings"] = [str(w.message) for w in caught]
         rank = learner.global_rank
         results["world_size"] = learner.world_size
         results.setdefault("group_timeouts", group_timeouts())  # the DDPStrategy object's 90 s, kept

@@ -283,8 +283,13 @@ def _same(a, b):
 def main(out_dir):
     results = {"cases": {}, "accum": {}}
     rank = int(os.environ.get("LOCAL_RANK", 0))
+    import warnings
+
     for case in CASES:
-        learner, res = train(case, rank)
+        with warnings.catch_warnings(record=True) as caught:  # FSDP2's view-output warning fired on DDPG
+            warnings.simplefilter("always")
+            learner, res = train(case, rank)
+        res["warnings"] = [str(w.message) for w in caught]
         results["cases"][case] = res
         results["world_size"] = learner.world_size
         results.setdefault("group_timeouts", group_timeouts())  # ModelParallelStrategy(timeout=90 s), kept
