@@ -75,11 +75,13 @@ class ShardedLoss(nn.Module):
         [LayerUnit()]
         >>> [tuple(p.shape) for _, p in owner.named_loss_parameters()]
         [(2, 4), (2,)]
-        >>> net.weight.numel()  # the loss's own parameter is emptied: the owner holds it now
-        0
+        >>> net.weight.numel()  # still full until the first update, load or full_parameters block
+        8
         >>> with owner.full_parameters():  # full weights for code outside update
         ...     net(torch.ones(1, 4)).shape
         torch.Size([1, 2])
+        >>> net.weight.numel()  # from then on emptied: the owner's shards are the weights
+        0
 
         ``FabricLearner(..., strategy="fsdp")`` builds it (``learner.sharded_module``) and the strategy's
         plan (:func:`shard_loss`) shards its units: with N ranks each holds about 1/N of every parameter,
