@@ -68,3 +68,22 @@ def test_every_class_the_readme_names_in_code_is_imported_there():
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id[:1].isupper()}
         missing += sorted(used - imported)
     assert not missing, f"README code uses {missing} without importing them"
+
+
+def test_the_readme_trainer_example_runs_as_written_under_ddp_and_fsdp(tmp_path):
+    """Its order (the learner, then SoftUpdate on its loss) works under both: ranks end in step, the targets
+    were updated and the checkpoint folder written (tests/workers/readme_trainer.py, one launch)."""
+    import torch
+    from multiproc import WORKERS, launch
+
+    proc = launch(os.path.join(WORKERS, "readme_trainer.py"), tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for strategy in ("ddp", "fsdp"):
+        a, b = ranks[0][strategy], ranks[1][strategy]
+        assert a["sharded"] == (strategy == "fsdp")
+        assert a["frames"] == b["frames"] == 256 and a["num_updates"] == b["num_updates"] == 2 * 8
+        assert a["targets_moved"] and b["targets_moved"]
+        for key, value in a["weights"].items():
+            assert torch.equal(value, b["weights"][key]), (strategy, key)
+        assert (tmp_path / f"{strategy}_ckpt" / "meta.json").exists()
