@@ -229,6 +229,8 @@ OUT_OF_ORDER = [
     ("closed", "ddp", "python"),
     ("loop", "fsdp", "python"),  # ... calls update()
     ("loop", "ddp", "python"),
+    ("trainer", "fsdp", "python"),  # Trainer.save_checkpoint() on rank 0, the learner's call on rank 1
+    ("trainer", "ddp", "python"),
 ]
 
 
@@ -297,6 +299,13 @@ def test_a_collective_method_called_out_of_order_is_named_on_every_rank_that_can
         assert proc.returncode == 0, out[-4000:]
         assert f"rank 0 raised: Rank 0: {call}() (collective call 1 of this process) cannot complete: rank 1 has " \
                "ended (closed its learner) and will not join it." in out, out[-4000:]
+    elif scenario == "trainer":  # the Trainer's checkpoint is named like the learner's own calls
+        assert proc.returncode == 0, out[-4000:]
+        assert "rank 0 raised: Rank 0: Trainer.save_checkpoint() (collective call 1 of this process) does not match " \
+               f"rank 1, which called {call}() at the same point." in out, out[-4000:]
+        assert f"rank 1 raised: Rank 1: {call}() (collective call 1 of this process) does not match rank 0, which " \
+               "called Trainer.save_checkpoint() at the same point." in out, out[-4000:]
+        assert "rank 0 trained on" in out and "rank 1 trained on" in out
     else:  # rank 1's update names rank 0's call; rank 0 then learns rank 1 failed
         assert proc.returncode != 0, out[-4000:]
         assert "Rank 1: update() call 3 could not complete a collective with the other ranks (it timed out waiting " \

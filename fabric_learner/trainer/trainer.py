@@ -67,11 +67,14 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.trainers import ReplayBufferTrainer
 from torchrl.trainers import Trainer as _TorchRLTrainer
 
+from fabric_learner import _call_order
+from fabric_learner._compat import strategy_timeout
 from fabric_learner.asynchronous import NO_COLLECTOR_STATE, AsyncCollection, versioned_policy
 from fabric_learner.checkpoint import trainer_folder, trainer_state
 from fabric_learner.checkpoint.resize import fill_replay, replay_share, reseed
 from fabric_learner.checkpoint.trainer_state import CHECKPOINT_FORMAT
 from fabric_learner.collectives import all_reduce, distributed_world_size
+from fabric_learner.fabric import _lost_peer
 from fabric_learner.trainer.async_loop import AsyncLoop, warn_discarded
 from fabric_learner.trainer.hooks import LearnerStepper, LogThroughput, _TargetNetUpdate
 from fabric_learner.trainer.logging import _adapt_logger
@@ -248,6 +251,32 @@ class Trainer(_TorchRLTrainer):
 
     distributed = _distributed  # part of async_loop.AsyncHost
 
+    def _collective(self, name: str) -> contextlib.AbstractContextManager:
+        """Checks, before the call's first collective, that every rank makes this same call (see ``_call_order``)."""
+        strategy = getattr(getattr(self.learner, "fabric", None), "strategy", None)
+        timeout = strategy_timeout(strategy) if strategy is not None else None
+        return _call_order.collective_call(f"Trainer.{name}", self.global_rank, self._world_size, timeout)
+
+    @contextlib.contextmanager
+    def _peers_named(self, what: str):
+        """A per-batch collective of the loop (off the store, as ``update``): when it fails because a peer is
+        gone or elsewhere, the error names this step and what the peers last announced."""
+        try:
+            yield
+        except RuntimeError as err:
+            lost = _lost_peer(err)
+            if lost is None:
+                raise
+            _call_order.note_failure(f"failed (in the Trainer's {what})")
+            peers = _call_order.peer_announcements()
+            raise RuntimeError(
+                f"Rank {self.global_rank}: the Trainer's {what} could not complete a collective with the other ranks "
+                f"({lost}). {peers[:1].upper() + peers[1:] + '. ' if peers else ''}Every rank must run the same "
+                "Trainer program: train(), its hooks and its checkpoints at the same points, and the learner's "
+                "collective methods (get_weights, save, ...) on every rank or none; see that rank's output for its "
+                "own error."
+            ) from err
+
     def _barrier(self) -> None:
         if self._distributed():
             dist.barrier()
@@ -399,7 +428,8 @@ class Trainer(_TorchRLTrainer):
         """Global frames of this batch, whether any rank's collector ran dry, and the warm-up total."""
         if not self._distributed():
             return frames, exhausted, init_random
-        vec = all_reduce(torch.tensor([frames, int(exhausted), init_random], dtype=torch.int64))
+        with self._peers_named("frame count after a collected batch"):
+            vec = all_reduce(torch.tensor([frames, int(exhausted), init_random], dtype=torch.int64))
         return int(vec[0]), bool(vec[1]), int(vec[2])
 
     def _sync_stop(self) -> bool:
@@ -407,7 +437,8 @@ class Trainer(_TorchRLTrainer):
             warnings.warn(f"Trainer stopping early: {self._stop_reason}", stacklevel=2)
         if not self._distributed():
             return bool(self._stop_training)
-        stop = bool(all_reduce(torch.tensor(int(self._stop_training), dtype=torch.int64)).item())
+        with self._peers_named("stop check after a batch"):
+            stop = bool(all_reduce(torch.tensor(int(self._stop_training), dtype=torch.int64)).item())
         if stop and not self._stop_training:
             self.request_stop("another rank requested a stop")
         return stop
@@ -450,7 +481,8 @@ class Trainer(_TorchRLTrainer):
     def _post_optim_complete_log_hook(self, optim_steps: int, average_losses: TensorDictBase | None) -> None:
         if average_losses is not None and self._distributed() and len(average_losses.keys()):
             keys = sorted(average_losses.keys())
-            vec = all_reduce(torch.stack([average_losses.get(k).reshape(()).float() for k in keys]))
+            with self._peers_named("loss averages logged after a batch"):
+                vec = all_reduce(torch.stack([average_losses.get(k).reshape(()).float() for k in keys]))
             average_losses = TensorDict({k: vec[i] / self._world_size for i, k in enumerate(keys)}, [])
         super()._post_optim_complete_log_hook(optim_steps, average_losses)
 
@@ -558,7 +590,8 @@ class Trainer(_TorchRLTrainer):
                 out["in_flight"] = "discarded"  # queued batches and rollouts in progress are not saved
             return out
 
-        trainer_folder.write(path, self.global_rank, self._barrier, self.learner.save, self._rank_state, meta)
+        with self._collective("save_checkpoint"):
+            trainer_folder.write(path, self.global_rank, self._barrier, self.learner.save, self._rank_state, meta)
 
     def load_from_file(self, file: str | os.PathLike, **kwargs) -> Trainer:
         """Resume from a checkpoint folder written by :meth:`save_checkpoint` (every rank calls it).
@@ -567,6 +600,10 @@ class Trainer(_TorchRLTrainer):
         counters, hooks (replay buffer), collector and RNG states, and publishes the weights
         to the collector. ``weights_only`` loading: no code is unpickled.
         """
+        with self._collective("load_from_file"):
+            return self._load_from_file(file)
+
+    def _load_from_file(self, file: str | os.PathLike) -> Trainer:
         path = trainer_folder.locate(file)
         if path is None:
             raise FileNotFoundError(f"No fabric_learner trainer checkpoint at {file} (no {trainer_folder.META_FILE}).")

@@ -43,7 +43,7 @@ def main(scenario, strategy):
         learner = FabricLearner(make_loss("dqn")[0], accelerator="cpu", devices=2, strategy=strategy, timeout=5)
     rank = learner.global_rank
     print(f"rank {rank} group timeouts {group_timeouts()}", flush=True)
-    if scenario in ("mismatch", "closed", "loop"):
+    if scenario in ("mismatch", "closed", "loop", "trainer"):
         return out_of_order(learner, rank, scenario, strategy)
     calls = 3 if rank == 0 else 2
     for step in range(calls):
@@ -78,6 +78,17 @@ def out_of_order(learner, rank, scenario, strategy):
         except CallOrderError as err:
             print(f"rank {rank} raised: {err}", flush=True)
         learner.close()
+    elif scenario == "trainer":  # the Trainer's checkpoint against the learner's own collective
+        from fabric_learner import Trainer
+
+        trainer = Trainer(learner=learner, collector=None, total_frames=0, optim_steps_per_batch=1, progress_bar=False)
+        folder = os.path.join(sys.argv[3], "trainer")
+        try:
+            trainer.save_checkpoint(folder) if rank == 0 else gather()
+        except CallOrderError as err:
+            print(f"rank {rank} raised: {err}", flush=True)
+        trainer.save_checkpoint(folder)  # the same call on both ranks: it works
+        print(f"rank {rank} trained on", flush=True)
     else:  # loop
         if rank == 0:
             gather()

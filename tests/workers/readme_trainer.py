@@ -59,7 +59,8 @@ def run(strategy: str, out_dir: str) -> dict:
         moved = any(not torch.equal(a, b) for a, b in zip(targets_before.values(True, True),
                                                             loss.target_value_network_params.values(True, True)))
     return {"num_updates": learner.num_updates, "frames": trainer.collected_frames, "targets_moved": moved,
-            "weights": learner.get_weights(cpu_offload=False).flatten_keys(".").to_dict(), "sharded": learner.capabilities.sharded}
+            "weights": learner.get_weights(cpu_offload=False).flatten_keys(".").to_dict(),
+            "sharded": learner.capabilities.sharded}
 
 
 def main(out_dir: str) -> None:
