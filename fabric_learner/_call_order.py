@@ -139,12 +139,6 @@ def collective_call(name: str, rank: int, world_size: int, timeout: timedelta | 
         announce(f"left {name}() (collective call {seq})")
 
 
-def check_call(name: str, rank: int, world_size: int, timeout: timedelta | None) -> None:
-    """``collective_call`` for an entry point whose collective outlives the call (a context manager)."""
-    with collective_call(name, rank, world_size, timeout):
-        pass
-
-
 def _agree(store, name: str, seq: int, rank: int, world_size: int, timeout: timedelta | None) -> None:
     label = f"{name}() (collective call {seq} of this process)"
     start = time.monotonic()
