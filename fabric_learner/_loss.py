@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_tensorclass
 
 
 def loss_keys(output: TensorDictBase) -> list[str]:
@@ -12,6 +12,15 @@ def loss_keys(output: TensorDictBase) -> list[str]:
     The prefix is ``"loss"``, not ``"loss_"``: DQN, GAIL and OnlineDT emit a bare ``"loss"``.
     """
     return [k for k in output.keys() if isinstance(k, str) and k.startswith("loss")]
+
+
+def as_tensordict(output) -> TensorDictBase:
+    """``output`` as a TensorDict: a TensorClass (torchrl's LLM losses return ``GRPOLossOutput``) gives its own.
+
+    The TensorClass's TensorDict shares its tensors; fields left ``None`` are absent from it.
+    """
+    inner = getattr(output, "_tensordict", None)
+    return inner if is_tensorclass(output) and isinstance(inner, TensorDictBase) else output
 
 
 def total_loss(output: TensorDictBase) -> torch.Tensor:

@@ -34,6 +34,7 @@ from fabric_learner._stages import Stage
 from fabric_learner.backends import Counters, Resumed, Setup, backend_for
 from fabric_learner.checkpoint import dcp_folder
 from fabric_learner.checkpoint.files import naming, read_learner_file
+from fabric_learner.collectives import all_reduce, distributed_world_size
 from fabric_learner.learner import Capabilities, Learner, clipped_norm
 from fabric_learner.optim import OptimizerLike, optimizer_params
 from fabric_learner.sharding import ShardedLoss
@@ -255,6 +256,11 @@ class FabricLearner(Learner):
 
     def _scaler_handles_overflow(self) -> bool:
         return self._scaler is not None
+
+    def _sum_over_ranks(self, value: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self.world_size == 1:
+            return value, 1
+        return all_reduce(value, "sum"), distributed_world_size()  # over "dp": the ranks that feed batches
 
     def _abandon_window(self) -> None:
         super()._abandon_window()

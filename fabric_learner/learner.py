@@ -21,14 +21,15 @@ from torch import nn
 
 from fabric_learner import _rng
 from fabric_learner._compile import CompiledLoss
-from fabric_learner._loss import detached, loss_keys, set_entry, total_loss
+from fabric_learner._loss import as_tensordict, detached, loss_keys, set_entry, total_loss
 from fabric_learner._staged_step import update_staged
 from fabric_learner._stages import Stage, check_stages
 from fabric_learner._step_parts import backward_seed, check_batch, reported_norm
 from fabric_learner.checkpoint import learner_state
 from fabric_learner.checkpoint.pending import PendingSave
 from fabric_learner.checkpoint.validate import check_checkpoint, clone_state
-from fabric_learner.optim import coverage_error, uncovered_with_grad
+from fabric_learner.llm import loss_count
+from fabric_learner.optim import coverage_error, optimizer_params, uncovered_with_grad
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,10 @@ class Learner(nn.Module):
                 raise ValueError("With stages=, give each Stage its own clip_grad_norm; the learner's "
                                  "clip_grad_norm applies to a single optimizer only.")
             check_stages(stages, loss_module.named_parameters(), loss_module)
+        counts = loss_count(loss_module)  # torchrl's LLM losses: their micro-batch sums, normalised per window
+        if counts is not None and stages is not None:
+            raise ValueError(f"{type(loss_module).__name__} is normalised by its token or sample count over the "
+                             "window, which the staged step does not do; train it with one optimizer (stages=None).")
         _materialize_lazy_state(loss_module)
         super().__init__()
         self.loss_module = loss_module
@@ -134,6 +139,8 @@ class Learner(nn.Module):
         object.__setattr__(self, "policy", policy)
         # what backends call for the loss forward: the loss, or it through torch.compile (_compile)
         object.__setattr__(self, "_loss_call", CompiledLoss(loss_module) if compile else loss_module)
+        object.__setattr__(self, "_counts", counts)
+        self._window_count: torch.Tensor | None = None  # the window's summed token/sample count (llm.py)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.grad_accum_steps = grad_accum_steps
         self.on_nonfinite = on_nonfinite
@@ -209,6 +216,9 @@ class Learner(nn.Module):
         """Forward and backward of one micro-batch; returns its output, detached."""
         # the step's own state, written past Module.__setattr__ (one Python call each, see _STEP_STATE)
         state = self.__dict__
+        counts = self._counts
+        if counts is not None:
+            counts.reset()
         try:
             output = self._forward(batch)
         except (KeyError, AttributeError, TypeError, RuntimeError) as err:
@@ -216,8 +226,16 @@ class Learner(nn.Module):
             if named is err:
                 raise
             raise named from err
+        if type(output) is not TensorDict:
+            output = as_tensordict(output)  # torchrl's LLM losses return TensorClasses
         loss = total_loss(output)
         mark = loss.detach()
+        if counts is not None:
+            # the micro-batch's sum; the window's total count divides the gradients in _step (llm.py).
+            # Ranks hold different counts by design: their sample counts are not compared.
+            count = counts.take(batch).to(mark.device)
+            state["_window_count"] = count if self._accum_step == 0 else self._window_count + count
+            samples = 0
         if self._accum_step == 0:
             if _has_gradients(self._torch_optimizer):  # not left by a step: someone else's backward
                 self._torch_optimizer.zero_grad(set_to_none=True)
@@ -228,7 +246,9 @@ class Learner(nn.Module):
             # 0 * mark is 0, or NaN when mark is not finite: the first loss stays, or turns NaN
             state["_window_mark"] = self._window_mark + mark * 0
         seed = backward_seed(mark) if self._poison_gradients else None
-        if self.grad_accum_steps > 1:
+        if counts is not None:
+            loss = loss * count
+        elif self.grad_accum_steps > 1:
             loss = loss / self.grad_accum_steps
         self._backward(loss, seed)  # even when non-finite: ranks must run the same collectives
         state["_accum_step"] += 1
@@ -246,6 +266,8 @@ class Learner(nn.Module):
                 self._abandon_window()
                 raise coverage_error(missing)
             self._coverage_checked = True
+        if self._counts is not None:
+            self._normalize_gradients()
         grad_norm = self._clip_gradients(math.inf if self.clip_grad_norm is None else self.clip_grad_norm)
         set_entry(result, "grad_norm", reported_norm(grad_norm, result.device))
         if self._refuse_step(grad_norm):  # the step's host sync
@@ -266,6 +288,18 @@ class Learner(nn.Module):
         state["num_updates"] += 1
         self._weights_changed()
         return result
+
+    def _normalize_gradients(self) -> None:
+        """Divide the window's summed gradients by its token/sample count over all ranks (see ``llm``).
+
+        Each rank's gradients arrive averaged over the ranks (DDP, FSDP), so the factor is the rank
+        count over the total count: the step of one process on the whole batch.
+        """
+        total, ranks = self._sum_over_ranks(self._window_count)
+        factor = ranks / max(total.item(), 1.0)  # a float: the gradients may be DTensors
+        for param in optimizer_params(self._torch_optimizer):
+            if param.grad is not None:
+                param.grad.mul_(factor)
 
     def _refuse_step(self, grad_norm: torch.Tensor) -> bool:
         """Whether the window's step must not be taken: a non-finite grad norm, or here (one rank) loss.
@@ -332,6 +366,10 @@ class Learner(nn.Module):
 
     def _weights_changed(self) -> None:
         """After an optimizer step or a load: bring copies used outside ``update`` up to date."""
+
+    def _sum_over_ranks(self, value: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``value`` summed over the data-parallel ranks, and their number (here: itself, 1)."""
+        return value, 1
 
     def _scaler_handles_overflow(self) -> bool:
         """True when a grad scaler steps the optimizer (it skips inf-gradient steps itself)."""
@@ -593,7 +631,7 @@ NONFINITE_MODES = ("raise", "skip")
 # Learner attributes set on every update (never parameters, buffers or modules): see Learner.__setattr__
 _STEP_STATE = frozenset({
     "num_updates", "skipped_updates", "_accum_step", "_window_results", "_window_mark", "_window_samples",
-    "_window_batches", "_group_seeds", "_poison_gradients",
+    "_window_batches", "_group_seeds", "_poison_gradients", "_window_count",
 })
 
 
