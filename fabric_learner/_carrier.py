@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from torch import nn
 
 
@@ -76,24 +76,40 @@ def run_loss(loss_module: Callable, batch: TensorDictBase, device: torch.device,
 
     moves = batch.device is not None and batch.device != device
     fed = batch.apply(to_loss, device=device) if moves else batch.apply(to_loss)
-    given = dict(fed.items(include_nested=True, leaves_only=True))
+    pairs = list(_parts(batch, fed))
+    given = [dict(part.items(include_nested=True, leaves_only=True)) for _, part in pairs]
     output = loss_module(fed)
-    written = [
-        (key, value)
-        for key, value in fed.items(include_nested=True, leaves_only=True)
-        if given.get(key) is not value
-    ]
+    for (original_part, part), before in zip(pairs, given):
+        _write_back(original_part, part, before)
+    return output
+
+
+def _parts(batch: TensorDictBase, fed: TensorDictBase):
+    """``(batch's, fed's)`` pairs of dense TensorDicts: the members of a lazy stack (ragged samples, as
+    torchrl's LLM batches are: their entries cannot be stacked), else the two themselves."""
+    if isinstance(batch, LazyStackedTensorDict) and isinstance(fed, LazyStackedTensorDict):
+        for original, part in zip(batch.tensordicts, fed.tensordicts):
+            yield from _parts(original, part)
+    else:
+        yield batch, fed
+
+
+def _write_back(batch: TensorDictBase, fed: TensorDictBase, given: dict) -> None:
+    """What the loss wrote into ``fed`` (a copy of ``batch``), set on ``batch`` in its own device and dtype."""
+    written = [(key, value) for key, value in fed.items(include_nested=True, leaves_only=True)
+               if given.get(key) is not value]
     for key, value in written:
         original = batch.get(key, None) if key in given else None
         dtype = original.dtype if isinstance(original, torch.Tensor) else value.dtype
         batch.set(key, value.to(device=_device_of(batch, key, value), dtype=dtype))
-    return output
 
 
 def _on_device(batch: TensorDictBase, device: torch.device) -> bool:
     bdev = batch.device
     if bdev is not None:
         return bdev == device
+    if isinstance(batch, LazyStackedTensorDict):  # ragged members: walked one by one
+        return all(_on_device(part, device) for part in batch.tensordicts)
     entries = getattr(batch, "_tensordict", None) if type(batch) is TensorDict else None
     if entries is not None:
         # a plain TensorDict's own entries, walked directly: ~10x cheaper than values(include_nested=True)
