@@ -8,6 +8,7 @@ the other two have their ranks forked from tests/zygote.py, as a launcher starts
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -31,3 +32,21 @@ def test_the_example_trains_under_the_strategy_with_nothing_else_changed(example
     done = [line for line in proc.stdout.splitlines() if line.startswith("done: 2 rank(s)")]
     assert len(done) == 1, proc.stdout[-4000:]
     assert ("sharded (FSDP)" in done[0]) == (strategy == "fsdp"), done[0]
+
+
+GRPO_STRATEGY = "ddp"  # the example's default is fsdp; the test follows once transformers models shard (#35)
+
+
+def test_grpo_countdown_trains_on_two_ranks_and_refreshes_its_generation_copy(tmp_path):
+    """Two GRPO updates on Countdown: each rank samples its own group, the learner steps, the copy is refreshed."""
+    script = os.path.join(ROOT, "examples", "grpo_countdown.py")
+    curve = tmp_path / "curve.json"
+    proc = launch(script, "--steps", "2", "--group", "4", "--micro-batch", "2", "--max-new-tokens", "8",
+                  "--strategy", GRPO_STRATEGY, "--no-progress", "--curve", str(curve), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.leftovers == 0
+    done = [line for line in proc.stdout.splitlines() if line.startswith("done: 2 rank(s)")]
+    assert len(done) == 1 and ", 2 updates, 16 completions," in done[0], proc.stdout[-4000:]
+    points = json.loads(curve.read_text())["curve"]
+    assert [p["update"] for p in points] == [1, 2]
+    assert all(0.0 <= p["reward"] <= 2.1 and p["grad_norm"] > 0 for p in points), points
