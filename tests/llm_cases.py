@@ -16,6 +16,7 @@ from fabric_learner.testing import grpo_batch, grpo_example
 #: reply lengths in words: PIECES[rank][micro-batch]
 PIECES = {0: ([14, 3, 11], [9, 16]), 1: ([1, 4], [2])}
 CASES = ("token_mean", "prompt_mean", "sft")
+VARIANTS = ("dapo", "cispo")  # GRPO's subclasses, token_mean: checked in one process
 
 
 def make_loss(case: str):
@@ -25,6 +26,12 @@ def make_loss(case: str):
 
         _, policy, _ = grpo_example(reply_words=(1,))
         return SFTLoss(policy, reduction="mean"), policy
+    if case in VARIANTS:
+        from torchrl.objectives.llm import DAPO, CISPOLoss
+
+        _, policy, _ = grpo_example(reply_words=(1,))
+        kind = DAPO if case == "dapo" else CISPOLoss
+        return kind(policy, masking_strategy="rlhf", clip_epsilon=(0.2, 0.28)), policy
     loss, policy, _ = grpo_example(reply_words=(1,), aggregation=case)
     return loss, policy
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from llm_cases import CASES, PIECES, SGD, gradients, make_loss, pieces, tokens, whole
+from llm_cases import CASES, PIECES, SGD, VARIANTS, gradients, make_loss, pieces, tokens, whole
 from multiproc import WORKERS, launch
 
 from fabric_learner import LocalLearner
@@ -49,7 +49,7 @@ def recipe_gradients(case):
 
 @pytest.fixture(scope="module")
 def reference():
-    return {case: local_step(case, lambda b: [whole(b)]) for case in CASES}
+    return {case: local_step(case, lambda b: [whole(b)]) for case in CASES + VARIANTS}
 
 
 def test_the_ranks_feed_very_unequal_token_counts():
@@ -61,7 +61,7 @@ def test_the_ranks_feed_very_unequal_token_counts():
     assert {len(b) for micro in PIECES.values() for b in micro} != {1}  # micro-batches hold several lengths: padded
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + VARIANTS)
 def test_micro_batches_in_one_process_equal_the_whole_batch(reference, case):
     before, after, norm = local_step(case, lambda b: [batch for micro in b.values() for batch in micro], 4)
     ref_before, ref_after, ref_norm = reference[case]
