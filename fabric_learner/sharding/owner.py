@@ -51,8 +51,8 @@ from torch.distributed.tensor import DTensor
 
 from fabric_learner import _compat
 from fabric_learner._carrier import Carrier, output_leaves, run_loss
-from fabric_learner.sharding.discovery import loss_networks, stacked_layers
-from fabric_learner.sharding.routing import LayerUnit, flat_name, marker, route, storage_of
+from fabric_learner.sharding.discovery import decoder_blocks, loss_networks, stacked_layers
+from fabric_learner.sharding.routing import BlockUnit, LayerUnit, flat_name, marker, route, route_block, storage_of
 
 
 class ShardedLoss(nn.Module):
@@ -88,8 +88,9 @@ class ShardedLoss(nn.Module):
         and ``full_parameters`` becomes a collective.
     """
 
-    def __init__(self, loss_module: nn.Module, device: torch.device, convert=None, serve=()) -> None:
+    def __init__(self, loss_module: nn.Module, device: torch.device, convert=None, serve=(), mp_policy=None) -> None:
         super().__init__()
+        self.__dict__["mp_policy"] = mp_policy  # FSDP2's MixedPrecisionPolicy the plans apply by default
         self.__dict__["loss_module"] = loss_module
         self.__dict__["_device"] = device
         self.__dict__["_convert"] = convert
@@ -115,24 +116,35 @@ class ShardedLoss(nn.Module):
             leaves.append((path, module, attrs, members))
             claimed.update({n: path for n in attrs.values()})
         self.layers = nn.ModuleDict()
-        fqns = {}
+        self.blocks = nn.ModuleDict()
+        inside = {}  # id of a module inside a decoder block -> that block's unit
+        for path, block in decoder_blocks(loss_module):
+            self.blocks[flat_name(path)] = BlockUnit(self, path, block)
+            inside.update({id(m): self.blocks[flat_name(path)] for m in block.modules()})
+        fqns, units = {}, []
         for path, module, attrs, members in leaves:
             unit = LayerUnit(self, path, module, attrs, members)
+            units.append(unit)
             key = flat_name(path)
+            block = inside.get(id(module)) if members is None else None
+            prefix = f"blocks.{flat_name(block.path)}.layers" if block is not None else "layers"
             for name in attrs.values():
                 unit.register_parameter(flat_name(name), _as_parameter(originals[name]))
-                fqns[name] = f"layers.{key}.{flat_name(name)}"
-            self.layers[key] = unit
+                fqns[name] = f"{prefix}.{key}.{flat_name(name)}"
+            (block.layers if block is not None else self.layers)[key] = unit
+        for key in [k for k, b in self.blocks.items() if not b.layers]:
+            del self.blocks[key]  # a block holding none of the loss's parameters is no unit
         whole = [n for n in names if n not in claimed]
         for name in whole:
             self.register_parameter(flat_name(name), _as_parameter(originals[name]))
             fqns[name] = flat_name(name)
+        self.__dict__["_units"] = units
         self.__dict__["names"] = names
         self.__dict__["shapes"] = shapes
         self.__dict__["_originals"] = originals
         self.__dict__["_fqns"] = fqns
         self.__dict__["_whole"] = whole  # gathered for the whole loss call
-        self.__dict__["_members"] = {n: u.members for u in self.layers.values() if u.members for n in u.attrs.values()}
+        self.__dict__["_members"] = {n: u.members for u in self.layer_units() if u.members for n in u.attrs.values()}
         self.__dict__["_served"] = set()
         self.__dict__["_inside"] = 0  # > 0 while the loss's parameters hold full tensors
         # the loss's own parameters still hold the current full weights: from construction until the first
@@ -151,14 +163,20 @@ class ShardedLoss(nn.Module):
             for name, param in originals.items():
                 if name in self._served:
                     param.data = param.data.clone()  # its own storage: the shard will not alias it
-        for unit in self.layers.values():
+        for unit in self.layer_units():
             unit.leaf.forward = types.MethodType(functools.partial(route, unit), unit.leaf)
+        for unit in self.block_units():
+            unit.block.forward = types.MethodType(functools.partial(route_block, unit), unit.block)
         _compat.watch_target_updaters(loss_module, self._updater_built)
         self._guard_emptied_modules()
 
     def layer_units(self) -> list[LayerUnit]:
-        """The per-layer units, in the loss's order: ``fully_shard`` each, then this module."""
-        return list(self.layers.values())
+        """The per-layer units, in the loss's order (those inside decoder blocks included)."""
+        return list(self._units)
+
+    def block_units(self) -> list[BlockUnit]:
+        """One unit per decoder layer of the loss's transformers models (see ``decoder_blocks``), in order."""
+        return list(self.blocks.values())
 
     def fqn(self, name: str) -> str:
         """The name torch's state-dict API gives the loss's parameter ``name`` here."""
