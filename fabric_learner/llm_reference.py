@@ -28,7 +28,9 @@ class ReferenceLogProbs:
     The model is frozen here (``requires_grad_(False)``, eval mode) and wrapped in torchrl's
     ``TransformersWrapper(generate=False, return_log_probs=True)``, reading the conversation
     (``input_mode="history"``). With a sharded ``learner`` (``strategy="fsdp"``) the model is
-    sharded in place over the learner's data-parallel ranks with the learner's plan, so each rank
+    sharded in place over the learner's data-parallel ranks as the default plan shards the policy
+    (``apply_fsdp``: one unit per decoder layer, the rest in the root; the learner's
+    mixed-precision policy), so each rank
     holds 1/N of it and each decoder layer is gathered only while it runs; calling it is then a
     collective (every rank calls it, each with its own batch, as it calls ``update``). The
     log-probs equal one process's on the same samples. Never in the learner's optimizer or

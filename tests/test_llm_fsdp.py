@@ -38,7 +38,7 @@ def ranks(tmp_path_factory):
 def local(case, optimizer=None, frozen=(), reference=False, halves=False, **loss_kwargs):
     """LocalLearner on the full batches, as the ranks trained on their halves (with ``halves``: each step
     accumulated over two micro-batches, the ranks' halves, which the learner weighs as it weighs two ranks)."""
-    loss, policy = checks.build(case, **loss_kwargs)
+    loss, policy = checks.tied_example() if case == "tied" else checks.build(case, **loss_kwargs)
     ref = ReferenceLogProbs(tiny_causal_lm(seed=1, tokenizer=policy.tokenizer), policy.tokenizer) if reference else None
     data = checks.batches(policy, None, ref)
     for name, p in loss.named_parameters():
@@ -162,3 +162,21 @@ def test_frozen_parameters_are_sharded_without_gradients_or_optimizer_state(rank
             assert torch.equal(got["model"][name], oracle["initial"][name]), name
     assert_ranks_agree(ranks, "frozen")
     assert_states(ranks[0]["frozen"]["model"], oracle["model"], atol=1e-5)
+
+
+def test_tied_embeddings_train_save_and_load_like_one_process(ranks):
+    """A model whose LM head is its input embedding (one parameter in two layers, tie_word_embeddings=True, as
+    small Qwen2 models ship): both layers use the one sharded parameter, gathered with the root; training equals
+    one process, the checkpoint holds both names as one process's does, and the folder loads back on 2 ranks and
+    into one process."""
+    oracle = local("tied")
+    assert_ranks_agree(ranks, "tied")
+    got = ranks[0]["tied"]
+    assert "actor_network.model.lm_head.weight" in got["model"]
+    assert_states(got["model"], oracle["model"], atol=1e-5)
+    assert_states(got["reloaded"], got["model"], atol=0)
+    loss, policy = checks.tied_example()
+    one = LocalLearner(loss, checks.sgd(), policy=policy)
+    one.load(got["folder"])
+    assert_states(one.checkpoint()["model"], got["model"], atol=0)
+    assert policy.model.lm_head.weight is policy.model.model.embed_tokens.weight  # still tied after the load

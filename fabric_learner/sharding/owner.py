@@ -100,16 +100,18 @@ class ShardedLoss(nn.Module):
             shapes[name] = param.shape
             originals[name] = param
         by_id = {id(p): n for n, p in originals.items()}
-        leaves, claimed, seen = [], {}, set()
+        leaves, claimed, seen, aliases = [], {}, set(), {}
         for path, module in loss_networks(loss_module):
             if id(module) in seen or module is loss_module or isinstance(module, TensorDictBase):
                 continue  # a TensorDictParams holds parameters but is never called: not a layer
             seen.add(id(module))
             attrs = {a: by_id[id(p)] for a, p in module.named_parameters(recurse=False) if id(p) in by_id}
-            attrs = {a: n for a, n in attrs.items() if n not in claimed}
             if attrs:
+                # a parameter another leaf already holds (tied embeddings: the LM head's weight is the input
+                # embedding's) stays owned by that leaf's unit; this leaf's unit reads it from there
+                aliases[id(module)] = frozenset(n for n in attrs.values() if n in claimed)
                 leaves.append((path, module, attrs, None))
-                claimed.update({n: path for n in attrs.values()})
+                claimed.update({n: path for n in attrs.values() if n not in claimed})
         stacked = stacked_layers(loss_module, [n for n in names if n not in claimed], shapes,
                                   {id(leaf) for _, leaf, _, _ in leaves})
         for path, module, attrs, members in stacked:
@@ -123,17 +125,25 @@ class ShardedLoss(nn.Module):
             inside.update({id(m): self.blocks[flat_name(path)] for m in block.modules()})
         fqns, units = {}, []
         for path, module, attrs, members in leaves:
-            unit = LayerUnit(self, path, module, attrs, members)
+            unit = LayerUnit(self, path, module, attrs, members, aliases.get(id(module), frozenset()))
             units.append(unit)
             key = flat_name(path)
             block = inside.get(id(module)) if members is None else None
             prefix = f"blocks.{flat_name(block.path)}.layers" if block is not None else "layers"
             for name in attrs.values():
+                if name in unit.aliases:
+                    continue
                 unit.register_parameter(flat_name(name), _as_parameter(originals[name]))
                 fqns[name] = f"{prefix}.{key}.{flat_name(name)}"
             (block.layers if block is not None else self.layers)[key] = unit
         for key in [k for k, b in self.blocks.items() if not b.layers]:
             del self.blocks[key]  # a block holding none of the loss's parameters is no unit
+        shared = {n for u in units for n in u.aliases}
+        for unit in units:  # both sides of a tie must be gathered together: neither is sharded alone
+            unit.__dict__["tied"] = any(n in shared for n in unit.attrs.values())
+        # state-dict keys of tied parameters other than the loss's name for them (lm_head.weight)
+        self.__dict__["tied_keys"] = {k: by_id[id(v)] for k, v in loss_module.state_dict(keep_vars=True).items()
+                                      if id(v) in by_id and k != by_id[id(v)]}
         whole = [n for n in names if n not in claimed]
         for name in whole:
             self.register_parameter(flat_name(name), _as_parameter(originals[name]))

@@ -29,8 +29,8 @@ def apply_fsdp(module: nn.Module, dp_mesh, min_unit_numel: int = MIN_UNIT_NUMEL,
     any other module, its submodules whose class a ``PreTrainedModel`` names in ``_no_split_modules``)
     is its own unit, whatever its size, resharded after its forward as FSDP2 does. Other layer units
     (``module.layer_units()`` outside those layers) holding at least ``min_unit_numel`` parameters get a
-    unit of their own; the rest (embeddings, final norm and LM head of a small model) is gathered
-    with the root for the whole call.
+    unit of their own; the rest (embeddings, final norm and LM head of a small model, and layers that
+    share a weight, as tied input and output embeddings do) is gathered with the root for the whole call.
 
     Args:
         module: the ``ShardedLoss`` a ``parallelize_fn`` receives, or a plain model (a frozen
@@ -72,9 +72,11 @@ def apply_fsdp(module: nn.Module, dp_mesh, min_unit_numel: int = MIN_UNIT_NUMEL,
     for block in blocks:
         if owner:
             block.__dict__["checkpointed"] = activation_checkpointing
+            if any(unit.tied for unit in block.layers.values()):
+                continue  # shares a weight with a layer outside it: gathered with the root
         fully_shard(block, reshard_after_forward=True, **kwargs)
     for unit in getattr(module, "layer_units", list)():
-        if id(unit) not in in_blocks and sum(p.numel() for p in unit.parameters()) >= min_unit_numel:
+        if id(unit) not in in_blocks and not unit.tied and sum(p.numel() for p in unit.parameters()) >= min_unit_numel:
             fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
     return module

@@ -63,8 +63,10 @@ class LayerUnit(nn.Module):
     """
 
     def __init__(self, owner: ShardedLoss, path: str, leaf: nn.Module, attrs: dict[str, str],
-                 members: int | None = None) -> None:
+                 members: int | None = None, aliases: frozenset = frozenset()) -> None:
         super().__init__()
+        self.__dict__["aliases"] = aliases  # loss names held by another unit (tied weights): read from there
+        self.__dict__["tied"] = False  # set by the owner: this unit shares a parameter with another
         self.__dict__["owner"] = owner
         self.__dict__["path"] = path
         self.__dict__["leaf"] = leaf
@@ -74,7 +76,8 @@ class LayerUnit(nn.Module):
         self.__dict__["_call"] = None  # how a stacked unit runs this call: ("member", i) or ("vmap", ...)
 
     def _full(self, attr: str, name: str) -> torch.Tensor:
-        full = getattr(self, flat_name(name)).view(self.owner.shapes[name])
+        held = self.owner.param(name) if name in self.aliases else getattr(self, flat_name(name))
+        full = held.view(self.owner.shapes[name])
         return full.detach() if attr in self._detached else full
 
     def _run_leaf(self, weights, args, kwargs):

@@ -46,6 +46,26 @@ def build(case, **loss_kwargs):
     return loss, policy
 
 
+def tied_example():
+    """``(loss, policy)``: GRPO on a tiny Qwen2 whose LM head is its input embedding (tie_word_embeddings=True)."""
+    from torchrl.modules.llm import TransformersWrapper
+    from torchrl.objectives.llm import GRPOLoss
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fabric_learner.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    policy = TransformersWrapper(model, tokenizer=tokenizer, input_mode="history", generate=False,
+                                 return_log_probs=True, pad_output=False)
+    return GRPOLoss(policy, masking_strategy="rlhf"), policy
+
+
 def batches(policy, rank=None, reference=None):
     """The STEPS batches, built from the initial policy; this rank's half of each (all when ``rank`` is None)."""
     out = []
@@ -189,6 +209,16 @@ def main(out_dir):
         "trained_state": sum(1 for n, p in owner.named_loss_parameters() if n not in frozen and state.get(p)),
         "reloaded_equal": all(torch.equal(saved["model"][k], after["model"][k]) for k in saved["model"]),
     }
+    # 7: tied input and output embeddings: one parameter, two layers; saved as one process saves it
+    loss, policy = tied_example()
+    data = batches(policy, rank)
+    learner = fsdp(loss, policy)
+    res = train(learner, data)
+    path = os.path.join(out_dir, "tied_ckpt")
+    learner.save(path)
+    learner.update(data[0])
+    learner.load(path)
+    results["tied"] = {**res, "reloaded": learner.checkpoint()["model"], "folder": path}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     learner.fabric.barrier()
     torch.distributed.destroy_process_group()
