@@ -180,3 +180,24 @@ def test_tied_embeddings_train_save_and_load_like_one_process(ranks):
     one.load(got["folder"])
     assert_states(one.checkpoint()["model"], got["model"], atol=0)
     assert policy.model.lm_head.weight is policy.model.model.embed_tokens.weight  # still tied after the load
+
+
+def test_bad_inputs_are_refused_before_anything_changes():
+    """One process, no launch: what the reference model and the plan refuse, with the fix named."""
+    import torch.nn as nn
+
+    from fabric_learner.sharding import apply_fsdp
+
+    model = tiny_causal_lm()
+    with pytest.raises(ValueError, match="activation_checkpointing=True applies to the decoder layers"):
+        apply_fsdp(model, None, activation_checkpointing=True)
+    assert not any(hasattr(m, "_get_fsdp_state") for m in model.modules())  # nothing was sharded
+    with pytest.raises(TypeError, match="copy.deepcopy"):
+        ReferenceLogProbs(model.state_dict(), None)
+    _, policy = checks.build("grpo")
+    reference = ReferenceLogProbs(model, policy.tokenizer)
+    batch = checks.batches(policy)[0]
+    with pytest.raises(KeyError, match="lacks"):
+        reference(batch.exclude("history"))
+    assert ("next", "ref_log_probs", "full") not in batch.keys(include_nested=True)
+    assert isinstance(model, nn.Module) and not any(p.requires_grad for p in model.parameters())

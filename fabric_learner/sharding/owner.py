@@ -7,7 +7,10 @@ trainable parameters (``loss.named_parameters()``) as its own: those a leaf modu
 networks holds (each ``Linear``, ...) go to that layer's ``LayerUnit``; so do, one unit per layer,
 the stacked ``[members, ...]`` weights of a critic ensemble that torchrl vmaps over (SAC's, TD3's,
 see ``STACKED_LOSSES``); the rest (``log_alpha``, the ensembles of losses that concatenate theirs)
-stay on the ``ShardedLoss``. ``shard_loss`` shards every unit of 1M parameters or more, then the
+stay on the ``ShardedLoss``. The layer units inside one decoder layer of a transformers model
+(``discovery.decoder_blocks``) are grouped under that layer's ``BlockUnit``, sharded as one unit
+whatever its size; a parameter two layers share (tied embeddings) is owned by the first layer's unit
+and read from there by the other's. ``shard_loss`` shards every unit of 1M parameters or more, then the
 ``ShardedLoss`` (smaller layers join its unit), so FSDP2 gathers one large layer at a time, as
 hand-written per-layer FSDP2 does, and the largest model it trains is not bounded by what fits on
 one rank.
