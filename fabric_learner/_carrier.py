@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass
 from torch import nn
 
 
@@ -54,6 +54,8 @@ class LossForwarder(nn.Module):
 
 def output_leaves(output: Any) -> tuple:
     """The tensors of a loss output, so that DDP and FSDP2 can find the graph behind it."""
+    if is_tensorclass(output):  # torchrl's LLM losses return TensorClasses (GRPOLossOutput)
+        output = output._tensordict
     if isinstance(output, TensorDictBase):
         return tuple(output.values(include_nested=True, leaves_only=True))
     if isinstance(output, torch.Tensor):

@@ -23,7 +23,7 @@ from fabric_learner.backends import sharded_state
 from fabric_learner.backends.base import Counters, Resumed, Setup, setup_stage_optimizers
 from fabric_learner.checkpoint import dcp_folder, learner_state
 from fabric_learner.optim import build_optimizer
-from fabric_learner.sharding import ShardedLoss, check_sharded, shard_loss
+from fabric_learner.sharding import ShardedLoss, check_sharded, precision_policy, shard_loss
 
 
 def default_sharded_strategy(timeout=None):
@@ -90,7 +90,8 @@ class ShardedBackend:
         loss_module.to(fabric.device)  # buffers (targets) stay in the loss, replicated
         self.fabric, self.loss_module = fabric, loss_module
         self.sharded_module = ShardedLoss(loss_module, fabric.device, setup.convert,
-                                          serve=[setup.policy] if setup.policy is not None else [])
+                                          serve=[setup.policy] if setup.policy is not None else [],
+                                          mp_policy=precision_policy(getattr(fabric.strategy.precision, "precision", "")))
         quiet_view_output_warning()
         self.module = fabric.setup_module(self.sharded_module)
         check_sharded(self.sharded_module, fabric.world_size)

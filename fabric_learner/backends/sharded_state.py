@@ -58,18 +58,25 @@ def policy_weights(owner: ShardedLoss, policy: nn.Module | None, cpu_offload: bo
 
 def loss_buffers(owner: ShardedLoss) -> dict[str, torch.Tensor]:
     """The loss's state that is not a trained parameter (targets, estimator constants), replicated."""
-    names = set(owner.names)
+    names = set(owner.names) | set(owner.tied_keys)
     return {k: v for k, v in owner.loss_module.state_dict(keep_vars=True).items() if k not in names}
+
+
+def _tied(owner: ShardedLoss, tensors: dict[str, Any]) -> dict[str, Any]:
+    """The state-dict keys of tied parameters (``lm_head.weight``), each the tensor of the name that owns it."""
+    return {k: tensors[n] for k, n in owner.tied_keys.items() if n in tensors}
 
 
 def model_state(owner: ShardedLoss) -> dict[str, Any]:
     full = full_weights(owner, cpu_offload=False)
+    full.update(_tied(owner, full))
     return {k: full[k] if k in full else v for k, v in owner.loss_module.state_dict().items()}
 
 
 def model_shapes(owner: ShardedLoss) -> dict[str, tuple]:
     shapes = {k: tuple(v.shape) for k, v in loss_buffers(owner).items()}
     shapes.update({n: tuple(s) for n, s in owner.shapes.items()})
+    shapes.update(_tied(owner, shapes))
     return {k: shapes[k] for k in owner.loss_module.state_dict(keep_vars=True)}
 
 
@@ -117,6 +124,7 @@ def sharded_tensors(owner: ShardedLoss, raw) -> tuple[dict[str, torch.Tensor], d
     optimizer's non-tensor state by loss name, and its param groups naming loss parameters."""
     model = get_model_state_dict(owner)
     tensors = {f"model/{n}": model[owner.fqn(n)] for n in owner.names}
+    tensors.update({f"model/{k}": model[owner.fqn(n)] for k, n in owner.tied_keys.items()})  # as one process saves
     tensors.update({f"model/{k}": v.detach() for k, v in loss_buffers(owner).items()})
     optim = get_optimizer_state_dict(owner, raw)
     by_flat = {owner.fqn(n): n for n in owner.names}
@@ -133,7 +141,8 @@ def sharded_tensors(owner: ShardedLoss, raw) -> tuple[dict[str, torch.Tensor], d
 
 def shapes_meta(owner: ShardedLoss) -> dict[str, list[int]]:
     return {**{k: list(v.shape) for k, v in loss_buffers(owner).items()},
-            **{n: list(s) for n, s in owner.shapes.items()}}
+            **{n: list(s) for n, s in owner.shapes.items()},
+            **{k: list(owner.shapes[n]) for k, n in owner.tied_keys.items()}}
 
 
 def load_targets(owner: ShardedLoss, raw) -> tuple[dict[str, torch.Tensor], Any]:

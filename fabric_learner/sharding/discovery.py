@@ -71,3 +71,28 @@ def loss_networks(loss: nn.Module):
     for path, module in loss.named_modules():
         if path:
             yield path, module
+
+
+def decoder_blocks(loss: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` for each decoder layer of the transformers models among the loss's networks.
+
+    A transformers ``PreTrainedModel`` names its repeated blocks in ``_no_split_modules`` (class
+    names, e.g. ``["Qwen2DecoderLayer"]``), which HF declares for exactly this: what must stay on
+    one device. Any module of such a model whose class is named there is a block; a block inside
+    another block is not one (the outer one is the unit). Models without the attribute give none.
+    """
+    names: set[str] = set()
+    for _, module in loss_networks(loss):
+        declared = getattr(type(module), "_no_split_modules", None) or getattr(module, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set)):
+            names.update(n for n in declared if isinstance(n, str))
+    if not names:
+        return []
+    found, seen, inside = [], set(), set()
+    for path, module in loss_networks(loss):
+        if id(module) in seen or id(module) in inside or type(module).__name__ not in names:
+            continue
+        seen.add(id(module))
+        inside.update(id(m) for m in module.modules() if m is not module)
+        found.append((path, module))
+    return found

@@ -7,7 +7,10 @@ trainable parameters (``loss.named_parameters()``) as its own: those a leaf modu
 networks holds (each ``Linear``, ...) go to that layer's ``LayerUnit``; so do, one unit per layer,
 the stacked ``[members, ...]`` weights of a critic ensemble that torchrl vmaps over (SAC's, TD3's,
 see ``STACKED_LOSSES``); the rest (``log_alpha``, the ensembles of losses that concatenate theirs)
-stay on the ``ShardedLoss``. ``shard_loss`` shards every unit of 1M parameters or more, then the
+stay on the ``ShardedLoss``. The layer units inside one decoder layer of a transformers model
+(``discovery.decoder_blocks``) are grouped under that layer's ``BlockUnit``, sharded as one unit
+whatever its size; a parameter two layers share (tied embeddings) is owned by the first layer's unit
+and read from there by the other's. ``shard_loss`` shards every unit of 1M parameters or more, then the
 ``ShardedLoss`` (smaller layers join its unit), so FSDP2 gathers one large layer at a time, as
 hand-written per-layer FSDP2 does, and the largest model it trains is not bounded by what fits on
 one rank.
@@ -51,8 +54,8 @@ from torch.distributed.tensor import DTensor
 
 from fabric_learner import _compat
 from fabric_learner._carrier import Carrier, output_leaves, run_loss
-from fabric_learner.sharding.discovery import loss_networks, stacked_layers
-from fabric_learner.sharding.routing import LayerUnit, flat_name, marker, route, storage_of
+from fabric_learner.sharding.discovery import decoder_blocks, loss_networks, stacked_layers
+from fabric_learner.sharding.routing import BlockUnit, LayerUnit, flat_name, marker, route, route_block, storage_of
 
 
 class ShardedLoss(nn.Module):
@@ -88,8 +91,9 @@ class ShardedLoss(nn.Module):
         and ``full_parameters`` becomes a collective.
     """
 
-    def __init__(self, loss_module: nn.Module, device: torch.device, convert=None, serve=()) -> None:
+    def __init__(self, loss_module: nn.Module, device: torch.device, convert=None, serve=(), mp_policy=None) -> None:
         super().__init__()
+        self.__dict__["mp_policy"] = mp_policy  # FSDP2's MixedPrecisionPolicy the plans apply by default
         self.__dict__["loss_module"] = loss_module
         self.__dict__["_device"] = device
         self.__dict__["_convert"] = convert
@@ -99,40 +103,61 @@ class ShardedLoss(nn.Module):
             shapes[name] = param.shape
             originals[name] = param
         by_id = {id(p): n for n, p in originals.items()}
-        leaves, claimed, seen = [], {}, set()
+        leaves, claimed, seen, aliases = [], {}, set(), {}
         for path, module in loss_networks(loss_module):
             if id(module) in seen or module is loss_module or isinstance(module, TensorDictBase):
                 continue  # a TensorDictParams holds parameters but is never called: not a layer
             seen.add(id(module))
             attrs = {a: by_id[id(p)] for a, p in module.named_parameters(recurse=False) if id(p) in by_id}
-            attrs = {a: n for a, n in attrs.items() if n not in claimed}
             if attrs:
+                # a parameter another leaf already holds (tied embeddings: the LM head's weight is the input
+                # embedding's) stays owned by that leaf's unit; this leaf's unit reads it from there
+                aliases[id(module)] = frozenset(n for n in attrs.values() if n in claimed)
                 leaves.append((path, module, attrs, None))
-                claimed.update({n: path for n in attrs.values()})
+                claimed.update({n: path for n in attrs.values() if n not in claimed})
         stacked = stacked_layers(loss_module, [n for n in names if n not in claimed], shapes,
                                   {id(leaf) for _, leaf, _, _ in leaves})
         for path, module, attrs, members in stacked:
             leaves.append((path, module, attrs, members))
             claimed.update({n: path for n in attrs.values()})
         self.layers = nn.ModuleDict()
-        fqns = {}
+        self.blocks = nn.ModuleDict()
+        inside = {}  # id of a module inside a decoder block -> that block's unit
+        for path, block in decoder_blocks(loss_module):
+            self.blocks[flat_name(path)] = BlockUnit(self, path, block)
+            inside.update({id(m): self.blocks[flat_name(path)] for m in block.modules()})
+        fqns, units = {}, []
         for path, module, attrs, members in leaves:
-            unit = LayerUnit(self, path, module, attrs, members)
+            unit = LayerUnit(self, path, module, attrs, members, aliases.get(id(module), frozenset()))
+            units.append(unit)
             key = flat_name(path)
+            block = inside.get(id(module)) if members is None else None
+            prefix = f"blocks.{flat_name(block.path)}.layers" if block is not None else "layers"
             for name in attrs.values():
+                if name in unit.aliases:
+                    continue
                 unit.register_parameter(flat_name(name), _as_parameter(originals[name]))
-                fqns[name] = f"layers.{key}.{flat_name(name)}"
-            self.layers[key] = unit
+                fqns[name] = f"{prefix}.{key}.{flat_name(name)}"
+            (block.layers if block is not None else self.layers)[key] = unit
+        for key in [k for k, b in self.blocks.items() if not b.layers]:
+            del self.blocks[key]  # a block holding none of the loss's parameters is no unit
+        shared = {n for u in units for n in u.aliases}
+        for unit in units:  # both sides of a tie must be gathered together: neither is sharded alone
+            unit.__dict__["tied"] = any(n in shared for n in unit.attrs.values())
+        # state-dict keys of tied parameters other than the loss's name for them (lm_head.weight)
+        self.__dict__["tied_keys"] = {k: by_id[id(v)] for k, v in loss_module.state_dict(keep_vars=True).items()
+                                      if id(v) in by_id and k != by_id[id(v)]}
         whole = [n for n in names if n not in claimed]
         for name in whole:
             self.register_parameter(flat_name(name), _as_parameter(originals[name]))
             fqns[name] = flat_name(name)
+        self.__dict__["_units"] = units
         self.__dict__["names"] = names
         self.__dict__["shapes"] = shapes
         self.__dict__["_originals"] = originals
         self.__dict__["_fqns"] = fqns
         self.__dict__["_whole"] = whole  # gathered for the whole loss call
-        self.__dict__["_members"] = {n: u.members for u in self.layers.values() if u.members for n in u.attrs.values()}
+        self.__dict__["_members"] = {n: u.members for u in self.layer_units() if u.members for n in u.attrs.values()}
         self.__dict__["_served"] = set()
         self.__dict__["_inside"] = 0  # > 0 while the loss's parameters hold full tensors
         # the loss's own parameters still hold the current full weights: from construction until the first
@@ -151,14 +176,20 @@ class ShardedLoss(nn.Module):
             for name, param in originals.items():
                 if name in self._served:
                     param.data = param.data.clone()  # its own storage: the shard will not alias it
-        for unit in self.layers.values():
+        for unit in self.layer_units():
             unit.leaf.forward = types.MethodType(functools.partial(route, unit), unit.leaf)
+        for unit in self.block_units():
+            unit.block.forward = types.MethodType(functools.partial(route_block, unit), unit.block)
         _compat.watch_target_updaters(loss_module, self._updater_built)
         self._guard_emptied_modules()
 
     def layer_units(self) -> list[LayerUnit]:
-        """The per-layer units, in the loss's order: ``fully_shard`` each, then this module."""
-        return list(self.layers.values())
+        """The per-layer units, in the loss's order (those inside decoder blocks included)."""
+        return list(self._units)
+
+    def block_units(self) -> list[BlockUnit]:
+        """One unit per decoder layer of the loss's transformers models (see ``decoder_blocks``), in order."""
+        return list(self.blocks.values())
 
     def fqn(self, name: str) -> str:
         """The name torch's state-dict API gives the loss's parameter ``name`` here."""

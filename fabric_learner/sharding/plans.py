@@ -1,8 +1,8 @@
 """Sharding plans: plain functions ``(module, mesh) -> module`` that decide where parameters live.
 
-A plan never branches on the model: a new kind of model (a transformers decoder, a tensor-parallel
-layout) is a new function over a named mesh, in the shape torchtitan's ``apply_fsdp``/``apply_tp``
-take. A user's plan (``ModelParallelStrategy(parallelize_fn=...)``) stays in user code.
+Plans are functions over a named mesh, in the shape torchtitan's ``apply_fsdp``/``apply_tp`` take;
+what a model offers (its layers, a transformers model's decoder layers) is found by ``discovery``.
+A user's plan (``ModelParallelStrategy(parallelize_fn=...)``) stays in user code.
 """
 
 from __future__ import annotations
@@ -21,45 +21,82 @@ if TYPE_CHECKING:
 MIN_UNIT_NUMEL = 1 << 20
 
 
-def apply_fsdp(module: nn.Module, dp_mesh, min_unit_numel: int = MIN_UNIT_NUMEL) -> nn.Module:
-    """``fully_shard`` over the data-parallel mesh ``dp_mesh``: each large layer unit, then the root.
+def apply_fsdp(module: nn.Module, dp_mesh, min_unit_numel: int = MIN_UNIT_NUMEL, *,
+               activation_checkpointing: bool = False, mp_policy=None) -> nn.Module:
+    """``fully_shard`` over the data-parallel mesh ``dp_mesh``: each decoder layer, each large layer, then the root.
 
-    Units (``module.layer_units()``, when ``module`` is a ``ShardedLoss``) holding at least
-    ``min_unit_numel`` parameters get a unit of their own, gathered only while the loss runs them;
-    the rest is gathered together with the root for the whole call.
+    Every decoder layer of a transformers model (``module.block_units()`` of a ``ShardedLoss``; for
+    any other module, its submodules whose class a ``PreTrainedModel`` names in ``_no_split_modules``)
+    is its own unit, whatever its size, resharded after its forward as FSDP2 does. Other layer units
+    (``module.layer_units()`` outside those layers) holding at least ``min_unit_numel`` parameters get a
+    unit of their own; the rest (embeddings, final norm and LM head of a small model, and layers that
+    share a weight, as tied input and output embeddings do) is gathered with the root for the whole call.
+
+    Args:
+        module: the ``ShardedLoss`` a ``parallelize_fn`` receives, or a plain model (a frozen
+            reference ``PreTrainedModel``), sharded in place.
+        dp_mesh: a 1-D mesh of the data-parallel ranks (``whole_world(mesh)``), or ``None`` for the world.
+        min_unit_numel: the size from which a layer outside the decoder layers gets its own unit.
+        activation_checkpointing: recompute each decoder layer's forward in its backward instead of
+            keeping its activations (a ``ShardedLoss``'s decoder layers only); gradients are unchanged.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit; ``None`` takes the one the
+            learner derived from its precision (``module.mp_policy``, see ``precision_policy``), if any.
 
     Examples:
-        A plan of one's own that shards over every rank and gives each layer its own unit:
+        A plan of one's own that shards over every rank, gives each layer its own unit and
+        checkpoints each decoder layer's activations:
 
         >>> from lightning.fabric.strategies import ModelParallelStrategy
         >>> from fabric_learner.sharding import apply_fsdp, whole_world
-        >>> def every_layer_alone(module, mesh):
-        ...     return apply_fsdp(module, whole_world(mesh), min_unit_numel=1)
-        >>> strategy = ModelParallelStrategy(parallelize_fn=every_layer_alone)
+        >>> def my_plan(module, mesh):
+        ...     return apply_fsdp(module, whole_world(mesh), min_unit_numel=1, activation_checkpointing=True)
+        >>> strategy = ModelParallelStrategy(parallelize_fn=my_plan)
 
         ``FabricLearner(loss, optimizer_factory, strategy=strategy, devices=2)`` then calls it on each
         rank with the ``ShardedLoss`` and Fabric's mesh (``fully_shard`` needs that process group).
     """
     from torch.distributed.fsdp import fully_shard
 
+    from fabric_learner.sharding.discovery import decoder_blocks
+
+    if mp_policy is None:
+        mp_policy = getattr(module, "mp_policy", None)
+    kwargs = {"mesh": dp_mesh, **({} if mp_policy is None else {"mp_policy": mp_policy})}
+    owner = hasattr(module, "block_units")
+    blocks = module.block_units() if owner else [block for _, block in decoder_blocks(module)]
+    if activation_checkpointing and not owner:
+        raise ValueError("activation_checkpointing=True applies to the decoder layers of a learner's ShardedLoss "
+                         "(the module a parallelize_fn receives), not to a plain model; nothing was sharded. "
+                         "Pass activation_checkpointing=False for a frozen model, which has no backward.")
+    in_blocks = {id(unit) for block in blocks for unit in getattr(block, "layers", {}).values()}
+    for block in blocks:
+        if owner:
+            block.__dict__["checkpointed"] = activation_checkpointing
+            if any(unit.tied for unit in block.layers.values()):
+                continue  # shares a weight with a layer outside it: gathered with the root
+        fully_shard(block, reshard_after_forward=True, **kwargs)
     for unit in getattr(module, "layer_units", list)():
-        if sum(p.numel() for p in unit.parameters()) >= min_unit_numel:
-            fully_shard(unit, mesh=dp_mesh)
-    fully_shard(module, mesh=dp_mesh)
+        if id(unit) not in in_blocks and not unit.tied and sum(p.numel() for p in unit.parameters()) >= min_unit_numel:
+            fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
     return module
 
 
-def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL) -> nn.Module:
-    """The default ``parallelize_fn``: one FSDP2 unit per layer, then one for the rest.
+def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL, *,
+               activation_checkpointing: bool = False) -> nn.Module:
+    """The default ``parallelize_fn``: one FSDP2 unit per decoder layer and per large layer, then one for the rest.
 
-    ``fully_shard`` on each of the ``ShardedLoss``'s layer units holding at least
-    ``min_unit_numel`` parameters (1M: 4 MiB in float32; a critic ensemble's layer counts all its
-    members), then on the ``ShardedLoss`` itself: a large layer is gathered when the loss reaches
-    it and freed after, as in hand-written per-layer FSDP2, so no rank ever holds the whole model.
-    Smaller layers (and what no layer holds, e.g. ``log_alpha``) are gathered together for the
-    loss call: for the small networks RL often trains, one all-gather costs less than one per
-    layer, as FSDP's size-based wrapping policies trade it.
-    ``functools.partial(shard_loss, min_unit_numel=1)`` gives every layer its own unit.
+    ``fully_shard`` on each decoder layer of a transformers model in the loss (whatever its size),
+    on each other layer unit holding at least ``min_unit_numel`` parameters (1M: 4 MiB in float32;
+    a critic ensemble's layer counts all its members), then on the ``ShardedLoss`` itself: a large
+    layer is gathered when the loss reaches it and freed after, as in hand-written per-layer FSDP2,
+    so no rank ever holds the whole model. Smaller layers (and what no layer holds, e.g.
+    ``log_alpha``) are gathered together for the loss call: for the small networks RL often trains,
+    one all-gather costs less than one per layer, as FSDP's size-based wrapping policies trade it.
+    ``functools.partial(shard_loss, min_unit_numel=1)`` gives every layer its own unit;
+    ``functools.partial(shard_loss, activation_checkpointing=True)`` recomputes each decoder layer's
+    activations in the backward. Under ``precision="bf16-mixed"``/``"bf16-true"`` every unit gets the
+    learner's FSDP2 ``MixedPrecisionPolicy`` (see :func:`apply_fsdp`).
 
     Examples:
         >>> import functools
@@ -68,7 +105,32 @@ def shard_loss(module: nn.Module, mesh, min_unit_numel: int = MIN_UNIT_NUMEL) ->
         >>> strategy = ModelParallelStrategy(parallelize_fn=functools.partial(shard_loss, min_unit_numel=1))
         >>> # FabricLearner(loss, optimizer_factory, strategy=strategy, devices=2) shards every layer alone
     """
-    return apply_fsdp(module, whole_world(mesh), min_unit_numel)
+    return apply_fsdp(module, whole_world(mesh), min_unit_numel, activation_checkpointing=activation_checkpointing)
+
+
+def precision_policy(precision: str):
+    """FSDP2's ``MixedPrecisionPolicy`` for a Fabric precision, or ``None`` when parameters compute as stored.
+
+    ``"bf16-mixed"``: parameters and their gradients stay float32 in the shards, each unit is
+    gathered in bfloat16 for its forward and backward, and gradients are reduced in float32.
+    ``"bf16-true"`` (``"16-true"``): Fabric has cast the parameters to bfloat16 (float16), so shards,
+    gathers and gradients are in that dtype; the reduce-scatter runs in float32 before the cast.
+
+    Examples:
+        >>> from fabric_learner.sharding import precision_policy
+        >>> policy = precision_policy("bf16-mixed")
+        >>> policy.param_dtype, policy.reduce_dtype
+        (torch.bfloat16, torch.float32)
+        >>> precision_policy("32-true") is None
+        True
+    """
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-true": torch.float16}.get(str(precision))
+    if low is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
 
 
 def check_sharded(module: ShardedLoss, world_size: int) -> None:

@@ -63,8 +63,10 @@ class LayerUnit(nn.Module):
     """
 
     def __init__(self, owner: ShardedLoss, path: str, leaf: nn.Module, attrs: dict[str, str],
-                 members: int | None = None) -> None:
+                 members: int | None = None, aliases: frozenset = frozenset()) -> None:
         super().__init__()
+        self.__dict__["aliases"] = aliases  # loss names held by another unit (tied weights): read from there
+        self.__dict__["tied"] = False  # set by the owner: this unit shares a parameter with another
         self.__dict__["owner"] = owner
         self.__dict__["path"] = path
         self.__dict__["leaf"] = leaf
@@ -74,7 +76,8 @@ class LayerUnit(nn.Module):
         self.__dict__["_call"] = None  # how a stacked unit runs this call: ("member", i) or ("vmap", ...)
 
     def _full(self, attr: str, name: str) -> torch.Tensor:
-        full = getattr(self, flat_name(name)).view(self.owner.shapes[name])
+        held = self.owner.param(name) if name in self.aliases else getattr(self, flat_name(name))
+        full = held.view(self.owner.shapes[name])
         return full.detach() if attr in self._detached else full
 
     def _run_leaf(self, weights, args, kwargs):
@@ -206,3 +209,58 @@ def _route_vmapped(unit: LayerUnit, level: int, args, kwargs):
         out = unit(*plain)
     return torch.utils._pytree.tree_map(
         lambda t: _compat.batch_at(t, level) if isinstance(t, torch.Tensor) else t, out)
+
+
+class BlockUnit(nn.Module):
+    """One FSDP unit for one decoder layer of a transformers model: the ``LayerUnit`` of each leaf inside it.
+
+    While the loss runs in ``update``, a call of the decoder layer goes through this module, so
+    FSDP2's hooks gather the whole layer once for its forward (and again for its backward) and
+    free it after; the leaves inside then route to their ``LayerUnit`` as always, finding the
+    gathered weights. With ``checkpointed`` set (the plan's ``activation_checkpointing``), the
+    layer's activations are not kept: its forward is recomputed in the backward, inside the unit's
+    re-gather, under ``torch.utils.checkpoint`` (non-reentrant, random state preserved).
+    """
+
+    def __init__(self, owner: ShardedLoss, path: str, block: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        self.__dict__["owner"] = owner
+        self.__dict__["path"] = path
+        self.__dict__["block"] = block
+        self.__dict__["checkpointed"] = False
+
+    def _run(self, *args, **kwargs):
+        owner = self.owner
+        # the recompute in the backward (activation checkpointing) runs after the loss call: its leaves
+        # route to their units, and their guards let them run, as in the forward
+        owner.__dict__["_updating"] += 1
+        owner.__dict__["_inside"] += 1
+        try:
+            return type(self.block).forward(self.block, *args, **kwargs)
+        finally:
+            owner.__dict__["_updating"] -= 1
+            owner.__dict__["_inside"] -= 1
+
+    def forward(self, *args, **kwargs):
+        if self.checkpointed and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            # a recomputed forward would append its keys and values to the KV cache a second time (as
+            # transformers' own gradient checkpointing, train without one: no training step reads it)
+            kwargs = {k: (None if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
+            if "use_cache" in kwargs:
+                kwargs["use_cache"] = False
+            return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+        return self._run(*args, **kwargs)
+
+
+#: The names transformers' decoder layers take their KV cache under.
+_CACHE_ARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
+
+
+def route_block(unit: BlockUnit, block: nn.Module, *args, **kwargs):
+    """``block.forward`` while a ``ShardedLoss`` owns its parameters: through its ``BlockUnit`` in ``update``."""
+    if unit.owner._updating and block is unit.block:
+        return unit(*args, **kwargs)
+    return type(block).forward(block, *args, **kwargs)
