@@ -34,7 +34,7 @@ def test_the_example_trains_under_the_strategy_with_nothing_else_changed(example
     assert ("sharded (FSDP)" in done[0]) == (strategy == "fsdp"), done[0]
 
 
-GRPO_STRATEGY = "ddp"  # the example's default is fsdp; the test follows once transformers models shard (#35)
+GRPO_STRATEGY = "fsdp"  # the example's default
 
 
 def test_grpo_countdown_trains_on_two_ranks_and_refreshes_its_generation_copy(tmp_path):

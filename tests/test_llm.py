@@ -17,7 +17,7 @@ from multiproc import WORKERS, launch
 from fabric_learner import LocalLearner
 from fabric_learner._loss import as_tensordict, total_loss
 
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "fsdp")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
