@@ -379,6 +379,12 @@ class FabricLearner(Learner):
     def _load_model_state(self, state) -> None:
         self._backend.load_model_state(state)
 
+    def _frozen_state(self, keys: frozenset[str]) -> dict[str, torch.Tensor]:
+        if not self.capabilities.sharded:
+            return super()._frozen_state(keys)
+        state = self._backend.model_state()  # the loss holds placeholders: gather (a collective)
+        return {k: state[k] for k in keys}
+
     def _optimizer_state(self) -> dict[str, Any]:
         return self._backend.optimizer_state(self._saved_param_names())
 

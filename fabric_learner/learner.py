@@ -26,6 +26,7 @@ from fabric_learner._staged_step import update_staged
 from fabric_learner._stages import Stage, check_stages
 from fabric_learner._step_parts import backward_seed, check_batch, reported_norm
 from fabric_learner.checkpoint import learner_state
+from fabric_learner.checkpoint.frozen import frozen_keys, without_frozen
 from fabric_learner.checkpoint.pending import PendingSave
 from fabric_learner.checkpoint.validate import check_checkpoint, clone_state
 from fabric_learner.llm import loss_count
@@ -388,6 +389,11 @@ class Learner(nn.Module):
     def _load_model_state(self, state: Mapping[str, Any]) -> None:
         self.loss_module.load_state_dict(state, strict=True)
 
+    def _frozen_state(self, keys: frozenset[str]) -> dict[str, torch.Tensor]:
+        """The live values of the frozen parameters ``keys`` (a load that lacks them keeps them)."""
+        state = self.loss_module.state_dict()
+        return {k: state[k] for k in keys}
+
     # ---- attributes -----------------------------------------------------------------------
 
     @property
@@ -464,8 +470,9 @@ class Learner(nn.Module):
     def checkpoint(self) -> dict[str, Any]:
         """The learner's state in memory: every tensor cloned, nothing aliasing live state.
 
-        Holds the loss's ``state_dict`` (``"model"``), the optimizer's state with the parameter
-        names it pairs with, the update counters and every rank's random state; restore it with
+        Holds the loss's ``state_dict`` (``"model"``) without its frozen parameters (a LoRA model's
+        base: see ``checkpoint.frozen``), the optimizer's state with the parameter names it pairs
+        with, the update counters and every rank's random state; restore it with
         :meth:`load_checkpoint` into a learner of any backend. A collective on sharded learners.
 
         Returns:
@@ -491,7 +498,7 @@ class Learner(nn.Module):
     def _live_state(self) -> dict[str, Any]:
         """The checkpoint's content aliasing live tensors: only for immediate serialisation."""
         return {
-            "model": self._model_state(),
+            "model": without_frozen(self._model_state(), frozen_keys(self.loss_module)),  # checkpoint/frozen.py
             "optimizer": self._optimizer_state(),
             "param_names": self._saved_param_names(),
             "accum_step": self._accum_step,
@@ -524,10 +531,15 @@ class Learner(nn.Module):
         checkpointed), with a warning. Each rank's random state is restored too, so a resumed run
         draws what the uninterrupted one would have (not across world sizes: see ``_rng``).
         """
-        check_checkpoint(checkpoint, self._model_shapes())
+        frozen = frozen_keys(self.loss_module)
+        check_checkpoint(checkpoint, self._model_shapes(), optional=frozen)
         _rng.check(checkpoint.get("rng"))
         optimizer_state = learner_state.optimizer_state_for(checkpoint, self.optimizer, self._saved_param_names())
-        self._load_model_state(checkpoint["model"])
+        model = checkpoint["model"]
+        absent = frozen.difference(model)
+        if absent:  # frozen parameters are not checkpointed: they keep the values they have
+            model = {**self._frozen_state(absent), **model}
+        self._load_model_state(model)
         self._load_optimizer_state(optimizer_state)
         self._resume_counters(int(checkpoint.get("num_updates", 0)), int(checkpoint.get("accum_step", 0)),
                               checkpoint.get("rng"))

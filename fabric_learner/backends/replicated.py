@@ -23,8 +23,9 @@ from fabric_learner._compile import fused_adam
 from fabric_learner.backends.base import Counters, Setup, setup_stage_optimizers
 from fabric_learner.checkpoint import dcp_folder
 from fabric_learner.checkpoint.files import FORMAT, AtomicCheckpointIO, overwrite_error
+from fabric_learner.checkpoint.frozen import frozen_keys, without_frozen
 from fabric_learner.learner import holds_trained, plain_weights
-from fabric_learner.optim import build_optimizer
+from fabric_learner.optim import build_optimizer, check_no_frozen
 
 
 def match_bucket_strides(parameters) -> int:
@@ -94,6 +95,7 @@ class ReplicatedBackend:
             self.module = fabric.setup_module(wrapper)
             self.optimizer = setup_stage_optimizers(fabric, setup.stages, loss_module.named_parameters())
         elif isinstance(optimizer, torch.optim.Optimizer):
+            check_no_frozen(optimizer)
             self.module, self.optimizer = fabric.setup(wrapper, optimizer)
         else:
             self.module = fabric.setup_module(wrapper)
@@ -126,7 +128,8 @@ class ReplicatedBackend:
         return plain_weights(self.loss_module, policy, cpu_offload)
 
     def model_state(self) -> dict[str, Any]:
-        return self.loss_module.state_dict()
+        """The loss's state without its frozen parameters (see ``checkpoint.frozen``)."""
+        return without_frozen(self.loss_module.state_dict(), frozen_keys(self.loss_module))
 
     def model_shapes(self) -> dict[str, tuple]:
         return {k: tuple(v.shape) for k, v in self.loss_module.state_dict(keep_vars=True).items()}
@@ -151,7 +154,7 @@ class ReplicatedBackend:
         if error is not None:
             raise FileExistsError(error)
         # Fabric turns the module into a state dict itself; the rest is what Learner.checkpoint holds
-        fabric.save(path, {"format": FORMAT, "model": self.loss_module,
+        fabric.save(path, {"format": FORMAT, "model": self.model_state(),
                            "optimizer": self.optimizer_state(counters.param_names),
                            "param_names": counters.param_names, "accum_step": counters.accum_step,
                            "num_updates": counters.num_updates, "rng": counters.rng})

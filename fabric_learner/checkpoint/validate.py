@@ -25,11 +25,14 @@ def clone_state(value: Any) -> Any:
     return value
 
 
-def check_model_state(state: Mapping[str, Any], shapes: Mapping[str, tuple]) -> None:
-    """Raise before loading if ``state`` does not have exactly the keys and shapes expected."""
+def check_model_state(state: Mapping[str, Any], shapes: Mapping[str, tuple], optional: frozenset[str] = frozenset()) -> None:
+    """Raise before loading if ``state`` does not have exactly the keys and shapes expected.
+
+    Keys in ``optional`` (frozen parameters, which checkpoints leave out) may be absent.
+    """
     if not isinstance(state, Mapping):
         raise TypeError(f"checkpoint['model'] must be a state dict, got {type(state).__name__}.")
-    missing = [k for k in shapes if k not in state]
+    missing = [k for k in shapes if k not in state and k not in optional]
     unexpected = [k for k in state if k not in shapes]
     wrong = [
         f"{k}: {tuple(getattr(state[k], 'shape', ()))} vs {shape}"
@@ -134,8 +137,10 @@ def reindex_optimizer_state(state: Any, saved_names: list[str], names: list[str]
     return {"state": moments, "param_groups": groups}
 
 
-def check_checkpoint(checkpoint: Mapping[str, Any], model_shapes: Mapping[str, tuple]) -> None:
-    """The structure and model part of a learner checkpoint (the optimizer is checked apart)."""
+def check_checkpoint(checkpoint: Mapping[str, Any], model_shapes: Mapping[str, tuple],
+                     optional: frozenset[str] = frozenset()) -> None:
+    """The structure and model part of a learner checkpoint (the optimizer is checked apart);
+    ``optional``: model keys that may be absent (frozen parameters)."""
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f"A learner checkpoint is a dict, got {type(checkpoint).__name__}.")
     missing = [k for k in ("model", "optimizer") if k not in checkpoint]
@@ -156,4 +161,4 @@ def check_checkpoint(checkpoint: Mapping[str, Any], model_shapes: Mapping[str, t
         raise ValueError("checkpoint['param_names'] is not a list of distinct parameter names; nothing was loaded.")
     if names is not None:
         check_optimizer_structure(checkpoint["optimizer"], len(names))
-    check_model_state(checkpoint["model"], model_shapes)
+    check_model_state(checkpoint["model"], model_shapes, optional)
