@@ -25,7 +25,7 @@ from fabric_learner.testing import tiny_causal_lm
 
 pytest.importorskip("peft")  # the llm extra
 
-MULTI_RANK = ("ddp",)  # add "fsdp" once strategy="fsdp" shards transformers models (the FSDP helper's work)
+MULTI_RANK = ("ddp", "fsdp")
 
 
 def trained(lora: bool, optimizer=None, steps=STEPS):
