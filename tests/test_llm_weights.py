@@ -19,6 +19,7 @@ from lora_cases import STEPS, generated_log_probs, generator_copy, grpo_case, lo
 from multiproc import WORKERS, launch
 
 from fabric_learner import LocalLearner
+from fabric_learner.checkpoint.dcp_folder import read_full
 from fabric_learner.checkpoint.export import export_checkpoint, export_pretrained
 from fabric_learner.llm_weights import load_weights, weight_buckets
 from fabric_learner.testing import tiny_causal_lm
@@ -294,6 +295,7 @@ def test_export_from_a_sharded_checkpoint_folder_offline(ranks, tmp_path):
 
     out, _ = ranks
     assert (out / "fsdp-fresh.ckpt" / "LATEST").is_file()  # a folder of shards from 2 FSDP ranks
+    assert all(is_adapter(k) for k in read_full(out / "fsdp-fresh.ckpt")["model"] if k.startswith("actor_network."))
     folder = export_checkpoint(out / "fsdp-fresh.ckpt", peft_model(0, adapter_seed=9), tmp_path / "hf")
     want = copy.deepcopy(peft_model(0, adapter_seed=1)).merge_and_unload()  # what the learner was built with
     torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(folder)), logits(want), atol=1e-6, rtol=0)
@@ -301,9 +303,11 @@ def test_export_from_a_sharded_checkpoint_folder_offline(ranks, tmp_path):
 
 @pytest.mark.parametrize("strategy", MULTI_RANK)
 def test_lora_on_two_ranks_equals_one_process_and_checkpoints_adapters(ranks, reference, strategy):
-    _, results = ranks
+    out, results = ranks
     learner, _ = reference
     want = learner.checkpoint()["model"]
+    on_disk = read_full(out / "fsdp.ckpt") if strategy == "fsdp" else torch.load(out / "ddp.ckpt", weights_only=True)
+    assert on_disk["model"].keys() == want.keys()  # the file, or the folder of shards: no base weight
     for res in results[strategy]:
         assert res["sharded"] == (strategy == "fsdp")
         assert res["model"].keys() == want.keys()  # adapters and the loss's buffers: no base weight

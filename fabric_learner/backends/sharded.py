@@ -22,6 +22,7 @@ from fabric_learner._stages import StageOptimizers
 from fabric_learner.backends import sharded_state
 from fabric_learner.backends.base import Counters, Resumed, Setup, setup_stage_optimizers
 from fabric_learner.checkpoint import dcp_folder, learner_state
+from fabric_learner.checkpoint.frozen import frozen_keys
 from fabric_learner.optim import build_optimizer
 from fabric_learner.sharding import ShardedLoss, check_sharded, precision_policy, shard_loss
 
@@ -166,12 +167,14 @@ class ShardedBackend:
         future of its background write and publish (see ``dcp_folder.save_version_async``)."""
         owner = self.sharded_module
 
+        frozen = frozen_keys(self.loss_module)  # not written: see checkpoint.frozen
+
         def build():
-            tensors, scalars, groups = sharded_state.sharded_tensors(owner, self._raw_optimizer())
+            tensors, scalars, groups = sharded_state.sharded_tensors(owner, self._raw_optimizer(), frozen)
             tensors.update(dcp_folder.rng_tensors(counters.rng))
             meta = {
                 "num_updates": counters.num_updates, "accum_step": counters.accum_step,
-                "model_keys": list(self.loss_module.state_dict(keep_vars=True)),
+                "model_keys": [k for k in self.loss_module.state_dict(keep_vars=True) if k not in frozen],
                 "param_names": counters.optimizer_param_names, "param_groups": groups, "optim_scalars": scalars,
                 "shapes": sharded_state.shapes_meta(owner), "world_size": self.fabric.world_size,
             }
@@ -192,6 +195,8 @@ class ShardedBackend:
         rng = dcp_folder.read_rng(folder)
         _rng.check(rng)
         tensors, optim = sharded_state.load_targets(self.sharded_module, self._raw_optimizer())
+        stored = set(meta["model_keys"])  # frozen parameters may be absent (checked in _check_meta)
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("model/") or k[len("model/"):] in stored}
         dcp_folder.load_into(tensors, folder, distributed=True)
         sharded_state.apply_loaded(self.sharded_module, self._raw_optimizer(), tensors, optim, meta)
         return Resumed(int(meta["num_updates"]), int(meta["accum_step"]), rng)
@@ -200,14 +205,15 @@ class ShardedBackend:
         """Raise before anything is read if the checkpoint is not of this loss module and optimizer."""
         shapes = self.model_shapes()
         named = list(self.named_parameters())
-        if sorted(meta["model_keys"]) != sorted(shapes) or \
+        required = set(shapes) - frozen_keys(self.loss_module)  # frozen parameters may be left out
+        if not required <= set(meta["model_keys"]) <= set(shapes) or \
                 sorted(meta["param_names"]) != sorted(learner_state.optimizer_param_names(named, self.optimizer)):
             raise ValueError(
                 f"The checkpoint at {path} was saved from a different loss module or optimizer; nothing was "
                 "loaded. Load it into a learner built the same way as the one that saved it."
             )
         wrong = [f"{k}: {meta['shapes'][k]} vs {list(s)}" for k, s in shapes.items()
-                 if math.prod(meta["shapes"][k]) != math.prod(s)]
+                 if k in meta["shapes"] and math.prod(meta["shapes"][k]) != math.prod(s)]
         if wrong:
             raise ValueError(f"The checkpoint at {path} has other shapes than this loss module ({wrong[:8]}); "
                              "nothing was loaded. Load it into a learner built the same way as the one that saved it.")

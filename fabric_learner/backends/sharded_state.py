@@ -119,12 +119,15 @@ def load_optimizer_state(owner: ShardedLoss, raw, state, param_names: list[str])
     set_optimizer_state_dict(owner, raw, {"state": moments, "param_groups": groups}, options=_FULL)
 
 
-def sharded_tensors(owner: ShardedLoss, raw) -> tuple[dict[str, torch.Tensor], dict[str, dict], list[dict]]:
+def sharded_tensors(owner: ShardedLoss, raw, frozen: frozenset[str] = frozenset(),
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, dict], list[dict]]:
     """This rank's shards under checkpoint keys (``model/<name>``, ``optim/<name>/<field>``), the
-    optimizer's non-tensor state by loss name, and its param groups naming loss parameters."""
+    optimizer's non-tensor state by loss name, and its param groups naming loss parameters. The
+    ``frozen`` parameters are left out (see ``checkpoint.frozen``)."""
     model = get_model_state_dict(owner)
-    tensors = {f"model/{n}": model[owner.fqn(n)] for n in owner.names}
-    tensors.update({f"model/{k}": model[owner.fqn(n)] for k, n in owner.tied_keys.items()})  # as one process saves
+    tensors = {f"model/{n}": model[owner.fqn(n)] for n in owner.names if n not in frozen}
+    tensors.update({f"model/{k}": model[owner.fqn(n)] for k, n in owner.tied_keys.items()  # as one process saves
+                    if k not in frozen})
     tensors.update({f"model/{k}": v.detach() for k, v in loss_buffers(owner).items()})
     optim = get_optimizer_state_dict(owner, raw)
     by_flat = {owner.fqn(n): n for n in owner.names}
@@ -162,7 +165,8 @@ def load_targets(owner: ShardedLoss, raw) -> tuple[dict[str, torch.Tensor], Any]
 
 def apply_loaded(owner: ShardedLoss, raw, tensors: dict[str, torch.Tensor], optim, meta: dict[str, Any]) -> None:
     """Copy what ``load_targets`` received from a checkpoint into the live shards and optimizer."""
-    set_model_state_dict(owner, {owner.fqn(n): tensors[f"model/{n}"] for n in owner.names},
+    # frozen parameters a folder does not hold (checkpoint.frozen) keep their values
+    set_model_state_dict(owner, {owner.fqn(n): tensors[f"model/{n}"] for n in owner.names if f"model/{n}" in tensors},
                          options=StateDictOptions(strict=False))
     with torch.no_grad():
         for k, buffer in loss_buffers(owner).items():

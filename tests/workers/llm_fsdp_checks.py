@@ -209,6 +209,8 @@ def main(out_dir):
         "trained_state": sum(1 for n, p in owner.named_loss_parameters() if n not in frozen and state.get(p)),
         "reloaded_equal": all(torch.equal(saved["model"][k], after["model"][k]) for k in saved["model"]),
     }
+    with learner.full_parameters():  # checkpoints leave frozen parameters out (checkpoint/frozen.py): read them here
+        results["frozen"]["frozen_values"] = {n: p.detach().clone() for n, p in loss.named_parameters() if n in frozen}
     # 7: tied input and output embeddings: one parameter, two layers; saved as one process saves it
     loss, policy = tied_example()
     data = batches(policy, rank)
