@@ -1,8 +1,7 @@
 """LoRA through peft, weights to a generation engine, and export for from_pretrained (issue #35).
 
 One process: LocalLearner is the reference and the ranks' oracle. Two ranks: one launch of
-tests/workers/llm_weights_checks.py for every multi-rank check, DDP now; FSDP is in
-``MULTI_RANK`` once the per-decoder-layer FSDP plan for transformers models lands.
+tests/workers/llm_weights_checks.py for every multi-rank check, under DDP and FSDP.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from fabric_learner.testing import tiny_causal_lm
 
 pytest.importorskip("peft")  # the llm extra
 
-MULTI_RANK = ("ddp", "fsdp")
+MULTI_RANK = ("ddp", "fsdp")  # strategies the worker runs the LoRA, generator and export checks under
 
 
 def trained(lora: bool, optimizer=None, steps=STEPS):
