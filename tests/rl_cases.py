@@ -153,3 +153,22 @@ def group_timeouts() -> list[float]:
         return []
     return [pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in list(c10d._world.pg_map)
             if pg.size() > 1]
+
+
+# bf16 rounds each rank's half-batch matmuls and the averaged step differently from the full batch
+TD_TOL = {"32-true": 1e-5, "64-true": 1e-5, "bf16-mixed": 3e-2, "bf16-true": 6e-2}
+
+
+def one_process_td_errors(precision):
+    """What ``integrity`` in ddp_checks.py does, in one process on the full batch: the td_error the
+    loss writes into a plain batch, then (after that step) into a lazy stack."""
+    from conftest import make_learner
+    from tensordict import LazyStackedTensorDict
+
+    learner = make_learner("fabric", make_loss("dqn")[0], precision=precision)
+    batch = make_batch("dqn", n=16, seed=5)
+    plain = batch.clone()
+    learner.update(plain)
+    lazy = LazyStackedTensorDict.lazy_stack(list(batch.clone().unbind(0)), 0)
+    learner.update(lazy)
+    return plain["td_error"], lazy["td_error"]

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from multiproc import WORKERS, launch
-from rl_cases import CASES, CLIP, LR, STEPS, flat_params, make_batch, make_loss, run_steps
+from rl_cases import CASES, CLIP, LR, STEPS, TD_TOL, flat_params, make_batch, make_loss, one_process_td_errors, run_steps
 
 from fabric_learner import LocalLearner
 
@@ -108,25 +108,6 @@ def test_accumulation_syncs_once_and_equals_local(ddp, case):
     torch.testing.assert_close(r0["grad_norm"], ref["grad_norm"], atol=1e-5, rtol=1e-5)
     for k, v in ref["params"].items():
         torch.testing.assert_close(r0["params"][k], v, atol=1e-5, rtol=0, msg=k)
-
-
-def one_process_td_errors(precision):
-    """What ``integrity`` in ddp_checks.py does, in one process on the full batch: the td_error the
-    loss writes into a plain batch, then (after that step) into a lazy stack."""
-    from conftest import make_learner
-    from tensordict import LazyStackedTensorDict
-
-    learner = make_learner("fabric", make_loss("dqn")[0], precision=precision)
-    batch = make_batch("dqn", n=16, seed=5)
-    plain = batch.clone()
-    learner.update(plain)
-    lazy = LazyStackedTensorDict.lazy_stack(list(batch.clone().unbind(0)), 0)
-    learner.update(lazy)
-    return plain["td_error"], lazy["td_error"]
-
-
-# bf16 rounds each rank's half-batch matmuls and the averaged step differently from the full batch
-TD_TOL = {"32-true": 1e-5, "64-true": 1e-5, "bf16-mixed": 3e-2, "bf16-true": 6e-2}
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "64-true"])

@@ -10,7 +10,7 @@ import pytest
 import tamper
 import torch
 from multiproc import WORKERS, launch
-from rl_cases import CASES, CLIP, LR, STEPS, make_batch, make_loss, run_steps
+from rl_cases import CASES, CLIP, LR, STEPS, TD_TOL, make_batch, make_loss, one_process_td_errors, run_steps
 from tensordict import TensorDict
 
 from fabric_learner import LocalLearner
@@ -279,6 +279,17 @@ def test_a_loss_network_the_learner_does_not_serve_names_itself_and_the_fix(fsdp
         value = loss.critic_network(probe)["state_value"]
     for rank in fsdp["ranks"]:
         torch.testing.assert_close(rank["served"]["critic_after_step"], value, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_under_fsdp_trains_a_loss_with_target_buffers_like_one_process(fsdp, precision):
+    """DQN's target network is a buffer of the loss, outside the sharded module: bf16-true casts it too."""
+    plain_ref, lazy_ref = one_process_td_errors(precision)
+    tol = dict(atol=TD_TOL[precision], rtol=TD_TOL[precision])
+    for rank, res in enumerate(r["integrity"][precision] for r in fsdp["ranks"]):
+        assert res["loss_dtype"] == torch.float32 and res["obs_dtype"] == torch.float32
+        torch.testing.assert_close(res["td_error"], plain_ref[8 * rank: 8 * rank + 8], **tol)
+        torch.testing.assert_close(res["lazy_td_error"], lazy_ref[8 * rank: 8 * rank + 8], **tol)
 
 
 def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank_under_fsdp(fsdp):

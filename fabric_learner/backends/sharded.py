@@ -89,6 +89,8 @@ class ShardedBackend:
         self.refuse(setup.optimizer, setup.compile)
         fabric, loss_module = setup.fabric, setup.loss_module
         loss_module.to(fabric.device)  # buffers (targets) stay in the loss, replicated
+        # in the precision's dtype (bf16-true): Fabric converts only the module it sets up, which holds no buffer
+        fabric.strategy.precision.convert_module(loss_module)
         self.fabric, self.loss_module = fabric, loss_module
         self.sharded_module = ShardedLoss(loss_module, fabric.device, setup.convert,
                                           serve=[setup.policy] if setup.policy is not None else [],

@@ -46,10 +46,10 @@ def train(case, rank, grad_accum_steps=1):
     return learner, {"params": flat_params(loss), "grad_norm": norms, "num_updates": learner.num_updates}
 
 
-def integrity(rank, precision):
-    """What the caller's batch looks like after an update at this precision."""
+def integrity(rank, precision, build=None):
+    """What the caller's batch looks like after an update at this precision (``build``: as in nonfinite_on_one_rank)."""
     loss, _ = make_loss("dqn")
-    learner = ddp(loss_module=loss, precision=precision)
+    learner = (build or ddp)(loss_module=loss, precision=precision)
     batch = halves(make_batch("dqn", n=16, seed=5), rank).to("cpu")
     plain = batch.clone()
     learner.update(plain)

@@ -305,6 +305,8 @@ def main(out_dir):
     results["nonfinite"] = ddp_checks.nonfinite_on_one_rank(rank, build=user_fsdp)
     results["unequal_first_step"] = ddp_checks.unequal_first_step(rank, build=user_fsdp)
     results["unequal"] = ddp_checks.unequal_samples(rank, build=fsdp)
+    results["integrity"] = {precision: ddp_checks.integrity(rank, precision, build=fsdp)  # DQN's target buffers too
+                            for precision in ("bf16-mixed", "bf16-true")}
     results["user_sharded"] = list(USER_SHARDED)
     for scaler in ("sharded scaler", "plain scaler"):
         results.setdefault("mixed16", {})[scaler] = ddp_checks.mixed16_on_one_rank(rank, sharded=scaler)
