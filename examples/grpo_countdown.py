@@ -12,8 +12,8 @@ a *separate generation copy* of the model (as an inference engine would), scores
 the rewards into group-relative advantages with torchrl's ``MCAdvantage`` (reward minus the group's
 mean, over its standard deviation). The learner then takes one optimizer step on the group, in
 micro-batches of ``--micro-batch`` samples (``grad_accum_steps`` = group / micro-batch), with
-GRPO's token mean exact over micro-batches and ranks; ``learner.get_weights()`` then refreshes the
-generation copy by parameter name.
+GRPO's token mean exact over micro-batches and ranks; the learner's weights then refresh the
+generation copy by parameter name, in buckets (``fabric_learner.llm_weights``).
 
 The training side is torchrl's ``sota-implementations/grpo/grpo-sync.py`` recipe (see
 :func:`recipe_learner`): its ``GRPOLoss`` settings (KL to the inference policy 1e-2, entropy 1e-4),
@@ -40,6 +40,7 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 
 from fabric_learner import FabricLearner
 from fabric_learner.cli import add_launch_arguments, launch_kwargs
+from fabric_learner.llm_weights import load_weights, weight_buckets
 
 ANSWER_ALPHABET = frozenset("0123456789+-*/() ")
 
@@ -158,19 +159,14 @@ def sample_group(env, generate, score, group: int) -> tuple[TensorDict, torch.Te
     return samples, reward, countdown
 
 
-def refresh(generation_model, weights: TensorDict) -> None:
-    """Load the learner's weights into the generation copy by parameter name (``model.`` prefix dropped).
+def refresh(generation_model, learner) -> None:
+    """Load the learner's weights into the generation copy by parameter name, in buckets of 16 MiB.
 
-    Raises ``RuntimeError`` naming the parameters the weights lack (tied copies aside), before loading any.
+    Under FSDP each bucket is gathered from the shards when it is filled (every rank iterates; every
+    rank generates, so every rank receives them), so no rank holds two full copies beyond the
+    generation copy itself. Raises when the copy has a parameter the learner did not send.
     """
-    state = {key.removeprefix("model."): value for key, value in weights.flatten_keys(".").items()}
-    expected = generation_model.state_dict().keys()
-    tied = ({name for name, _ in generation_model.named_parameters(remove_duplicate=False)}
-            - {name for name, _ in generation_model.named_parameters()})
-    missing = sorted(set(expected) - state.keys() - tied)
-    if missing:
-        raise RuntimeError(f"the learner's weights lack {missing[:5]} of the generation copy: build both from one model")
-    generation_model.load_state_dict({key: state[key] for key in expected if key in state}, strict=False)
+    load_weights(generation_model, weight_buckets(learner, bucket_bytes=16 << 20))
 
 
 def build(args, learner_kwargs: dict):
@@ -206,13 +202,13 @@ def main(argv=None):
     torch.manual_seed(args.seed + 1000 * rank)  # each rank samples its own completions
     env = CountdownEnv(tokenizer=tokenizer, num_envs=args.group, repeats=args.group, seed=args.seed + 1000 * rank,
                        input_mode="history")
-    refresh(generation_model, learner.get_weights(cpu_offload=False))
+    refresh(generation_model, learner)
     curve, replies, step_size = [], {}, args.micro_batch
     for step in range(args.steps):
         samples, reward, countdown = sample_group(env, generate, score, args.group)
         for first in range(0, args.group, step_size):
             out = learner.update(samples[first:first + step_size])
-        refresh(generation_model, learner.get_weights(cpu_offload=False))
+        refresh(generation_model, learner)
         point = {"update": learner.num_updates, "reward": global_mean(reward).item(),
                  "countdown_reward": global_mean(countdown).item(), "seconds": time.perf_counter() - start,
                  "loss_objective": float(out["loss_objective"]), "grad_norm": float(out["grad_norm"])}
