@@ -50,3 +50,18 @@ def test_grpo_countdown_trains_on_two_ranks_and_refreshes_its_generation_copy(tm
     points = json.loads(curve.read_text())["curve"]
     assert [p["update"] for p in points] == [1, 2]
     assert all(0.0 <= p["reward"] <= 2.1 and p["grad_norm"] > 0 for p in points), points
+
+
+def test_grpo_countdown_takes_a_local_hugging_face_folder(tmp_path):
+    """``--model PATH``: a model and tokenizer saved with ``save_pretrained`` train in one process (FSDP on one rank)."""
+    from fabric_learner.testing import tiny_causal_lm, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tiny_causal_lm(seed=3, tokenizer=tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    script = os.path.join(ROOT, "examples", "grpo_countdown.py")
+    proc = launch(script, "--model", tmp_path / "model", "--devices", "1", "--steps", "1", "--group", "4",
+                  "--micro-batch", "2", "--max-new-tokens", "8", "--no-progress", nproc=1, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    done = [line for line in proc.stdout.splitlines() if line.startswith("done: 1 rank(s)")]
+    assert len(done) == 1 and ", 1 updates, 4 completions," in done[0], proc.stdout[-4000:]
