@@ -111,6 +111,27 @@ def test_checkpoints_move_between_the_mesh_fsdp_ddp_and_one_process_both_ways(me
         assert largest_difference(mesh[rank]["checkpoints"]["mesh"], res["mesh"]) == 0
 
 
+def test_grpo_on_the_mesh_equals_one_process_and_tensor_parallel_ranks_agree_bit_for_bit(mesh):
+    from fabric_learner.testing import grpo_batch, grpo_example
+
+    replies = (3, 8, 5, 2)
+    loss, policy, _ = grpo_example(replies)
+    learner = LocalLearner(loss, functools.partial(torch.optim.SGD, lr=1.0), policy=policy)
+    out = learner.update(grpo_batch(policy, list(replies), seed=0))
+    expected = dict(learner.get_weights().items(True, True))
+    for res in mesh:
+        assert largest_difference(res["llm"]["weights"], expected) < 1e-5
+    torch.testing.assert_close(mesh[0]["llm"]["out"]["grad_norm"], out["grad_norm"], atol=1e-5, rtol=1e-6)
+    for a, b in ((0, 1), (2, 3)):
+        assert all(torch.equal(mesh[a]["llm"]["out"][k], mesh[b]["llm"]["out"][k]) for k in mesh[a]["llm"]["out"])
+    placements = mesh[0]["llm"]["placements"]
+    assert all(dims == ("data_parallel", "tensor_parallel") for dims, _ in placements.values())
+    layer = "actor_network.model.model.layers.0."
+    assert placements[layer + "self_attn.q_proj.weight"][1][1] == "S(0)"  # heads split
+    assert placements[layer + "mlp.down_proj.weight"][1][1] == "S(1)"
+    assert placements["actor_network.model.model.embed_tokens.weight"][1][1] == "R"  # whole on each TP rank
+
+
 # ---- without ranks -------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tensordict import is_tensor_collection
 
 from fabric_learner._sample_counts import CHECK_EVERY
 from fabric_learner.sharding.mesh import MODEL_PARALLEL, describe, registered_mesh, tensor_parallel_size
@@ -36,11 +37,8 @@ def batch_digest(batch: Any) -> int:
         >>> batch_digest(td) == batch_digest(td.flip(0))
         False
     """
-    leaves = batch.items(True, True) if hasattr(batch, "items") else [("", batch)]
     digest = 0
-    for key, value in sorted(((str(k), v) for k, v in leaves), key=lambda kv: kv[0]):
-        if not isinstance(value, torch.Tensor):
-            continue
+    for key, value in _leaves(batch, ""):
         flat = value.detach().reshape(-1)
         if flat.dtype == torch.bool:
             flat = flat.to(torch.uint8)
@@ -52,6 +50,24 @@ def batch_digest(batch: Any) -> int:
         for part in (zlib.crc32(key.encode()), *value.shape, value_hash):
             digest = (digest * _BASE + part + 1) % _MODULUS
     return digest
+
+
+def _leaves(value: Any, key: str):
+    """``(key, tensor)`` for every tensor of ``value``, in a fixed order; a lazy stack member by member
+    (its samples may have different lengths), a tensorclass through its TensorDict."""
+    if isinstance(value, torch.Tensor):
+        yield key, value
+        return
+    if not is_tensor_collection(value):
+        return  # strings and other non-tensor data are not compared
+    td = getattr(value, "_tensordict", value)
+    members = getattr(td, "tensordicts", None)
+    if members is not None:
+        for i, member in enumerate(members):
+            yield from _leaves(member, f"{key}[{i}]")
+        return
+    for name in sorted(td.keys(), key=str):
+        yield from _leaves(td.get(name), f"{key}.{name}")
 
 
 class BatchAgreement:

@@ -141,8 +141,9 @@ def check_sharded(module: ShardedLoss, world_size: int) -> None:
     every rank is data-parallel. With it (parameters on a mesh with a ``"tp"``/``"tensor_parallel"``
     dimension, see ``sharding.mesh.ALIASES``), the data-parallel ranks are those of the mesh's other
     dimensions, and that mesh is registered (``use_mesh``), so the learner's sample and token counts
-    and global means reduce over them only; parameters left whole on the tensor-parallel dimension
-    (sharded over the data-parallel ranks alone) are allowed: its ranks compute them alike.
+    and global means reduce over them only. Every parameter must then live on that one mesh (layers
+    outside the tensor-parallel plan ``Replicate`` on its tensor-parallel dimension): torch's
+    gradient norm cannot combine DTensors of different meshes.
 
     Examples:
         A plan that forgot to shard is refused:
@@ -191,5 +192,14 @@ def check_sharded(module: ShardedLoss, world_size: int) -> None:
             f"({'; '.join(describe(m) for m in meshes.values())}); nothing was trained. Slice the data-parallel "
             "and tensor-parallel meshes of every parameter from the one mesh the parallelize_fn receives."
         )
-    module.__dict__["mesh"] = next(iter(meshes.values()))  # registered again whenever this loss runs
+    run_mesh = next(iter(meshes.values()))
+    apart = [name for name, p in params if p.device_mesh != run_mesh]
+    if apart:
+        raise RuntimeError(
+            f"The strategy's parallelize_fn left {apart[:4]} on the {describe(module.param(apart[0]).device_mesh)}, "
+            f"the other parameters on the {describe(run_mesh)}: torch's gradient norm and clipping cannot combine "
+            "DTensors of different meshes. Place every layer on the tensor-parallel mesh too "
+            "(fabric_learner.sharding.parallelize_layers replicates the layers outside its plan by default)."
+        )
+    module.__dict__["mesh"] = run_mesh  # registered again whenever this loss runs
     use_mesh(module.mesh)

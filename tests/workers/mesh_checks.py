@@ -126,12 +126,34 @@ def checkpoints(out_dir, rank):
     return res
 
 
+REPLIES = (3, 8, 5, 2)  # GRPO samples: data-parallel rank d takes samples 2d and 2d+1
+
+
+def llm(rank):
+    """examples/grpo_tensor_parallel.py's plan: one SGD step (lr 1) of GRPO on the tiny Qwen2."""
+    from grpo_tensor_parallel import strategy as llm_strategy
+
+    from fabric_learner.testing import grpo_batch, grpo_example
+
+    loss, policy, _ = grpo_example(REPLIES)
+    full = grpo_batch(policy, list(REPLIES), seed=0)
+    learner = FabricLearner(loss, functools.partial(torch.optim.SGD, lr=1.0), policy=policy, accelerator="cpu",
+                            devices=4, strategy=llm_strategy(timeout=TIMEOUT))
+    dp = data_parallel_rank()
+    out = learner.update(full[2 * dp:2 * dp + 2])
+    placements = {n: (tuple(p.device_mesh.mesh_dim_names), [str(x) for x in p.placements])
+                  for n, p in learner.sharded_module.named_loss_parameters()}
+    return {"out": {k: v.detach().clone() for k, v in out.items()}, "weights": weights(learner),
+            "placements": placements}
+
+
 def main(out_dir):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     results = {}
     learner, results["step"] = one_step(rank)
     results["mismatch"] = mismatched(rank)
     results["checkpoints"] = checkpoints(out_dir, rank)
+    results["llm"] = llm(rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     learner.fabric.barrier()
     dist.destroy_process_group()
