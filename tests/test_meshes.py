@@ -28,13 +28,26 @@ N, LR = 8, 0.1
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
+def mesh_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh")
     proc = launch(os.path.join(WORKERS, "mesh_checks.py"), out, nproc=4, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.leftovers == 0
-    print(f"mesh_checks: 4 ranks in {proc.seconds:.1f} s")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh(mesh_dir):
+    return [torch.load(mesh_dir / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(mesh_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reshard")
+    proc = launch(os.path.join(WORKERS, "mesh_reshard_checks.py"), mesh_dir, out, nproc=2, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.leftovers == 0
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def largest_difference(a, b):
@@ -130,6 +143,13 @@ def test_grpo_on_the_mesh_equals_one_process_and_tensor_parallel_ranks_agree_bit
     assert placements[layer + "self_attn.q_proj.weight"][1][1] == "S(0)"  # heads split
     assert placements[layer + "mlp.down_proj.weight"][1][1] == "S(1)"
     assert placements["actor_network.model.model.embed_tokens.weight"][1][1] == "R"  # whole on each TP rank
+
+
+def test_the_meshs_checkpoint_loads_into_fsdp_and_ddp_on_two_ranks(mesh, two_ranks):
+    # a step on each rank's half of the global batch after the load continues as the mesh did
+    for res in two_ranks:
+        for name in ("fsdp2", "ddp2"):
+            assert largest_difference(res[name], mesh[0]["checkpoints"]["mesh"]) < 1e-5, name
 
 
 # ---- without ranks -------------------------------------------------------------------------------
