@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from multiproc import ROOT, WORKERS, launch
+from multiproc import ROOT, WORKERS, free_port, launch, run
 from tensordict import TensorDict
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -150,6 +151,37 @@ def test_the_meshs_checkpoint_loads_into_fsdp_and_ddp_on_two_ranks(mesh, two_ran
     for res in two_ranks:
         for name in ("fsdp2", "ddp2"):
             assert largest_difference(res[name], mesh[0]["checkpoints"]["mesh"]) < 1e-5, name
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory):
+    """Two "nodes" of 2 ranks on this machine, each started by its own torchrun, as on two machines."""
+    out, port = tmp_path_factory.mktemp("hsdp"), free_port()
+
+    def node(rank):
+        return run([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+                    "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
+                    os.path.join(WORKERS, "hsdp_checks.py"), str(out)], timeout=240)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        nodes = list(pool.map(node, (0, 1)))
+    for rank, proc in enumerate(nodes):
+        assert proc.returncode == 0 and proc.leftovers == 0, (rank, proc.stdout[-3000:])
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def test_hsdp_on_two_nodes_of_two_ranks_equals_one_process(hsdp):
+    learner = LocalLearner(make_loss()[0], functools.partial(torch.optim.SGD, lr=LR))
+    out = learner.update(make_batch(16, seed=0))  # the four ranks' quarters
+    expected = dict(learner.get_weights().items(True, True))
+    for res in hsdp:
+        assert largest_difference(res["weights"], expected) < 1e-5
+        torch.testing.assert_close(res["grad_norm"], out["grad_norm"], atol=1e-5, rtol=0)
+        # every rank feeds its own batch: counts reduce over all 4, not over a node
+        assert res["dp_size"] == 4 and res["count"] == 4.0
+    for dims, placements, ranks in hsdp[0]["params"].values():
+        # replicated across the nodes (rows), sharded within each
+        assert dims == ("replicate", "shard") and placements == ["R", "S(0)"] and ranks == [[0, 1], [2, 3]]
 
 
 # ---- without ranks -------------------------------------------------------------------------------
