@@ -104,12 +104,17 @@ def test_get_weights_are_full_plain_tensors_equal_on_every_rank(mesh):
         assert largest_difference(res["step"]["weights"], mesh[0]["step"]["weights"]) == 0
 
 
-def test_different_batches_in_a_tensor_parallel_group_are_refused_on_every_rank(mesh):
+def test_different_batches_in_a_tensor_parallel_group_are_refused_on_every_rank_before_anything_changes(mesh):
+    initial = dict(LocalLearner(make_loss()[0]).get_weights().items(True, True))
     for res in mesh:
-        err = res["mismatch"]
-        assert err is not None
+        refused = res["mismatch"]
+        assert refused is not None
+        err = refused["error"]
         assert "tensor-parallel group(s) [[0, 1], [2, 3]]" in err
         assert "mesh (data_parallel=2, tensor_parallel=2)" in err and "data_parallel_rank()" in err
+        assert largest_difference(refused["weights_after_refusal"], initial) == 0
+        # and the learner still trains: the right batches then give the step a fresh learner takes
+        assert largest_difference(refused["weights"], res["step"]["weights"]) < 1e-6
 
 
 def test_checkpoints_move_between_the_mesh_fsdp_ddp_and_one_process_both_ways(mesh):

@@ -65,7 +65,10 @@ def mismatched(rank):
     try:
         learner.update(batch)
     except ValueError as err:
-        return str(err)
+        # refused before anything changed: the right batches then train as a fresh learner's first step
+        after = weights(learner)
+        learner.update(make_batch(N, seed=data_parallel_rank()))
+        return {"error": str(err), "weights_after_refusal": after, "weights": weights(learner)}
     return None
 
 
