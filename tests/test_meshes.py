@@ -117,6 +117,13 @@ def test_different_batches_in_a_tensor_parallel_group_are_refused_on_every_rank_
         assert largest_difference(refused["weights"], res["step"]["weights"]) < 1e-6
 
 
+def test_fully_shard_over_lightnings_own_mesh_is_refused_as_hsdp_in_disguise(mesh):
+    for res in mesh:
+        err = res["hsdp_over_lightning"]
+        assert err is not None and "that is HSDP over Lightning's mesh" in err
+        assert "mesh_dim_names=('replicate', 'shard')" in err
+
+
 def test_checkpoints_move_between_the_mesh_fsdp_ddp_and_one_process_both_ways(mesh):
     res = mesh[0]["checkpoints"]
     # the mesh's folder, loaded elsewhere, continues as the mesh did (momentum state included)

@@ -158,7 +158,7 @@ def check_sharded(module: ShardedLoss, world_size: int) -> None:
         RuntimeError: The strategy's parallelize_fn left these parameters unsharded: [...]. It receives ...
     """
     from fabric_learner import _compat
-    from fabric_learner.sharding.mesh import describe, tensor_parallel_size, use_mesh
+    from fabric_learner.sharding.mesh import MODEL_PARALLEL, describe, tensor_parallel_size, use_mesh
 
     params = list(module.named_loss_parameters())
     plain = [name for name, p in params if not isinstance(p, DTensor)]
@@ -200,6 +200,15 @@ def check_sharded(module: ShardedLoss, world_size: int) -> None:
             f"the other parameters on the {describe(run_mesh)}: torch's gradient norm and clipping cannot combine "
             "DTensors of different meshes. Place every layer on the tensor-parallel mesh too "
             "(fabric_learner.sharding.parallelize_layers replicates the layers outside its plan by default)."
+        )
+    data_dims = [i for i, n in enumerate(run_mesh.mesh_dim_names) if n not in MODEL_PARALLEL]
+    if all(p.placements[i].is_replicate() for _, p in params for i in data_dims):
+        raise RuntimeError(
+            f"The strategy's parallelize_fn sharded every parameter along the tensor-parallel dimension of the "
+            f"{describe(run_mesh)} and replicated it along the data-parallel one: that is HSDP over Lightning's "
+            "mesh, whose second dimension the learner must take for tensor parallelism. For HSDP, fully_shard over "
+            "init_device_mesh(mesh.device_type, tuple(mesh.mesh.shape), mesh_dim_names=('replicate', 'shard')) "
+            "(docs/meshes.md)."
         )
     module.__dict__["mesh"] = run_mesh  # registered again whenever this loss runs
     use_mesh(module.mesh)

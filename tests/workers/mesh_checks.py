@@ -150,6 +150,21 @@ def llm(rank):
             "placements": placements}
 
 
+def hsdp_over_lightnings_mesh():
+    """fully_shard over Lightning's own 2-D mesh is HSDP, not tensor parallelism: refused at construction."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from fabric_learner.sharding import apply_fsdp
+
+    strategy = ModelParallelStrategy(lambda module, mesh: apply_fsdp(module, mesh, min_unit_numel=1),
+                                     data_parallel_size=2, tensor_parallel_size=2, timeout=TIMEOUT)
+    try:
+        FabricLearner(make_loss()[0], sgd(), strategy=strategy, accelerator="cpu", devices=4)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
 def main(out_dir):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     results = {}
@@ -157,6 +172,7 @@ def main(out_dir):
     results["mismatch"] = mismatched(rank)
     results["checkpoints"] = checkpoints(out_dir, rank)
     results["llm"] = llm(rank)
+    results["hsdp_over_lightning"] = hsdp_over_lightnings_mesh()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     learner.fabric.barrier()
     dist.destroy_process_group()
