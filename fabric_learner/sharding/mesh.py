@@ -4,6 +4,11 @@ Every collective of the learner reduces over one named dimension of the run's de
 ``"dp"``, the data-parallel ranks, unless asked otherwise. Until a run registers a mesh with
 more than one dimension (``use_mesh``), every rank is a data-parallel rank and ``"dp"`` is the
 whole world, reduced over the default process group exactly as before meshes had names.
+
+``check_sharded`` registers the mesh the parameters live on when it has a tensor-parallel
+dimension (``"tp"`` or Lightning's ``"tensor_parallel"``): ``"dp"`` is then its data-parallel
+dimension (``"dp"``/``"data_parallel"``, or every other dimension together), ``"tp"`` the ranks that
+share one batch. See docs/meshes.md.
 """
 
 from __future__ import annotations
