@@ -57,6 +57,12 @@ def flatten_mesh(mesh: Any, name: str):
     return mesh[tuple(mesh.mesh_dim_names)]._flatten(name)
 
 
+def root_mesh(mesh: Any):
+    """The mesh ``mesh`` was sliced from (itself when it is no slice); torch has no public call for it."""
+    root = getattr(mesh, "_get_root_mesh", None)
+    return mesh if root is None else root()
+
+
 def scaler_unscaled_this_step(scaler: Any) -> bool:
     """Whether a ``GradScaler`` holds per-optimizer state for a step not taken yet (it must be updated)."""
     return bool(getattr(scaler, "_per_optimizer_states", None))

@@ -54,7 +54,9 @@ from torch.distributed.tensor import DTensor
 
 from fabric_learner import _compat
 from fabric_learner._carrier import Carrier, output_leaves, run_loss
+from fabric_learner.sharding.agreement import BatchAgreement
 from fabric_learner.sharding.discovery import decoder_blocks, loss_networks, stacked_layers
+from fabric_learner.sharding.mesh import registered_mesh, use_mesh
 from fabric_learner.sharding.routing import BlockUnit, LayerUnit, flat_name, marker, route, route_block, storage_of
 
 
@@ -167,6 +169,8 @@ class ShardedLoss(nn.Module):
         self.__dict__["_updating"] = 0  # > 0 while update() runs the loss: leaves route to their units
         self.__dict__["_online"] = {}
         self.__dict__["_guards"] = []
+        self.__dict__["_agreement"] = BatchAgreement()  # tensor-parallel ranks must feed equal batches
+        self.__dict__["mesh"] = None  # the mesh with tensor parallelism its parameters live on (check_sharded)
         # SAC's ensemble params live under a batch-sized TensorDictParams; the swap needs that shape.
         self.__dict__["_skeleton"] = TensorDict.from_module(loss_module, as_module=False).select(
             *[tuple(n.split(".")) for n in whole]
@@ -217,6 +221,9 @@ class ShardedLoss(nn.Module):
     def forward(self, carrier: Carrier):
         # FSDP2's pre-forward hook has gathered the parameters owned here (not the layers'):
         # they are plain tensors now. Each layer gathers its own when the loss reaches it.
+        if self.mesh is not registered_mesh():
+            use_mesh(self.mesh)  # this learner's ranks: another learner of the process may have registered its own
+        self._agreement.check(carrier.value)
         loss = self.loss_module
         if self._current:
             self._empty()

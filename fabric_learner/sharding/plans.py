@@ -134,10 +134,16 @@ def precision_policy(precision: str):
 
 
 def check_sharded(module: ShardedLoss, world_size: int) -> None:
-    """Raise at construction when the parallelize_fn's sharding would train wrongly.
+    """Raise at construction when the parallelize_fn's sharding would train wrongly; register its mesh.
 
-    Every parameter must be sharded, and over all ``world_size`` ranks (each rank feeds its own
-    batch, so gradients are averaged over all of them).
+    Every parameter must be sharded (a ``DTensor``), and over all data-parallel ranks: each of them
+    feeds its own batch, so gradients must be averaged over all of them. Without tensor parallelism
+    every rank is data-parallel. With it (parameters on a mesh with a ``"tp"``/``"tensor_parallel"``
+    dimension, see ``sharding.mesh.ALIASES``), the data-parallel ranks are those of the mesh's other
+    dimensions, and that mesh is registered (``use_mesh``), so the learner's sample and token counts
+    and global means reduce over them only. Every parameter must then live on that one mesh (layers
+    outside the tensor-parallel plan ``Replicate`` on its tensor-parallel dimension): torch's
+    gradient norm cannot combine DTensors of different meshes.
 
     Examples:
         A plan that forgot to shard is refused:
@@ -151,19 +157,58 @@ def check_sharded(module: ShardedLoss, world_size: int) -> None:
             ...
         RuntimeError: The strategy's parallelize_fn left these parameters unsharded: [...]. It receives ...
     """
-    plain = [name for name, p in module.named_loss_parameters() if not isinstance(p, DTensor)]
-    narrow = [name for name, p in module.named_loss_parameters()
-              if isinstance(p, DTensor) and p.device_mesh.size() != world_size]
-    if narrow:
-        raise RuntimeError(
-            f"The strategy's parallelize_fn sharded {narrow[:4]} over a mesh of "
-            f"{module.param(narrow[0]).device_mesh.size()} ranks, but {world_size} ranks run: every "
-            "rank feeds its own batch, so gradients must be averaged over all of them. Shard over the "
-            "whole world (fabric_learner.whole_world(mesh)), or use strategy='fsdp'."
-        )
+    from fabric_learner import _compat
+    from fabric_learner.sharding.mesh import MODEL_PARALLEL, describe, tensor_parallel_size, use_mesh
+
+    params = list(module.named_loss_parameters())
+    plain = [name for name, p in params if not isinstance(p, DTensor)]
     if plain:
         raise RuntimeError(
             f"The strategy's parallelize_fn left these parameters unsharded: {plain[:8]}. It receives a "
             "fabric_learner ShardedLoss holding the loss's trainable parameters; call "
             "torch.distributed.fsdp.fully_shard on it (or use strategy='fsdp' for the default)."
         )
+    tp = max((tensor_parallel_size(p.device_mesh) for _, p in params), default=1)
+    data = world_size // tp
+    narrow = [name for name, p in params if p.device_mesh.size() // tensor_parallel_size(p.device_mesh) != data]
+    if narrow or world_size % tp:
+        mesh = module.param(narrow[0]).device_mesh if narrow else None
+        raise RuntimeError(
+            f"The strategy's parallelize_fn sharded {narrow[:4]} over a {describe(mesh) if mesh else 'mesh'}, but "
+            f"{world_size} ranks run with {tp} tensor-parallel rank(s) per group, so {data} data-parallel ranks: "
+            "every data-parallel rank feeds its own batch, so gradients must be averaged over all of them. "
+            "fully_shard over the data-parallel ranks (fabric_learner.whole_world(mesh) without tensor "
+            "parallelism, mesh['data_parallel'] with it), or use strategy='fsdp'."
+        )
+    if tp == 1:
+        module.__dict__["mesh"] = None  # every rank feeds its own batch: "dp" is the whole world
+        use_mesh(None)
+        return
+    meshes = {id(r): r for r in (_compat.root_mesh(p.device_mesh) for _, p in params
+                                 if tensor_parallel_size(p.device_mesh) == tp)}
+    if len(meshes) != 1:
+        raise RuntimeError(
+            f"The strategy's parallelize_fn sharded the loss's parameters over {len(meshes)} different meshes "
+            f"({'; '.join(describe(m) for m in meshes.values())}); nothing was trained. Slice the data-parallel "
+            "and tensor-parallel meshes of every parameter from the one mesh the parallelize_fn receives."
+        )
+    run_mesh = next(iter(meshes.values()))
+    apart = [name for name, p in params if p.device_mesh != run_mesh]
+    if apart:
+        raise RuntimeError(
+            f"The strategy's parallelize_fn left {apart[:4]} on the {describe(module.param(apart[0]).device_mesh)}, "
+            f"the other parameters on the {describe(run_mesh)}: torch's gradient norm and clipping cannot combine "
+            "DTensors of different meshes. Place every layer on the tensor-parallel mesh too "
+            "(fabric_learner.sharding.parallelize_layers replicates the layers outside its plan by default)."
+        )
+    data_dims = [i for i, n in enumerate(run_mesh.mesh_dim_names) if n not in MODEL_PARALLEL]
+    if all(p.placements[i].is_replicate() for _, p in params for i in data_dims):
+        raise RuntimeError(
+            f"The strategy's parallelize_fn sharded every parameter along the tensor-parallel dimension of the "
+            f"{describe(run_mesh)} and replicated it along the data-parallel one: that is HSDP over Lightning's "
+            "mesh, whose second dimension the learner must take for tensor parallelism. For HSDP, fully_shard over "
+            "init_device_mesh(mesh.device_type, tuple(mesh.mesh.shape), mesh_dim_names=('replicate', 'shard')) "
+            "(docs/meshes.md)."
+        )
+    module.__dict__["mesh"] = run_mesh  # registered again whenever this loss runs
+    use_mesh(module.mesh)

@@ -483,7 +483,8 @@ class Trainer(_TorchRLTrainer):
             keys = sorted(average_losses.keys())
             with self._peers_named("loss averages logged after a batch"):
                 vec = all_reduce(torch.stack([average_losses.get(k).reshape(()).float() for k in keys]))
-            average_losses = TensorDict({k: vec[i] / self._world_size for i, k in enumerate(keys)}, [])
+            # summed over the data-parallel ranks (a tensor-parallel group's ranks report one batch's losses)
+            average_losses = TensorDict({k: vec[i] / distributed_world_size() for i, k in enumerate(keys)}, [])
         super()._post_optim_complete_log_hook(optim_steps, average_losses)
 
     def _log(self, log_pbar: bool = False, **kwargs) -> None:

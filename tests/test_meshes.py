@@ -1,0 +1,223 @@
+"""Tensor parallel x FSDP2 on a 2 x 2 mesh (examples/ppo_tensor_parallel.py), in one 4-rank launch.
+
+The oracle is the project's: one SGD step on the mesh equals one process on the two data-parallel
+ranks' batches; ranks of a tensor-parallel group agree bit for bit; checkpoints move between the
+mesh, FSDP and DDP on 4 ranks and one process, both ways.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from multiproc import ROOT, WORKERS, free_port, launch, run
+from tensordict import TensorDict
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from ppo_tensor_parallel import TP_PLAN, make_batch, make_loss
+
+from fabric_learner import LocalLearner
+from fabric_learner.sharding import ShardedLoss, check_sharded, parallelize_layers
+from fabric_learner.sharding.agreement import batch_digest
+
+N, LR = 8, 0.1
+
+
+@pytest.fixture(scope="module")
+def mesh_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mesh")
+    proc = launch(os.path.join(WORKERS, "mesh_checks.py"), out, nproc=4, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.leftovers == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh(mesh_dir):
+    return [torch.load(mesh_dir / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(mesh_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reshard")
+    proc = launch(os.path.join(WORKERS, "mesh_reshard_checks.py"), mesh_dir, out, nproc=2, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.leftovers == 0
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def largest_difference(a, b):
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_parameters_are_sharded_over_both_dimensions(mesh):
+    params = mesh[0]["step"]["params"]
+    assert len(params) == 8
+    for name, p in params.items():
+        assert p["mesh"] == ("data_parallel", "tensor_parallel"), name
+    first = params["actor_network_params.module.0.module.0.0.weight"]
+    assert first["placements"][1] == "S(0)"  # ColwiseParallel: output features
+    assert params["critic_network_params.module.2.weight"]["placements"][1] == "S(1)"  # RowwiseParallel: inputs
+    assert tuple(first["local"].shape) == (4, 4)  # 16 x 4 cut in 2 by tp, then in 2 by dp
+
+
+def test_collectives_reduce_over_the_data_parallel_ranks_only(mesh):
+    for rank, res in enumerate(mesh):
+        red = res["step"]["reductions"]
+        assert red["dp_size"] == 2 and red["tp_size"] == 2
+        assert red["dp_rank"] == rank // 2
+        assert red["tp_group"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+        assert red["dp_group"] == [rank % 2, rank % 2 + 2]
+        assert red["count"] == 2.0 and red["mean"] == 0.5  # sums over 2 ranks, not 4
+
+
+def test_one_step_on_the_mesh_equals_one_process_on_the_whole_batch(mesh):
+    learner = LocalLearner(make_loss()[0], functools.partial(torch.optim.SGD, lr=LR))
+    out = learner.update(torch.cat([make_batch(N, seed=0), make_batch(N, seed=1)]))
+    expected = dict(learner.get_weights().items(True, True))
+    for res in mesh:
+        assert res["step"]["weights_plain"]
+        assert largest_difference(res["step"]["weights"], expected) < 1e-5
+    torch.testing.assert_close(mesh[0]["step"]["out"]["grad_norm"], out["grad_norm"], atol=1e-5, rtol=0)
+
+
+def test_the_ranks_of_a_tensor_parallel_group_agree_bit_for_bit(mesh):
+    for a, b in ((0, 1), (2, 3)):
+        outs = mesh[a]["step"]["out"], mesh[b]["step"]["out"]
+        assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
+        for name, p in mesh[a]["step"]["params"].items():
+            if p["placements"][1] == "R":  # left whole on the tensor-parallel dimension: equal shards
+                assert torch.equal(p["local"], mesh[b]["step"]["params"][name]["local"]), name
+    assert not torch.equal(mesh[0]["step"]["out"]["loss_objective"], mesh[2]["step"]["out"]["loss_objective"])
+
+
+def test_get_weights_are_full_plain_tensors_equal_on_every_rank(mesh):
+    shapes = {k: tuple(v.shape) for k, v in mesh[0]["step"]["weights"].items()}
+    assert shapes[("actor_network_params", "module", "0", "module", "0", "0", "weight")] == (16, 4)
+    for res in mesh[1:]:
+        assert largest_difference(res["step"]["weights"], mesh[0]["step"]["weights"]) == 0
+
+
+def test_different_batches_in_a_tensor_parallel_group_are_refused_on_every_rank_before_anything_changes(mesh):
+    initial = dict(LocalLearner(make_loss()[0]).get_weights().items(True, True))
+    for res in mesh:
+        refused = res["mismatch"]
+        assert refused is not None
+        err = refused["error"]
+        assert "tensor-parallel group(s) [[0, 1], [2, 3]]" in err
+        assert "mesh (data_parallel=2, tensor_parallel=2)" in err and "data_parallel_rank()" in err
+        assert largest_difference(refused["weights_after_refusal"], initial) == 0
+        # and the learner still trains: the right batches then give the step a fresh learner takes
+        assert largest_difference(refused["weights"], res["step"]["weights"]) < 1e-6
+
+
+def test_fully_shard_over_lightnings_own_mesh_is_refused_as_hsdp_in_disguise(mesh):
+    for res in mesh:
+        err = res["hsdp_over_lightning"]
+        assert err is not None and "that is HSDP over Lightning's mesh" in err
+        assert "mesh_dim_names=('replicate', 'shard')" in err
+
+
+def test_checkpoints_move_between_the_mesh_fsdp_ddp_and_one_process_both_ways(mesh):
+    res = mesh[0]["checkpoints"]
+    # the mesh's folder, loaded elsewhere, continues as the mesh did (momentum state included)
+    for other in ("fsdp", "ddp", "local"):
+        assert largest_difference(res[other], res["mesh"]) < 1e-5, other
+    # and back: each one's checkpoint loads into the mesh as it was, and steps alike
+    for other in ("fsdp", "ddp", "local"):
+        assert largest_difference(res[f"{other}_loaded"], res[other]) == 0, other
+        assert largest_difference(res[f"{other}_back"], res["fsdp_back"]) < 1e-5, other
+    for rank in range(1, 4):
+        assert largest_difference(mesh[rank]["checkpoints"]["mesh"], res["mesh"]) == 0
+
+
+def test_grpo_on_the_mesh_equals_one_process_and_tensor_parallel_ranks_agree_bit_for_bit(mesh):
+    from fabric_learner.testing import grpo_batch, grpo_example
+
+    replies = (3, 8, 5, 2)
+    loss, policy, _ = grpo_example(replies)
+    learner = LocalLearner(loss, functools.partial(torch.optim.SGD, lr=1.0), policy=policy)
+    out = learner.update(grpo_batch(policy, list(replies), seed=0))
+    expected = dict(learner.get_weights().items(True, True))
+    for res in mesh:
+        assert largest_difference(res["llm"]["weights"], expected) < 1e-5
+    torch.testing.assert_close(mesh[0]["llm"]["out"]["grad_norm"], out["grad_norm"], atol=1e-5, rtol=1e-6)
+    for a, b in ((0, 1), (2, 3)):
+        assert all(torch.equal(mesh[a]["llm"]["out"][k], mesh[b]["llm"]["out"][k]) for k in mesh[a]["llm"]["out"])
+    placements = mesh[0]["llm"]["placements"]
+    assert all(dims == ("data_parallel", "tensor_parallel") for dims, _ in placements.values())
+    layer = "actor_network.model.model.layers.0."
+    assert placements[layer + "self_attn.q_proj.weight"][1][1] == "S(0)"  # heads split
+    assert placements[layer + "mlp.down_proj.weight"][1][1] == "S(1)"
+    assert placements["actor_network.model.model.embed_tokens.weight"][1][1] == "R"  # whole on each TP rank
+
+
+def test_the_meshs_checkpoint_loads_into_fsdp_and_ddp_on_two_ranks(mesh, two_ranks):
+    # a step on each rank's half of the global batch after the load continues as the mesh did
+    for res in two_ranks:
+        for name in ("fsdp2", "ddp2"):
+            assert largest_difference(res[name], mesh[0]["checkpoints"]["mesh"]) < 1e-5, name
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory):
+    """Two "nodes" of 2 ranks on this machine, each started by its own torchrun, as on two machines."""
+    out, port = tmp_path_factory.mktemp("hsdp"), free_port()
+
+    def node(rank):
+        return run([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+                    "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
+                    os.path.join(WORKERS, "hsdp_checks.py"), str(out)], timeout=240)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        nodes = list(pool.map(node, (0, 1)))
+    for rank, proc in enumerate(nodes):
+        assert proc.returncode == 0 and proc.leftovers == 0, (rank, proc.stdout[-3000:])
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def test_hsdp_on_two_nodes_of_two_ranks_equals_one_process(hsdp):
+    learner = LocalLearner(make_loss()[0], functools.partial(torch.optim.SGD, lr=LR))
+    out = learner.update(make_batch(16, seed=0))  # the four ranks' quarters
+    expected = dict(learner.get_weights().items(True, True))
+    for res in hsdp:
+        assert largest_difference(res["weights"], expected) < 1e-5
+        torch.testing.assert_close(res["grad_norm"], out["grad_norm"], atol=1e-5, rtol=0)
+        # every rank feeds its own batch: counts reduce over all 4, not over a node
+        assert res["dp_size"] == 4 and res["count"] == 4.0
+    for dims, placements, ranks in hsdp[0]["params"].values():
+        # replicated across the nodes (rows), sharded within each
+        assert dims == ("replicate", "shard") and placements == ["R", "S(0)"] and ranks == [[0, 1], [2, 3]]
+
+
+# ---- without ranks -------------------------------------------------------------------------------
+
+
+def test_batch_digest_tells_batches_apart_and_equal_ones_alike():
+    batch = make_batch(N, seed=0)
+    assert batch_digest(batch) == batch_digest(batch.clone())
+    assert batch_digest(batch) != batch_digest(make_batch(N, seed=1))
+    swapped = batch.clone()
+    swapped["advantage"] = batch["value_target"]
+    swapped["value_target"] = batch["advantage"]
+    assert batch_digest(batch) != batch_digest(swapped)  # keys count, not only values
+    assert batch_digest(TensorDict({"x": torch.tensor([0.0])}, [1])) != \
+        batch_digest(TensorDict({"x": torch.tensor([-0.0])}, [1]))  # bits, not values
+
+
+def test_a_plan_naming_a_missing_or_non_linear_layer_is_refused_before_anything_changes():
+    owner = ShardedLoss(make_loss()[0], torch.device("cpu"))
+    before = {n: p.clone() for n, p in owner.named_loss_parameters()}
+    with pytest.raises(ValueError, match=r"names layers the loss does not have: \['actor_network.module.9'\]"):
+        parallelize_layers(owner, None, {**TP_PLAN, "actor_network.module.9": TP_PLAN["critic_network.module.0"]})
+    with pytest.raises(ValueError, match="ColwiseParallel or RowwiseParallel"):
+        parallelize_layers(owner, None, {"critic_network.module.0": object()})
+    assert all(type(p) is torch.nn.Parameter and torch.equal(p, before[n]) for n, p in owner.named_loss_parameters())
+    with pytest.raises(RuntimeError, match="left these parameters unsharded"):
+        check_sharded(owner, world_size=1)
