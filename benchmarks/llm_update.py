@@ -102,38 +102,30 @@ def _tokenizer():
     return tiny_tokenizer()
 
 
-def _config(tokenizer, hidden: int, layers: int):
-    from transformers import Qwen2Config
+def _model(hidden: int, layers: int):
+    """``tiny_causal_lm``'s Qwen2 (4 heads, 2 key/value heads, MLP 2x hidden, untied head) at this size, seed 0."""
+    from fabric_learner.testing import tiny_causal_lm
 
-    return Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                       eos_token_id=tokenizer.eos_token_id)
+    return tiny_causal_lm(0, tokenizer=_tokenizer(), hidden_size=hidden, num_layers=layers)
 
 
 def n_params(hidden: int, layers: int) -> int:
     """The model's parameter count, from a copy on the meta device (no memory)."""
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM  # noqa: F401  (a first import under "meta" would run there)
 
-    config = _config(_tokenizer(), hidden, layers)  # outside: a first import under "meta" would run there
+    _tokenizer()
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
-    return sum(p.numel() for p in model.parameters())
+        return sum(p.numel() for p in _model(hidden, layers).parameters())
 
 
 def grpo_loss(hidden: int, layers: int):
     """``(GRPOLoss, model)``: a fresh model with seed 0's weights, wrapped for the loss."""
-    import torch
     from torchrl.modules.llm import TransformersWrapper
     from torchrl.objectives.llm import GRPOLoss
-    from transformers import Qwen2ForCausalLM
 
-    tokenizer = _tokenizer()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(_config(tokenizer, hidden, layers))
-    policy = TransformersWrapper(model, tokenizer=tokenizer, input_mode="history", generate=False,
+    model = _model(hidden, layers)
+    policy = TransformersWrapper(model, tokenizer=_tokenizer(), input_mode="history", generate=False,
                                  return_log_probs=True, pad_output=False)
     return GRPOLoss(policy, masking_strategy="rlhf"), model
 
