@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py            # ~6 min on 2 quiet cores (estimated)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py --quick    # ~2.5 min on 2 busy cores: does it run?
-    .venv/bin/python benchmarks/llm_update.py --strategy ddp --parts speed # the same against hand DDP
+    .venv/bin/python benchmarks/llm_update.py --strategy ddp --parts speed # against hand DDP; --reps N: more or fewer
 
 Both contenders train torchrl's ``GRPOLoss`` (``masking_strategy="rlhf"``, token mean) over a
 ``TransformersWrapper`` around a ``Qwen2ForCausalLM`` built from a ``Qwen2Config`` (random weights,
@@ -363,7 +363,7 @@ def capped_worker(kind: str, mode: Mode, strategy: str, cap_copies: float, out: 
 
 def _worker_argv(args, part: str, *extra: str) -> list[str]:
     return [__file__, "--worker", part, "--strategy", args.strategy, *(["--quick"] if args.quick else []),
-            "--cap-copies", str(args.cap_copies), *extra]
+            "--cap-copies", str(args.cap_copies), *(["--reps", str(args.reps)] if args.reps else []), *extra]
 
 
 def part_speed(args, mode: Mode) -> dict:
@@ -458,11 +458,14 @@ def main() -> None:
                         help="the learner's strategy and the hand loop's (per-layer FSDP2, or DDP)")
     parser.add_argument("--parts", default=",".join(PARTS), help="some of: " + ",".join(PARTS))
     parser.add_argument("--cap-copies", type=float, default=3.5, help="the capped part's cap, in model copies")
+    parser.add_argument("--reps", type=int, help="the speed part's repetitions (default: the mode's)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "llm_update.json"))
     parser.add_argument("--worker", choices=tuple(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--kind", choices=CAPPED_KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     mode = QUICK if args.quick else FULL
+    if args.reps:
+        mode = dataclasses.replace(mode, reps=args.reps)
     if args.worker == "speed":
         return speed_worker(mode, args.strategy, args.out)
     if args.worker == "memory":
