@@ -34,16 +34,6 @@ from tensordict import TensorDict
 from fabric_learner import FabricLearner
 
 
-def _summed_over_ranks(cpu: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Each block's process CPU seconds summed over the ranks (a collective)."""
-    if not dist.is_initialized():
-        return cpu
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, cpu)
-    return {name: [sum(samples) for samples in zip(*(rank_cpu[name] for rank_cpu in every), strict=True)]
-            for name in cpu}
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -92,7 +82,7 @@ def main() -> None:
                        for copy, h in zip(learners, hands, strict=True)
                        for a, b in zip(copy.loss_module.parameters(), h.ddp.module.loss.parameters(), strict=True))
         # the work of a block is what every rank spent on it: their CPU seconds, summed
-        cpu = _summed_over_ranks(cpu)
+        cpu = harness.summed_over_ranks(cpu)
         results["updates"][name] = {"samples_s": samples, "cpu_s": cpu, "same_weights": same,
                                     "threads": torch.get_num_threads()}
 

@@ -17,9 +17,10 @@ model (3.5 by default, below the 4 copies one process needs for the training sta
   parameter is gathered for the whole loss call, so each rank holds the full model and its full
   gradients at once (what ``strategy="fsdp"`` did before per-layer units).
 
-``MALLOC_ARENA_MAX=1``: glibc otherwise reserves a 64 MiB arena of address space per thread
-that allocates (gloo's threads too), which counts against ``RLIMIT_AS`` without being used.
-Writes ``benchmarks/results/fsdp_capped.json``.
+``MALLOC_ARENA_MAX=1`` (``harness.launch_capped``): glibc otherwise reserves a 64 MiB arena of
+address space per thread that allocates (gloo's threads too), which counts against ``RLIMIT_AS``
+without being used. The cap and the launches are ``harness``'s (memory cap), shared with
+``llm_update.py``. Writes ``benchmarks/results/fsdp_capped.json``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import harness
 
@@ -38,7 +38,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> None:
     sys.path.insert(0, HERE)
     import functools
-    import resource
     from datetime import timedelta
 
     import common
@@ -51,7 +50,9 @@ def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> 
     cells = (width,) * 6
     baseline = harness.status_mib("VmSize")
     result = {"kind": kind, "rank": rank, "baseline_vmsize_mib": baseline}
-    try:
+    built = []
+
+    def steps():
         # the exact size before the cap: the same MLPs on the meta device cost no memory
         from torchrl.modules import MLP
 
@@ -59,11 +60,7 @@ def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> 
             nets = [MLP(in_features=common.OBS, out_features=2 * common.ACT, num_cells=list(cells)),
                     MLP(in_features=common.OBS, out_features=1, num_cells=[64, 64])]
         n_params = sum(p.numel() for net in nets for p in net.parameters())
-        copy_mib = n_params * 4 / 2**20
-        cap = int((baseline + cap_copies * copy_mib) * 2**20)
-        if cap_copies > 0:
-            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-        result.update(n_params=n_params, copy_mib=copy_mib, cap_over_baseline_mib=cap_copies * copy_mib)
+        result.update(harness.cap_address_space(baseline, n_params, cap_copies))
         loss, _ = common.make_loss("ppo_big_actor", cells=cells)
         opt = functools.partial(torch.optim.Adam, lr=1e-4)
         if kind == "one_process":
@@ -76,26 +73,15 @@ def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> 
                 strategy = ModelParallelStrategy(parallelize_fn=one_unit, timeout=timedelta(minutes=5))
             learner = FabricLearner(loss, opt, accelerator="cpu", devices=2, strategy=strategy,
                                     timeout=None if kind == "fsdp_2_ranks_one_unit" else timedelta(minutes=5))
-        done = 0
+            built.append(learner)
         for step in range(updates):
             out_td = learner.update(common.make_batch("ppo_big_actor", n=64, seed=step + 10 * rank))
-            done += 1
-        result.update(trained_updates=done, last_loss=float(sum(v for k, v in out_td.items() if k.startswith("loss_"))),
-                      error=None)
-    except (RuntimeError, MemoryError) as err:  # the allocation the cap refuses
-        result.update(trained_updates=locals().get("done", 0), error=f"{type(err).__name__}: {str(err)[:300]}")
-    result["vmpeak_over_baseline_mib"] = harness.status_mib("VmPeak") - baseline
-    result["rss_peak_mib"] = harness.status_mib("VmHWM")
-    if kind == "one_process":
-        harness.write_json(out, [result], indent=None)
-        return
-    import torch.distributed as dist
+            yield float(sum(v for k, v in out_td.items() if k.startswith("loss_")))
 
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        harness.write_json(out, gathered, indent=None)
-    learner.close()
+    harness.train_under_cap(result, steps())
+    harness.finish_capped(out, result)
+    for learner in built:
+        learner.close()
 
 
 def one_unit(module, mesh):
@@ -105,20 +91,6 @@ def one_unit(module, mesh):
 
     fully_shard(module, mesh=whole_world(mesh))
     return module
-
-
-def launch(kind: str, args) -> dict:
-    """One run of ``kind`` (one process, or 2 ranks under torchrun), every process under the cap."""
-    with harness.scratch_path() as out:
-        argv = [__file__, "--worker", kind, "--width", str(args.width), "--cap-copies", str(args.cap_copies),
-                "--updates", str(args.updates), "--out", out]
-        cmd = [sys.executable, *argv] if kind == "one_process" else harness.torchrun(2, *argv)
-        start = time.monotonic()
-        proc = harness.run_bounded(cmd, 600, kind, check=False, MALLOC_ARENA_MAX="1")
-        if not os.path.exists(out):
-            return {"kind": kind, "returncode": proc.returncode, "ranks": [], "output_tail": proc.stdout[-2000:]}
-        ranks = harness.read_json(out)
-    return {"kind": kind, "returncode": proc.returncode, "seconds": time.monotonic() - start, "ranks": ranks}
 
 
 def main() -> None:
@@ -131,20 +103,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.width, args.cap_copies, args.updates, args.out)
-    runs = [launch(kind, args) for kind in KINDS]
-    verdict = {r["kind"]: bool(r["ranks"]) and all(x["error"] is None and x["trained_updates"] == args.updates
-                                                   for x in r["ranks"]) for r in runs}
+    runs = [harness.launch_capped(kind, [__file__, "--worker", kind, "--width", str(args.width), "--cap-copies",
+                                         str(args.cap_copies), "--updates", str(args.updates)],
+                                  1 if kind == "one_process" else 2) for kind in KINDS]
+    verdict = harness.capped_summary(runs, args.updates)
     result = {"what": f"RLIMIT_AS = VmSize before the model + {args.cap_copies} model copies, per process",
               "width": args.width, "cap_copies": args.cap_copies, "updates": args.updates,
               "trained_under_cap": verdict, "runs": runs}
     harness.write_json(args.out, result)
-    for r in runs:
-        for x in r["ranks"]:
-            print(f"{r['kind']:21s} rank {x['rank']}: {x.get('n_params', 0) / 1e6:.1f}M params, cap "
-                  f"+{x.get('cap_over_baseline_mib', 0):.0f} MiB, trained {x['trained_updates']}/{args.updates}, "
-                  f"VmPeak +{x['vmpeak_over_baseline_mib']:.0f} MiB, error: {x['error']}")
-        if not r["ranks"]:
-            print(f"{r['kind']}: no result (exit {r['returncode']}):\n{r['output_tail']}")
     print("trained under the cap:", verdict)
 
 

@@ -7,7 +7,11 @@
   and ``provenance`` / ``machine``, the blocks a result file records;
 - ``StageClock``: the time a run spends in each named stage, by wrappers around its calls;
 - verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
-- result files: ``write_json`` and ``read_json``;
+- result files: ``write_json``, ``read_json`` and ``write_gathered`` (every rank's result, by rank 0);
+  ``summed_over_ranks`` (a block's CPU seconds over the ranks);
+- memory cap: ``cap_address_space``, ``train_under_cap``, ``finish_capped``, ``launch_capped``,
+  ``capped_summary`` (a model
+  trained, or not, under a per-process cap on its address space);
 - interleaving: contenders taking turns (``order_for``, ``rotation``, ``interleaved``, ``rotating``)
   and the intervals read from them (``paired_ratio``, ``bootstrap_ci``, ``ratio_of_sums``).
 
@@ -308,11 +312,12 @@ def decide(ci: tuple[float, float], goal: float | None, *, at_least: bool = Fals
     return True if hi <= goal else False if lo > goal else None
 
 
-def verdict(ci: tuple[float, float], goal: float | None) -> str:
-    """``decide``'s answer for a ceiling in words: "met", "NOT met", "undecided (...)", or "-" without a goal."""
+def verdict(ci: tuple[float, float], goal: float | None, *, at_least: bool = False) -> str:
+    """``decide``'s answer in words: "met", "NOT met", "undecided (...)", or "-" without a goal; the goal
+    is a ceiling, or a floor with ``at_least``."""
     if goal is None:
         return "-"
-    met = decide(ci, goal)
+    met = decide(ci, goal, at_least=at_least)
     if met is None:
         return f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {goal:.2f})"
     return "met" if met else "NOT met"
@@ -335,6 +340,124 @@ def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1) ->
 def read_json(path: str | os.PathLike) -> Any:
     with open(path) as f:
         return json.load(f)
+
+
+def write_gathered(path: str | os.PathLike, result: Any) -> None:
+    """Every rank's ``result``, as a list by rank, written to ``path`` by rank 0 (a collective: every rank
+    calls it); one process without a process group writes ``[result]``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        write_json(path, [result], indent=None)
+        return
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        write_json(path, gathered, indent=None)
+
+
+def summed_over_ranks(samples: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each block's samples (CPU seconds) summed over the ranks, the same on every rank (a collective);
+    ``samples`` itself without a process group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return samples
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, samples)
+    return {name: [sum(block) for block in zip(*(rank[name] for rank in every), strict=True)] for name in samples}
+
+
+# ---- memory cap ----------------------------------------------------------------------------------
+# A model that does not fit one process under a cap on its address space, trained sharded under the same
+# cap: the worker calls ``cap_address_space`` just before it builds the model, ``train_under_cap``
+# around building and training, and ``finish_capped`` to report; ``launch_capped`` starts one process or
+# N ranks; ``capped_summary`` reads the launches.
+
+
+def cap_address_space(baseline_mib: float, n_params: int, copies: float) -> dict[str, float]:
+    """Caps this process's address space (``RLIMIT_AS``) at ``baseline_mib`` (its ``VmSize`` taken before
+    the model) plus ``copies`` fp32 copies of ``n_params`` parameters; ``copies=0`` sets no cap (to
+    calibrate). Returns the figures a result records. Parameters, gradients and Adam's two moments are
+    4 copies, so a cap under 4 leaves one process unable to hold its training state."""
+    import resource
+
+    copy_mib = n_params * 4 / 2**20
+    if copies > 0:
+        cap = int((baseline_mib + copies * copy_mib) * 2**20)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    return {"n_params": n_params, "copy_mib": copy_mib, "cap_over_baseline_mib": copies * copy_mib}
+
+
+def train_under_cap(result: dict, steps: Iterator[float]) -> None:
+    """Runs ``steps`` (a generator that builds what it trains, then yields each update's loss) and records in
+    ``result`` how many updates it trained, the last loss, the allocation error the cap caused (or
+    ``None``), and the peaks: address space over ``result["baseline_vmsize_mib"]`` and resident memory."""
+    done = 0
+    try:
+        for loss in steps:
+            done += 1
+            result["last_loss"] = loss
+        result["error"] = None
+    except Exception as err:  # the allocation the cap refuses, perhaps re-raised as another error
+        cause = err
+        while not isinstance(cause, (RuntimeError, MemoryError)) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if not isinstance(cause, (RuntimeError, MemoryError)):
+            raise
+        result["error"] = f"{type(cause).__name__}: {str(cause)[:300]}"
+        if cause is not err:
+            result["error"] += f" (raised as {type(err).__name__}: {str(err)[:200]})"
+    result["trained_updates"] = done
+    result["vmpeak_over_baseline_mib"] = status_mib("VmPeak") - result["baseline_vmsize_mib"]
+    result["rss_peak_mib"] = status_mib("VmHWM")
+
+
+def finish_capped(path: str, result: dict) -> None:
+    """Writes this rank's ``result`` beside ``path`` (``PATH.rankN``: no collective, so a rank whose peer died
+    still reports). A rank that failed under the cap then exits at once (status 3), after a moment for a
+    peer that failed alike to write its own: torchrun then stops the ranks left waiting in a collective
+    for the failed one, which would otherwise wait for the process group's timeout."""
+    rank = int(os.environ.get("RANK", 0))
+    write_json(f"{path}.rank{rank}", result, indent=None)
+    if result["error"] is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.stdout.flush()
+        time.sleep(2)
+        os._exit(3)
+
+
+def launch_capped(kind: str, argv: list[str], ranks: int, timeout_s: float = 600, **extra_env: str) -> dict:
+    """Runs ``argv`` (a script and its arguments; ``--out PATH`` is appended) as one process (``ranks=1``) or
+    under torchrun, with ``extra_env``; each process reports through ``finish_capped``. Never raises for
+    the worker's failure: the ranks that wrote nothing are missing from ``ranks``, and the output's tail
+    is kept.
+
+    ``MALLOC_ARENA_MAX=1``: glibc otherwise reserves a 64 MiB arena of address space per thread that
+    allocates (gloo's threads too), which counts against ``RLIMIT_AS`` without being used.
+    """
+    with scratch_path() as out:
+        cmd = [*argv, "--out", out]
+        cmd = [sys.executable, *cmd] if ranks == 1 else torchrun(ranks, *cmd)
+        start = time.monotonic()
+        proc = run_bounded(cmd, timeout_s, kind, check=False, **{"MALLOC_ARENA_MAX": "1", **extra_env})
+        per_rank = [read_json(f"{out}.rank{r}") for r in range(ranks) if os.path.exists(f"{out}.rank{r}")]
+    return {"kind": kind, "returncode": proc.returncode, "seconds": time.monotonic() - start, "ranks": per_rank,
+            "expected_ranks": ranks, "output_tail": proc.stdout[-2000:]}
+
+
+def capped_summary(runs: list[dict], updates: int) -> dict[str, bool]:
+    """Prints each launch's ranks (parameters, cap, updates trained, peak address space, error) and returns
+    by kind whether every rank reported, having trained all ``updates`` without an error."""
+    for r in runs:
+        for x in r["ranks"]:
+            print(f"{r['kind']:21s} rank {x['rank']}: {x.get('n_params', 0) / 1e6:.1f}M params, cap "
+                  f"+{x.get('cap_over_baseline_mib', 0):.0f} MiB, trained {x['trained_updates']}/{updates}, "
+                  f"VmPeak +{x['vmpeak_over_baseline_mib']:.0f} MiB, error: {x['error']}")
+        if len(r["ranks"]) < r["expected_ranks"]:
+            print(f"{r['kind']}: {r['expected_ranks'] - len(r['ranks'])} rank(s) wrote no result (exit "
+                  f"{r['returncode']}):\n{r['output_tail']}")
+    return {r["kind"]: len(r["ranks"]) == r["expected_ranks"] and all(
+        x["error"] is None and x["trained_updates"] == updates for x in r["ranks"]) for r in runs}
 
 
 # ---- interleaving and intervals ------------------------------------------------------------------

@@ -1,0 +1,491 @@
+"""GRPO on a Qwen2-architecture model, 2 CPU ranks: the learner against the FSDP2 loop a user writes by hand.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py            # ~6 min on 2 quiet cores (estimated)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py --quick    # ~2.5 min on 2 busy cores: does it run?
+    .venv/bin/python benchmarks/llm_update.py --strategy ddp --parts speed # against hand DDP; --reps N: more or fewer
+
+Both contenders train torchrl's ``GRPOLoss`` (``masking_strategy="rlhf"``, token mean) over a
+``TransformersWrapper`` around a ``Qwen2ForCausalLM`` built from a ``Qwen2Config`` (random weights,
+seed 0, :func:`fabric_learner.testing.tiny_tokenizer`'s vocabulary of 300), AdamW (lr 1e-5), gradients
+clipped at norm 1.0, 2 micro-batches per optimizer step on each rank. A micro-batch is a lazy stack of
+chats of different lengths (:func:`fabric_learner.testing.grpo_batch`: the sample log-probs are the
+policy's own), different on each rank; both contenders get the same ones.
+
+- ``learner``: ``FabricLearner(loss, AdamW factory, strategy="fsdp", devices=2, accelerator="cpu",
+  grad_accum_steps=2, clip_grad_norm=1.0)``.
+- ``hand``: ``fully_shard`` on each of ``model.model.layers``, then on the model; AdamW over its
+  parameters. Each micro-batch backpropagates its loss (the sum of the ``loss_*`` entries, token means)
+  times its token count (the assistant tokens the loss averages over), that is its token sum, the
+  first without gradient sync (``set_requires_gradient_sync(False)``); at the window's end the count is
+  all-reduced over the ranks, the gradients scaled by ``world_size / total``, clipped
+  (``clip_grad_norm_``), stepped, zeroed. That is the learner's token normalisation
+  (``fabric_learner/llm.py``), so both take the same step: the script checks that their pre-clip
+  gradient norms agree at every step. With ``--strategy ddp`` the learner runs DDP and the hand loop is
+  ``DistributedDataParallel`` (``no_sync`` for the first micro-batch), the same otherwise.
+
+Three parts, each its own ``torchrun`` launches (``--parts``):
+
+1. ``speed``: both contenders in one launch, ``--copies`` copies of each taking turns
+   (``harness.rotating``); each repetition times one optimizer step of each, in a random order
+   (``harness.interleaved``, barrier around every block). Reported: trained tokens per second over both
+   ranks, and the ratio learner / hand: the median of the per-repetition ratios with its two-stage
+   bootstrap interval, in wall time and in CPU time summed over the ranks; the goal (at least 0.97) is
+   met only when both intervals are at or above it (as ``run.py``'s case b).
+2. ``memory``: each contender its own launches (``--repeats`` each, rotated, as ``fsdp_peak.py``): a
+   rank's peak resident memory (``VmHWM``) over its resident memory before the model is built, after
+   ``--memory-updates`` optimizer steps on the larger model; a launch counts its worst rank. Ratio of
+   the medians learner / hand (goal at most 1.05), decided on the range over launches (the largest
+   and smallest ratio of one launch of each).
+3. ``capped``: the larger model under a cap on each process's address space (``harness``'s memory cap,
+   as ``fsdp_capped.py``: its address space before the model plus ``--cap-copies`` model copies,
+   3.5 while parameters, gradients and AdamW's moments are 4): ``one_process`` (``LocalLearner``) is
+   expected to fail to allocate, ``learner`` and ``hand`` on 2 ranks to train.
+
+Writes ``benchmarks/results/llm_update.json`` (``--out``): settings, machine and git provenance, every
+sample and launch, the ratios and verdicts. Sizes: ``--quick`` trains tiny models with few repetitions
+(its numbers say nothing). One thread per rank; no test asserts on timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import os
+import statistics
+import time
+
+import harness
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LR, CLIP, ACCUM = 1e-5, 1.0, 2
+CONTENDERS = ("learner", "hand")
+CAPPED_KINDS = ("one_process", "learner", "hand")
+TOKENS_GOAL, MEMORY_GOAL = 0.97, 1.05
+SAME_STEP = 1e-4  # the largest relative gap of the contenders' pre-clip gradient norms, any step, any copy
+# the memory parts' environment: a fixed mmap threshold, so that glibc returns freed tensors of 1 MiB and
+# more (this model's weights are 1-8 MiB) instead of keeping them in its heap (docs/fsdp.md)
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """The sizes of a run: the timed model and batches, and the larger model of the memory parts."""
+
+    hidden: int = 384  # the timed model: hidden size and decoder layers (8.2M parameters)
+    layers: int = 6
+    samples: int = 4  # chats per micro-batch
+    reply_words: tuple[int, int] = (12, 36)  # each reply's length in words: uniform in [lo, hi)
+    pairs: int = 2  # distinct optimizer-step batches (2 micro-batches each) per rank
+    copies: int = 3  # copies of each contender taking turns; coprime with pairs
+    reps: int = 80
+    warmup: int = 6  # a multiple of copies: repetition r is copy r % copies
+    big_hidden: int = 1024  # memory and capped parts: 8 layers, 76.1M parameters, 290 MiB a copy
+    big_layers: int = 8
+    big_reply_words: tuple[int, int] = (8, 24)
+    memory_updates: int = 2
+    repeats: int = 2
+
+
+FULL = Mode()
+QUICK = Mode(hidden=64, layers=2, samples=2, reply_words=(3, 12), pairs=1, copies=2, reps=4, warmup=2,
+             big_hidden=512, big_layers=8, big_reply_words=(3, 8), memory_updates=1, repeats=1)
+
+
+# ---- model, batches and the contenders (run in the ranks) -----------------------------------------
+
+
+def _tokenizer():
+    from fabric_learner.testing import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+def _model(hidden: int, layers: int):
+    """``tiny_causal_lm``'s Qwen2 (4 heads, 2 key/value heads, MLP 2x hidden, untied head) at this size, seed 0."""
+    from fabric_learner.testing import tiny_causal_lm
+
+    return tiny_causal_lm(0, tokenizer=_tokenizer(), hidden_size=hidden, num_layers=layers)
+
+
+def n_params(hidden: int, layers: int) -> int:
+    """The model's parameter count, from a copy on the meta device (no memory)."""
+    import torch
+    from transformers import Qwen2ForCausalLM  # noqa: F401  (a first import under "meta" would run there)
+
+    _tokenizer()
+    with torch.device("meta"):
+        return sum(p.numel() for p in _model(hidden, layers).parameters())
+
+
+def grpo_loss(hidden: int, layers: int):
+    """``(GRPOLoss, model)``: a fresh model with seed 0's weights, wrapped for the loss."""
+    from torchrl.modules.llm import TransformersWrapper
+    from torchrl.objectives.llm import GRPOLoss
+
+    model = _model(hidden, layers)
+    policy = TransformersWrapper(model, tokenizer=_tokenizer(), input_mode="history", generate=False,
+                                 return_log_probs=True, pad_output=False)
+    return GRPOLoss(policy, masking_strategy="rlhf"), model
+
+
+def make_pairs(loss, rank: int, mode: Mode, words: tuple[int, int]) -> list[tuple]:
+    """This rank's ``mode.pairs`` optimizer steps, each 2 micro-batches of ``mode.samples`` chats whose
+    replies have ``words`` lengths, drawn per rank; log-probs from ``loss``'s policy (unsharded)."""
+    import torch
+
+    from fabric_learner.testing import grpo_batch
+
+    generator = torch.Generator().manual_seed(1000 + rank)
+    pairs = []
+    for p in range(mode.pairs):
+        pairs.append(tuple(
+            grpo_batch(loss.actor_network, torch.randint(*words, (mode.samples,), generator=generator).tolist(),
+                       seed=100 * rank + 10 * p + m) for m in range(ACCUM)))
+    return pairs
+
+
+def trained_tokens(batch) -> int:
+    """The tokens the loss averages over (``masking_strategy="rlhf"``: the assistant's)."""
+    return sum(int(mask.sum()) for mask in batch.get(("masks", "all_assistant_mask"), as_list=True))
+
+
+def all_tokens(batch) -> int:
+    return sum(int(tokens.numel()) for tokens in batch.get(("tokens", "full"), as_list=True))
+
+
+class LearnerSteps:
+    """One optimizer step of a learner per ``update(pair)``: ``ACCUM`` calls. ``strategy`` "fsdp" or "ddp":
+    ``FabricLearner`` on 2 CPU ranks; "one_process": ``LocalLearner``."""
+
+    def __init__(self, loss, strategy: str):
+        from datetime import timedelta
+
+        import torch
+
+        from fabric_learner import FabricLearner, LocalLearner
+
+        optimizer = functools.partial(torch.optim.AdamW, lr=LR)
+        if strategy == "one_process":
+            self.learner = LocalLearner(loss, optimizer, grad_accum_steps=ACCUM, clip_grad_norm=CLIP)
+        else:
+            self.learner = FabricLearner(loss, optimizer, strategy=strategy, devices=2, accelerator="cpu",
+                                         grad_accum_steps=ACCUM, clip_grad_norm=CLIP, timeout=timedelta(minutes=5))
+        self.norms = []  # pre-clip gradient norm of every step
+
+    def update(self, pair) -> None:
+        for batch in pair:
+            out = self.learner.update(batch)
+        self.norms.append(out.get("grad_norm"))
+
+    def close(self) -> None:
+        getattr(self.learner, "close", lambda: None)()
+
+
+class HandLoop:
+    """The hand-written loop (see the module's docstring): per-layer FSDP2, or DDP, with the learner's token
+    normalisation."""
+
+    def __init__(self, loss, model, strategy: str):
+        import torch
+        import torch.distributed as dist
+        from common import SumLoss, summed_loss
+
+        self.world = dist.get_world_size()
+        if strategy == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            self.total = lambda batch: summed_loss(loss(batch))
+            self.no_sync = functools.partial(_unsynced, model)
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ddp = DistributedDataParallel(SumLoss(loss))
+            self.total, self.no_sync = ddp, ddp.no_sync
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        self.params = [p for group in self.opt.param_groups for p in group["params"]]
+        self.norms = []
+
+    def update(self, pair) -> None:
+        import torch
+        import torch.distributed as dist
+
+        count = 0
+        for i, batch in enumerate(pair):
+            with self.no_sync() if i < len(pair) - 1 else contextlib.nullcontext():
+                tokens = trained_tokens(batch)
+                (self.total(batch) * tokens).backward()  # the micro-batch's token sum
+            count += tokens
+        total = torch.tensor(float(count))
+        dist.all_reduce(total)
+        factor = self.world / max(total.item(), 1.0)  # undoes the ranks' average, divides by every token
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+        self.norms.append(torch.nn.utils.clip_grad_norm_(self.params, CLIP))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _unsynced(model):
+    """FSDP2's ``no_sync``: gradients kept unsharded and unreduced until a backward with sync."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def build(kind: str, loss, model, strategy: str):
+    """Contender ``kind`` ("learner", "hand", "one_process") on ``loss`` and its ``model``."""
+    if kind == "hand":
+        _init_group()
+        return HandLoop(loss, model, strategy)
+    return LearnerSteps(loss, "one_process" if kind == "one_process" else strategy)
+
+
+def _init_group() -> None:
+    """The process group for the hand loop when no learner has made it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+
+
+def _floats(norms) -> list[float]:
+    """Gradient norms as floats (a sharded norm is gathered: every rank calls this alike)."""
+    from torch.distributed.tensor import DTensor
+
+    return [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
+
+
+def speed_worker(mode: Mode, strategy: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    harness.set_one_thread()
+    rank = int(os.environ["RANK"])
+    pairs = make_pairs(grpo_loss(mode.hidden, mode.layers)[0], rank, mode, mode.reply_words)
+    built = {name: [] for name in CONTENDERS}
+
+    def builder(kind):
+        def make():
+            built[kind].append(build(kind, *grpo_loss(mode.hidden, mode.layers), strategy))
+            return built[kind][-1]
+        return make
+
+    # the learners first: the first of them starts the process group
+    contenders = {kind: harness.rotating(builder(kind), pairs, mode.copies) for kind in CONTENDERS}
+    cpu: dict[str, list[float]] = {}
+    samples = harness.interleaved(contenders, reps=mode.reps, inner=1, warmup=mode.warmup, sync=dist.barrier, cpu=cpu)
+    cpu = harness.summed_over_ranks(cpu)
+    norms = {kind: [_floats(copy.norms) for copy in built[kind]] for kind in CONTENDERS}
+    gap = max(abs(a - b) / max(abs(b), 1e-12) for la, lb in zip(norms["learner"], norms["hand"], strict=True)
+              for a, b in zip(la, lb, strict=True))
+    tokens = [[trained_tokens(b) for b in pair] for pair in pairs]
+    every = [[all_tokens(b) for b in pair] for pair in pairs]
+    result = {"rank": rank, "samples_s": samples, "cpu_s": cpu, "trained_tokens": tokens, "all_tokens": every,
+              "grad_norm_max_rel_gap": gap, "grad_norms": norms, "threads": torch.get_num_threads(),
+              "n_params": n_params(mode.hidden, mode.layers)}
+    harness.write_gathered(out, result)
+    for contender in built["learner"] + built["hand"][:1]:  # the learners, then the group if still there
+        contender.close()
+
+
+def _import_everything() -> None:
+    """What every contender imports, loaded before a worker takes its baseline, so it is not counted."""
+    import common  # noqa: F401
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+    from torchrl.modules.llm import TransformersWrapper  # noqa: F401
+    from torchrl.objectives.llm import GRPOLoss  # noqa: F401
+    from transformers import Qwen2ForCausalLM  # noqa: F401
+
+    from fabric_learner import FabricLearner, LocalLearner  # noqa: F401
+    from fabric_learner.testing import grpo_batch  # noqa: F401
+
+    harness.set_one_thread()
+    _tokenizer()
+
+
+def memory_worker(kind: str, mode: Mode, strategy: str, out: str) -> None:
+    _import_everything()
+    rank = int(os.environ["RANK"])
+    baseline = harness.status_mib("VmRSS")  # imports done, model not built yet
+    loss, model = grpo_loss(mode.big_hidden, mode.big_layers)
+    pairs = make_pairs(loss, rank, mode, mode.big_reply_words)
+    contender = build(kind, loss, model, strategy)
+    for step in range(mode.memory_updates):
+        contender.update(pairs[step % len(pairs)])
+    result = {"rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": harness.status_mib("VmHWM") - baseline,
+              "n_params": n_params(mode.big_hidden, mode.big_layers)}
+    harness.write_gathered(out, result)
+    contender.close()
+
+
+def capped_worker(kind: str, mode: Mode, strategy: str, cap_copies: float, out: str) -> None:
+    _import_everything()
+    rank = int(os.environ.get("RANK", 0))
+    count = n_params(mode.big_hidden, mode.big_layers)  # before the baseline: what it loads is then counted in
+    result = {"kind": kind, "rank": rank, "baseline_vmsize_mib": harness.status_mib("VmSize")}
+    built = []
+
+    def steps():
+        result.update(harness.cap_address_space(result["baseline_vmsize_mib"], count, cap_copies))
+        loss, model = grpo_loss(mode.big_hidden, mode.big_layers)
+        pairs = make_pairs(loss, rank, mode, mode.big_reply_words)
+        built.append(build(kind, loss, model, strategy))
+        for step in range(mode.memory_updates):
+            built[0].update(pairs[step % len(pairs)])
+            yield step
+
+    harness.train_under_cap(result, steps())
+    harness.finish_capped(out, result)
+    for contender in built:
+        contender.close()
+
+
+# ---- the parts (run from the command) ---------------------------------------------------------------
+
+
+def _worker_argv(args, part: str, *extra: str) -> list[str]:
+    return [__file__, "--worker", part, "--strategy", args.strategy, *(["--quick"] if args.quick else []),
+            "--cap-copies", str(args.cap_copies), *(["--reps", str(args.reps)] if args.reps else []), *extra]
+
+
+def part_speed(args, mode: Mode) -> dict:
+    with harness.scratch_path() as out:
+        start = time.monotonic()
+        harness.run_bounded(harness.torchrun(2, *_worker_argv(args, "speed"), "--out", out), 1200, "speed part")
+        ranks = harness.read_json(out)
+    seconds = time.monotonic() - start
+    samples, cpu = ranks[0]["samples_s"], ranks[0]["cpu_s"]
+    # repetition r of every contender ran call warmup + r, on pair (warmup + r) % pairs, on every rank
+    per_pair = [sum(sum(r["trained_tokens"][p]) for r in ranks) for p in range(mode.pairs)]
+    per_pair_all = [sum(sum(r["all_tokens"][p]) for r in ranks) for p in range(mode.pairs)]
+    rep_tokens = [per_pair[(mode.warmup + r) % mode.pairs] for r in range(mode.reps)]
+    tokens_per_s = {k: statistics.median(t / s for t, s in zip(rep_tokens, samples[k])) for k in CONTENDERS}
+    # tokens/s learner / hand = hand's time / learner's time, repetition by repetition
+    wall = (harness.paired_ratio(samples["hand"], samples["learner"]),
+            harness.bootstrap_ci(samples["hand"], samples["learner"], copies=mode.copies))
+    cpu_r = (harness.paired_ratio(cpu["hand"], cpu["learner"]),
+             harness.bootstrap_ci(cpu["hand"], cpu["learner"], copies=mode.copies))
+    wall_met, cpu_met = (harness.decide(ci, TOKENS_GOAL, at_least=True) for _, ci in (wall, cpu_r))
+    met = wall_met if wall_met is cpu_met else (False if False in (wall_met, cpu_met) else None)
+    gap = max(r["grad_norm_max_rel_gap"] for r in ranks)
+    if gap > SAME_STEP:
+        met = False
+    result = {
+        "what": "trained tokens per second over 2 ranks, one optimizer step (2 micro-batches per rank) per sample",
+        "n_params": ranks[0]["n_params"], "tokens_per_step": per_pair, "all_tokens_per_step": per_pair_all,
+        "median_step_s": {k: statistics.median(samples[k]) for k in CONTENDERS},
+        "tokens_per_s": tokens_per_s, "ratio": wall[0], "ci": wall[1], "cpu_ratio": cpu_r[0], "cpu_ci": cpu_r[1],
+        "goal": TOKENS_GOAL, "met": met,
+        "verdict": f"invalid: the contenders' gradient norms differ by {gap:.1e}" if gap > SAME_STEP else
+        harness.verdict(wall[1], TOKENS_GOAL, at_least=True) if wall_met is cpu_met else
+        ("NOT met" if met is False else "undecided") + f" (wall {wall[1][0]:.3f}-{wall[1][1]:.3f}, "
+                                                        f"cpu {cpu_r[1][0]:.3f}-{cpu_r[1][1]:.3f})",
+        "grad_norm_max_rel_gap": gap, "same_step": gap <= SAME_STEP, "seconds": seconds,
+        "samples_s": samples, "cpu_s": cpu, "ranks": ranks,
+    }
+    print(f"speed: {result['n_params'] / 1e6:.1f}M parameters, {statistics.mean(per_pair):.0f} trained tokens a step; "
+          f"tokens/s learner {tokens_per_s['learner']:.0f}, hand {tokens_per_s['hand']:.0f}; "
+          f"learner / hand {wall[0]:.3f} [{wall[1][0]:.3f}, {wall[1][1]:.3f}] wall, {cpu_r[0]:.3f} "
+          f"[{cpu_r[1][0]:.3f}, {cpu_r[1][1]:.3f}] cpu (goal >= {TOKENS_GOAL}): {result['verdict']}; "
+          f"pre-clip grad norms agree within {gap:.1e} ({seconds:.0f} s)", flush=True)
+    return result
+
+
+def part_memory(args, mode: Mode) -> dict:
+    runs = []
+    for rep in range(mode.repeats):
+        for kind in harness.rotation(rep, CONTENDERS):
+            with harness.scratch_path() as out:
+                start = time.monotonic()
+                harness.run_bounded(harness.torchrun(2, *_worker_argv(args, "memory", "--kind", kind), "--out", out),
+                                    600, f"memory part, {kind}", **MALLOC)
+                ranks = harness.read_json(out)
+            runs.append({"kind": kind, "seconds": time.monotonic() - start, "ranks": ranks,
+                         "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks)})
+            print(f"memory: {kind:8s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
+                  f"({runs[-1]['seconds']:.0f} s)", flush=True)
+    peaks = {k: [r["worst_peak_mib"] for r in runs if r["kind"] == k] for k in CONTENDERS}
+    median = {k: statistics.median(v) for k, v in peaks.items()}
+    ratio = median["learner"] / median["hand"]
+    span = (min(peaks["learner"]) / max(peaks["hand"]), max(peaks["learner"]) / min(peaks["hand"]))
+    n = runs[0]["ranks"][0]["n_params"]
+    result = {"what": f"peak resident memory over the pre-model baseline, worst of 2 ranks, {mode.memory_updates} "
+                      "optimizer steps", "n_params": n, "copy_mib": n * 4 / 2**20, "median_peak_mib": median,
+              "ratio": ratio, "range": span, "goal": MEMORY_GOAL, "met": harness.decide(span, MEMORY_GOAL),
+              "verdict": harness.verdict(span, MEMORY_GOAL), "runs": runs}
+    print(f"memory: {n / 1e6:.1f}M parameters; learner / hand {ratio:.3f} (launches {span[0]:.3f}-{span[1]:.3f}, "
+          f"goal <= {MEMORY_GOAL}): {result['verdict']}", flush=True)
+    return result
+
+
+def part_capped(args, mode: Mode) -> dict:
+    runs = [harness.launch_capped(kind, _worker_argv(args, "capped", "--kind", kind),
+                                  1 if kind == "one_process" else 2, **MALLOC) for kind in CAPPED_KINDS]
+    trained = harness.capped_summary(runs, mode.memory_updates)
+    # under DDP every rank holds the whole training state, as one process does
+    expected = {"one_process": False, "learner": args.strategy == "fsdp", "hand": args.strategy == "fsdp"}
+    print(f"capped: trained under the cap {trained} (expected {expected})", flush=True)
+    return {"what": f"RLIMIT_AS = VmSize before the model + {args.cap_copies} model copies, per process",
+            "cap_copies": args.cap_copies, "updates": mode.memory_updates, "trained_under_cap": trained,
+            "as_expected": trained == expected, "runs": runs}
+
+
+PARTS = {"speed": part_speed, "memory": part_memory, "capped": part_capped}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, few repetitions: does it run?")
+    parser.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp",
+                        help="the learner's strategy and the hand loop's (per-layer FSDP2, or DDP)")
+    parser.add_argument("--parts", default=",".join(PARTS), help="some of: " + ",".join(PARTS))
+    parser.add_argument("--cap-copies", type=float, default=3.5, help="the capped part's cap, in model copies")
+    parser.add_argument("--reps", type=int, help="the speed part's repetitions (default: the mode's)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "llm_update.json"))
+    parser.add_argument("--worker", choices=tuple(PARTS), help=argparse.SUPPRESS)
+    parser.add_argument("--kind", choices=CAPPED_KINDS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    mode = QUICK if args.quick else FULL
+    if args.reps:
+        mode = dataclasses.replace(mode, reps=args.reps)
+    if args.worker == "speed":
+        return speed_worker(mode, args.strategy, args.out)
+    if args.worker == "memory":
+        return memory_worker(args.kind, mode, args.strategy, args.out)
+    if args.worker == "capped":
+        return capped_worker(args.kind, mode, args.strategy, args.cap_copies, args.out)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}: choose from {','.join(PARTS)}")
+    start = time.monotonic()
+    result = {"what": __doc__.split("\n")[0], "mode": "quick" if args.quick else "full", "strategy": args.strategy,
+              "settings": dataclasses.asdict(mode), "lr": LR, "clip": CLIP, "grad_accum_steps": ACCUM,
+              "machine": harness.machine(), "load_before": os.getloadavg()}
+    for part in parts:
+        result[part] = PARTS[part](args, mode)
+    result.update(load_after=os.getloadavg(), seconds=time.monotonic() - start)
+    harness.write_json(args.out, result)
+    print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
