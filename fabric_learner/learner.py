@@ -659,7 +659,12 @@ def clipped_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 def _input_error(err: Exception, batch: TensorDictBase, loss_module: nn.Module) -> Exception:
-    """The loss forward's error, replaced by one naming the batch's problem when there is one."""
+    """The loss forward's error, replaced by one naming the batch's problem when there is one.
+
+    Running out of memory is never the batch's keys or dtypes: that error passes as it is.
+    """
+    if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err):
+        return err
     if isinstance(err, RuntimeError) and not isinstance(err, NotImplementedError):
         typed = _dtype_error(err, batch, loss_module)
         if typed is not err:

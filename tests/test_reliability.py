@@ -179,6 +179,21 @@ def test_missing_keys_are_named(kind, case, drop, named):
     assert_unchanged(learner, before)
 
 
+def test_running_out_of_memory_is_not_reported_as_missing_keys(kind):
+    """An allocation failure inside the loss reaches the caller as it is, even on a batch that lacks an in_key."""
+    loss, _ = make_loss("dqn")
+    learner = make_learner(kind, loss)
+    oom = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory")
+
+    def allocate(*_):
+        raise oom
+
+    loss.value_network.register_forward_pre_hook(allocate)
+    with pytest.raises(RuntimeError) as info:
+        learner.update(make_batch("dqn").exclude("action"))
+    assert info.value is oom
+
+
 def test_over_approximate_in_keys_are_not_required():
     loss, _ = make_loss("ppo")  # in_keys list ("next", "reward"), unused when "advantage" is given
     assert ("next", "reward") in loss.in_keys
