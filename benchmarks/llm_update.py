@@ -1,6 +1,6 @@
 """GRPO on a Qwen2-architecture model, 2 CPU ranks: the learner against the FSDP2 loop a user writes by hand.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py            # ~6 min on 2 quiet cores (estimated)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py            # ~6 min on 2 quiet cores (estimated; 876 s busy)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py --quick    # ~2.5 min on 2 busy cores: does it run?
     .venv/bin/python benchmarks/llm_update.py --strategy ddp --parts speed # against hand DDP; --reps N: more or fewer
 
