@@ -1,0 +1,114 @@
+"""The Trainer on a 2 x 2 mesh (PPO, examples/ppo_tensor_parallel.py's plan), in one 4-rank launch;
+and the 2-rank FSDP2/DDP saves of mesh_reshard_checks.py loaded into the mesh.
+
+Usage: python mesh_trainer_checks.py OUT_DIR [TWO_RANK_DIR] [DEVICES]
+DEVICES (default 4): 4 is the 2 x 2 mesh; 2 runs the Trainer part alone on a 1 x 2 mesh (tensor
+parallel only), a quick check by hand. Writes OUT_DIR/rank{r}.pt, compared by tests/test_meshes.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from datetime import timedelta
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+
+import torch
+import torch.distributed as dist
+from ppo_pendulum import make_env
+from ppo_tensor_parallel import make_loss, strategy
+from torch.distributed.tensor import DTensor
+from torchrl.collectors import Collector
+from torchrl.objectives.value import GAE
+from trainer_common import RecordingLogger
+
+from fabric_learner import FabricLearner
+from fabric_learner.onpolicy import EpochPartitionSampler, GlobalAdvantageNormalization, LearnerValueEstimator
+from fabric_learner.sharding import data_parallel_rank
+from fabric_learner.sharding.agreement import batch_digest
+from fabric_learner.trainer import Trainer
+
+TIMEOUT = timedelta(seconds=60)
+ENVS, STEPS = 4, 8  # per rank and batch: 32 frames
+FRAMES_PER_BATCH = ENVS * STEPS
+BATCHES, STOP_AFTER = 4, 3  # total_frames allows 4 batches; global rank 1 asks to stop after the 3rd
+MINIBATCH, EPOCHS = 16, 2
+
+
+def trainer_run(devices: int) -> dict:
+    """PPO through the Trainer: collector, GAE, epoch partitions, global advantage normalisation."""
+    dp_size = devices // 2
+    loss, actor = make_loss(seed=0, obs=3, act=1)
+    gae = GAE(gamma=0.9, lmbda=0.95, value_network=loss.critic_network, average_gae=False)
+    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-2), policy=actor, accelerator="cpu",
+                            devices=devices, strategy=strategy(data_parallel_size=dp_size, timeout=TIMEOUT))
+    collector = Collector(make_env(ENVS), actor, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1,
+                          auto_register_policy_transforms=False)
+    logger = RecordingLogger()
+    trainer = Trainer(learner=learner, collector=collector, total_frames=BATCHES * FRAMES_PER_BATCH * dp_size,
+                      optim_steps_per_batch=FRAMES_PER_BATCH // MINIBATCH, num_epochs=EPOCHS, seed=3,
+                      progress_bar=False, logger=logger, log_interval=0, log_throughput=False)
+    LearnerValueEstimator(learner, gae).register(trainer)
+    EpochPartitionSampler(MINIBATCH).register(trainer)
+    GlobalAdvantageNormalization().register(trainer)
+    batches, updates = [], []
+
+    def collected(batch):
+        batches.append(batch_digest(batch.exclude("collector")))  # what the collector returned, before GAE
+
+    def stop():
+        if learner.global_rank == 1 and len(batches) == STOP_AFTER:  # a rank that does not count frames
+            trainer.request_stop("enough")
+
+    update = learner.update
+
+    def recorded(sub_batch):
+        out = update(sub_batch)
+        updates.append({"digest": batch_digest(sub_batch), "frames": trainer.collected_frames,
+                        **{k: out.get(k).detach().clone() for k in out.keys() if out.get(k).numel() == 1}})
+        return out
+
+    learner.update = recorded
+    trainer.register_op("batch_process", lambda b: (collected(b), b)[1])
+    trainer.register_op("post_steps", stop)
+    trainer.train()
+    local = {n: (p.to_local().detach().clone(), [str(x) for x in p.placements])
+             for n, p in learner.sharded_module.named_loss_parameters() if isinstance(p, DTensor)}
+    return {"batches": batches, "updates": updates, "collected_frames": trainer.collected_frames,
+            "num_updates": learner.num_updates, "dp_rank": data_parallel_rank(), "local": local,
+            "weights": dict(learner.get_weights(cpu_offload=False).items(True, True)),
+            "actor": {k: v.detach().clone() for k, v in actor.state_dict().items()},
+            "logged": [c for c in logger.calls if c[0].startswith("loss_")]}, learner
+
+
+def two_rank_saves(two_rank_dir: str, rank: int) -> dict:
+    """The 2-rank FSDP2 and DDP saves, loaded into the mesh; then one momentum-SGD step on it."""
+    import mesh_checks
+
+    res = {}
+    for name, path in (("fsdp2", "fsdp2"), ("ddp2", "ddp2.pt")):
+        learner = FabricLearner(make_loss(seed=9)[0], mesh_checks.momentum(), accelerator="cpu", devices=4,
+                                strategy=strategy(timeout=TIMEOUT))
+        learner.load(os.path.join(two_rank_dir, path))
+        res[f"{name}_loaded"] = mesh_checks.weights(learner)
+        learner.update(mesh_checks.make_batch(mesh_checks.N, seed=50 + data_parallel_rank()))
+        res[f"{name}_stepped"] = mesh_checks.weights(learner)
+    return res
+
+
+def main(out_dir: str, two_rank_dir: str | None = None, devices: int = 4) -> None:
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    results, learner = trainer_run(devices)
+    if two_rank_dir:
+        results["two_rank_saves"] = two_rank_saves(two_rank_dir, rank)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    learner.fabric.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(args[0], (args[1] or None) if len(args) > 1 else None, int(args[2]) if len(args) > 2 else 4)
