@@ -234,6 +234,24 @@ def test_the_trainer_logs_loss_averages_over_the_data_parallel_ranks(trainer_run
         assert value == pytest.approx(((_mean(steps[0]) + _mean(steps[1])) / 2).item(), abs=1e-6), (name, step)
 
 
+def test_trainer_checkpoints_move_between_the_mesh_and_ddp_on_the_same_ranks(trainer_run):
+    frames = STOP_AFTER * FRAMES_PER_BATCH * 2
+    for rank, res in enumerate(trainer_run):
+        ddp, mesh = res["relaid"]["ddp"], res["relaid"]["mesh"]
+        # 2 data-parallel ranks -> 4: the learner loads as saved, then one batch of 4 x 32 frames
+        assert ddp["warnings"] and "written by 2 rank(s) and this run has 4" in ddp["warnings"][0]
+        assert largest_difference(ddp["loaded"], trainer_run[0]["weights"]) == 0
+        assert ddp["collected_frames"] == frames + 4 * FRAMES_PER_BATCH and len(ddp["batches"]) == 1
+        # and back: 4 -> 2, the ranks of each tensor-parallel group resume alike (else the batch check fires)
+        assert mesh["warnings"] and "written by 4 rank(s) and this run has 2" in mesh["warnings"][0]
+        assert largest_difference(mesh["loaded"], ddp["weights"]) == 0
+        assert mesh["collected_frames"] == frames + 6 * FRAMES_PER_BATCH and len(mesh["batches"]) == 1
+    for a, b in ((0, 1), (2, 3)):
+        x, y = trainer_run[a]["relaid"]["mesh"], trainer_run[b]["relaid"]["mesh"]
+        assert x["batches"] == y["batches"] and [u["digest"] for u in x["updates"]] == [u["digest"] for u in y["updates"]]
+    assert trainer_run[0]["relaid"]["mesh"]["batches"] != trainer_run[2]["relaid"]["mesh"]["batches"]
+
+
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory):
     """Two "nodes" of 2 ranks on this machine, each started by its own torchrun, as on two machines."""

@@ -186,6 +186,7 @@ class Trainer(_TorchRLTrainer):
         self.learner = learner
         self._world_size = learner.world_size
         self._dp_rank, self._counts_frames = _place_on_mesh(learner)
+        self._dp_size = distributed_world_size() if self._world_size > 1 else 1
         # AsyncCollection (or True on several ranks): fabric_learner's asynchronous loop on every rank;
         # True on one rank keeps torchrl's own asynchronous mode.
         async_cfg = kwargs.pop("async_collection", False)
@@ -556,6 +557,9 @@ class Trainer(_TorchRLTrainer):
             "format": CHECKPOINT_FORMAT,
             "world_size": self._world_size,
             "rank": self.global_rank,
+            # on a tensor-parallel mesh each group's ranks save the same state: the one that counts frames is read
+            "data_parallel_rank": self._dp_rank,
+            "counts_frames": self._counts_frames,
             "state": {k: v for k, v in self._get_state().items()},
             "collector": collector["collector"],
             "carrier": collector["carrier"],
@@ -604,7 +608,8 @@ class Trainer(_TorchRLTrainer):
         must be on a shared filesystem.
         """
         def meta() -> dict[str, Any]:
-            out = {"world_size": self._world_size, "collected_frames": self.collected_frames,
+            out = {"world_size": self._world_size, "data_parallel_size": self._dp_size,
+                   "collected_frames": self.collected_frames,
                    "optim_steps": self._optim_count, "num_updates": self.learner.num_updates}
             if self._async is not None:
                 out["in_flight"] = "discarded"  # queued batches and rollouts in progress are not saved
@@ -627,13 +632,18 @@ class Trainer(_TorchRLTrainer):
         path = trainer_folder.locate(file)
         if path is None:
             raise FileNotFoundError(f"No fabric_learner trainer checkpoint at {file} (no {trainer_folder.META_FILE}).")
-        saved_world = trainer_folder.read_meta(path)["world_size"]
-        ranks = [self.global_rank] if saved_world == self._world_size else list(range(saved_world))
+        meta = trainer_folder.read_meta(path)
+        saved_world = meta["world_size"]
+        # another world, or the same ranks laid out on another mesh (e.g. DDP on 4 ranks -> 2 x 2): redistribute
+        resizing = saved_world != self._world_size or meta.get("data_parallel_size", saved_world) != self._dp_size
+        ranks = list(range(saved_world)) if resizing else [self.global_rank]
         states, learner_file = trainer_folder.read_rank_states(path, ranks)
         for r, state in zip(ranks, states):
-            self._check_rank_state(state, str(path / f"rank{r}.pt"), resizing=saved_world != self._world_size)
-        if saved_world != self._world_size:
-            return self._load_resized(states, learner_file)
+            self._check_rank_state(state, str(path / f"rank{r}.pt"), resizing=resizing)
+        if resizing:
+            # one state per data-parallel rank of the saved run, in data-parallel order
+            counted = [(s.get("data_parallel_rank", r), s) for r, s in zip(ranks, states) if s.get("counts_frames", True)]
+            return self._load_resized([s for _, s in sorted(counted, key=lambda pair: pair[0])], learner_file)
         state = states[0]
         self.learner.load(learner_file)  # validated before it changes anything
         self._load_rank_state(state)
@@ -645,10 +655,13 @@ class Trainer(_TorchRLTrainer):
         return self
 
     def _load_resized(self, states: list[dict[str, Any]], learner_file: Path) -> Trainer:
-        """Resume a checkpoint written by ``len(states)`` ranks on this run's (see ``checkpoint.resize``)."""
+        """Resume a checkpoint written by ``len(states)`` data-parallel ranks on this run's (see ``checkpoint.resize``).
+
+        The samples go to data-parallel ranks: the ranks of a tensor-parallel group get the same share.
+        """
         replay = {name: m for name, m in self._modules.items() if isinstance(m, ReplayBufferTrainer)}
         shares = {name: replay_share(m.replay_buffer, [s["modules"][name]["replay_buffer"] for s in states],
-                                     self.global_rank, self._world_size) for name, m in replay.items()}
+                                     self._dp_rank, self._dp_size) for name, m in replay.items()}
         with warnings.catch_warnings():  # the learner's own warning on random states: this one below says it all
             warnings.filterwarnings("ignore", message="The checkpoint holds the random state of")
             self.learner.load(learner_file)  # reshards; validated before it changes anything
@@ -660,12 +673,13 @@ class Trainer(_TorchRLTrainer):
                 module.load_state_dict(first["modules"][name])
         self._restore_counters(first["state"])  # global: the same on every rank that wrote them
         warnings.warn(
-            f"The checkpoint was written by {len(states)} rank(s) and this run has {self._world_size}: the learner "
+            f"The checkpoint was written by {len(states)} rank(s) and this run has {self._dp_size} (data-parallel ranks: "
+            "a tensor-parallel group counts once): the learner "
             "was resharded and the replay buffers' samples dealt over the ranks, but collectors start afresh and "
             "random generators are re-seeded from the frame count, so the run does not continue bit for bit.",
             stacklevel=3,
         )
-        reseed(self.collected_frames, self.global_rank)
+        reseed(self.collected_frames, self._dp_rank)  # a tensor-parallel group's ranks alike
         self._skip_taken_random_frames()
         self._publish_after_load()
         self._loaded = True
@@ -727,8 +741,8 @@ def _place_on_mesh(learner) -> tuple[int, bool]:
     """
     owner = getattr(learner, "sharded_module", None)
     mesh = getattr(owner, "mesh", None) if owner is not None else None
-    if mesh is not None and mesh is not registered_mesh():
-        use_mesh(mesh)
+    if mesh is not registered_mesh():
+        use_mesh(mesh)  # without a mesh: forget another learner's, "dp" is the whole world
     if mesh is None or learner.world_size == 1:
         return learner.global_rank, True
     return data_parallel_rank(), tensor_parallel_rank() == 0

@@ -38,31 +38,31 @@ BATCHES, STOP_AFTER = 4, 3  # total_frames allows 4 batches; global rank 1 asks 
 MINIBATCH, EPOCHS = 16, 2
 
 
-def trainer_run(devices: int) -> dict:
-    """PPO through the Trainer: collector, GAE, epoch partitions, global advantage normalisation."""
-    dp_size = devices // 2
+def ppo_trainer(devices: int, dp_size: int, total_frames: int, mesh: bool = True, logger=None):
+    """PPO through the Trainer: collector, GAE, epoch partitions, global advantage normalisation.
+
+    ``mesh``: the example's 2-D plan with ``dp_size`` data-parallel ranks; else DDP on ``devices`` ranks."""
+    from lightning.fabric.strategies import DDPStrategy
+
     loss, actor = make_loss(seed=0, obs=3, act=1)
     gae = GAE(gamma=0.9, lmbda=0.95, value_network=loss.critic_network, average_gae=False)
+    chosen = strategy(data_parallel_size=dp_size, timeout=TIMEOUT) if mesh else DDPStrategy(timeout=TIMEOUT)
     learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=1e-2), policy=actor, accelerator="cpu",
-                            devices=devices, strategy=strategy(data_parallel_size=dp_size, timeout=TIMEOUT))
+                            devices=devices, strategy=chosen)
     collector = Collector(make_env(ENVS), actor, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1,
                           auto_register_policy_transforms=False)
-    logger = RecordingLogger()
-    trainer = Trainer(learner=learner, collector=collector, total_frames=BATCHES * FRAMES_PER_BATCH * dp_size,
+    trainer = Trainer(learner=learner, collector=collector, total_frames=total_frames,
                       optim_steps_per_batch=FRAMES_PER_BATCH // MINIBATCH, num_epochs=EPOCHS, seed=3,
                       progress_bar=False, logger=logger, log_interval=0, log_throughput=False)
     LearnerValueEstimator(learner, gae).register(trainer)
     EpochPartitionSampler(MINIBATCH).register(trainer)
     GlobalAdvantageNormalization().register(trainer)
+    return trainer, learner, actor
+
+
+def recording(trainer, learner):
+    """Lists that receive the digest of every collected batch and of every update's minibatch (with its outputs)."""
     batches, updates = [], []
-
-    def collected(batch):
-        batches.append(batch_digest(batch.exclude("collector")))  # what the collector returned, before GAE
-
-    def stop():
-        if learner.global_rank == 1 and len(batches) == STOP_AFTER:  # a rank that does not count frames
-            trainer.request_stop("enough")
-
     update = learner.update
 
     def recorded(sub_batch):
@@ -72,9 +72,24 @@ def trainer_run(devices: int) -> dict:
         return out
 
     learner.update = recorded
-    trainer.register_op("batch_process", lambda b: (collected(b), b)[1])
+    trainer.register_op("batch_process", lambda b: (batches.append(batch_digest(b.exclude("collector"))), b)[1])
+    return batches, updates
+
+
+def trainer_run(devices: int, out_dir: str) -> dict:
+    """The Trainer on the mesh; global rank 1 requests the stop. The run is saved at its end."""
+    dp_size = devices // 2
+    logger = RecordingLogger()
+    trainer, learner, actor = ppo_trainer(devices, dp_size, BATCHES * FRAMES_PER_BATCH * dp_size, logger=logger)
+    batches, updates = recording(trainer, learner)
+
+    def stop():
+        if learner.global_rank == 1 and len(batches) == STOP_AFTER:  # a rank that does not count frames
+            trainer.request_stop("enough")
+
     trainer.register_op("post_steps", stop)
     trainer.train()
+    trainer.save_checkpoint(os.path.join(out_dir, "mesh_trainer"))
     local = {n: (p.to_local().detach().clone(), [str(x) for x in p.placements])
              for n, p in learner.sharded_module.named_loss_parameters() if isinstance(p, DTensor)}
     return {"batches": batches, "updates": updates, "collected_frames": trainer.collected_frames,
@@ -82,6 +97,31 @@ def trainer_run(devices: int) -> dict:
             "weights": dict(learner.get_weights(cpu_offload=False).items(True, True)),
             "actor": {k: v.detach().clone() for k, v in actor.state_dict().items()},
             "logged": [c for c in logger.calls if c[0].startswith("loss_")]}, learner
+
+
+def relaid(out_dir: str, devices: int) -> dict:
+    """The mesh's trainer checkpoint resumed by DDP on the same 4 ranks (4 data-parallel ranks now), one
+    batch, saved; that resumed on the mesh again (2 data-parallel ranks), one batch."""
+    import warnings
+
+    res = {}
+    for name, mesh, source in (("ddp", False, "mesh_trainer"), ("mesh", True, "ddp_trainer")):
+        dp_size = devices // 2 if mesh else devices
+        frames = res["ddp"]["collected_frames"] if mesh else STOP_AFTER * FRAMES_PER_BATCH * devices // 2
+        trainer, learner, _ = ppo_trainer(devices, devices // 2, frames + FRAMES_PER_BATCH * dp_size, mesh=mesh)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.load_from_file(os.path.join(out_dir, source))
+        loaded = dict(learner.get_weights(cpu_offload=False).items(True, True))
+        batches, updates = recording(trainer, learner)
+        trainer.train()
+        res[name] = {"warnings": [str(w.message) for w in caught if "written by" in str(w.message)],
+                     "loaded": loaded, "batches": batches, "updates": updates,
+                     "collected_frames": trainer.collected_frames,
+                     "weights": dict(learner.get_weights(cpu_offload=False).items(True, True))}
+        if not mesh:
+            trainer.save_checkpoint(os.path.join(out_dir, "ddp_trainer"))
+    return res
 
 
 def two_rank_saves(two_rank_dir: str, rank: int) -> dict:
@@ -101,7 +141,8 @@ def two_rank_saves(two_rank_dir: str, rank: int) -> dict:
 
 def main(out_dir: str, two_rank_dir: str | None = None, devices: int = 4) -> None:
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    results, learner = trainer_run(devices)
+    results, learner = trainer_run(devices, out_dir)
+    results["relaid"] = relaid(out_dir, devices)
     if two_rank_dir:
         results["two_rank_saves"] = two_rank_saves(two_rank_dir, rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
