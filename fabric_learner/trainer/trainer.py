@@ -108,9 +108,9 @@ class Trainer(_TorchRLTrainer):
     Args:
         learner: a ``fabric_learner`` Learner (``LocalLearner``, ``FabricLearner``); its
             ``loss_module`` and ``optimizer`` are the trainer's.
-        collector: this rank's collector (every rank collects its own data), or ``None`` to
-            drive ``optim_steps(batch)`` by hand.
-        total_frames: frames to collect over **all** ranks together.
+        collector: this rank's collector (every rank collects its own data; on a tensor-parallel mesh
+            the ranks of a group collect the same), or ``None`` to drive ``optim_steps(batch)`` by hand.
+        total_frames: frames to collect over **all** data-parallel ranks together.
         optim_steps_per_batch: optimisation steps per epoch over each collected batch (``None``:
             until the ``process_optim_batch`` hook raises ``StopIteration``).
         frame_skip: defaults to 1.
