@@ -140,11 +140,21 @@ def two_rank_saves(two_rank_dir: str, rank: int) -> dict:
 
 
 def main(out_dir: str, two_rank_dir: str | None = None, devices: int = 4) -> None:
-    rank = int(os.environ.get("LOCAL_RANK", 0))
+    import time
+
+    rank, start = int(os.environ.get("LOCAL_RANK", 0)), time.perf_counter()
+
+    def lap(what):
+        if rank == 0:
+            print(f"mesh_trainer_checks: {what} done at {time.perf_counter() - start:.1f}s", flush=True)
+
     results, learner = trainer_run(devices, out_dir)
+    lap("trainer run")
     results["relaid"] = relaid(out_dir, devices)
+    lap("checkpoint to DDP and back")
     if two_rank_dir:
         results["two_rank_saves"] = two_rank_saves(two_rank_dir, rank)
+        lap("2-rank saves")
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     learner.fabric.barrier()
     dist.destroy_process_group()
