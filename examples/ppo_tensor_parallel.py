@@ -48,13 +48,14 @@ def parallelize(module: nn.Module, mesh) -> nn.Module:
     return apply_fsdp(module, mesh["data_parallel"], min_unit_numel=1)
 
 
-def make_loss(seed: int = 0) -> tuple[ClipPPOLoss, ProbabilisticActor]:
-    """A PPO loss on two one-hidden-layer MLPs (the same weights on every rank for a given seed)."""
+def make_loss(seed: int = 0, obs: int = OBS, act: int = ACT) -> tuple[ClipPPOLoss, ProbabilisticActor]:
+    """A PPO loss on two one-hidden-layer MLPs (the same weights on every rank for a given seed);
+    ``obs`` observation and ``act`` action features (``TP_PLAN`` cuts only the hidden ones)."""
     torch.manual_seed(seed)
-    net = nn.Sequential(MLP(in_features=OBS, out_features=2 * ACT, num_cells=[HIDDEN]), NormalParamExtractor())
+    net = nn.Sequential(MLP(in_features=obs, out_features=2 * act, num_cells=[HIDDEN]), NormalParamExtractor())
     actor = ProbabilisticActor(TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
                                in_keys=["loc", "scale"], distribution_class=IndependentNormal, return_log_prob=True)
-    critic = ValueOperator(MLP(in_features=OBS, out_features=1, num_cells=[HIDDEN]), in_keys=["observation"])
+    critic = ValueOperator(MLP(in_features=obs, out_features=1, num_cells=[HIDDEN]), in_keys=["observation"])
     return ClipPPOLoss(actor, critic, entropy_coeff=0.01, normalize_advantage=False), actor
 
 

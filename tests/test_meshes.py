@@ -43,12 +43,27 @@ def mesh(mesh_dir):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(mesh_dir, tmp_path_factory):
+def two_ranks_dir(mesh_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard")
     proc = launch(os.path.join(WORKERS, "mesh_reshard_checks.py"), mesh_dir, out, nproc=2, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.leftovers == 0
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_dir):
+    return [torch.load(two_ranks_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def trainer_run(two_ranks_dir, tmp_path_factory):
+    """The Trainer on the 2 x 2 mesh, then the 2-rank saves loaded into the mesh: one 4-rank launch."""
+    out = tmp_path_factory.mktemp("mesh_trainer")
+    proc = launch(os.path.join(WORKERS, "mesh_trainer_checks.py"), out, two_ranks_dir, nproc=4, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.leftovers == 0
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 
 def largest_difference(a, b):
@@ -163,6 +178,78 @@ def test_the_meshs_checkpoint_loads_into_fsdp_and_ddp_on_two_ranks(mesh, two_ran
     for res in two_ranks:
         for name in ("fsdp2", "ddp2"):
             assert largest_difference(res[name], mesh[0]["checkpoints"]["mesh"]) < 1e-5, name
+
+
+def test_two_rank_fsdp_and_ddp_saves_load_into_the_mesh_and_step_as_one_process(two_ranks, two_ranks_dir,
+                                                                               trainer_run):
+    for name, path in (("fsdp2", "fsdp2"), ("ddp2", "ddp2.pt")):
+        local = LocalLearner(make_loss(seed=7)[0], functools.partial(torch.optim.SGD, lr=LR, momentum=0.9))
+        local.load(two_ranks_dir / path)  # momentum buffers included
+        local.update(torch.cat([make_batch(N, seed=50), make_batch(N, seed=51)]))
+        expected = dict(local.get_weights().items(True, True))
+        for rank, res in enumerate(trainer_run):
+            saves = res["two_rank_saves"]
+            assert largest_difference(saves[f"{name}_loaded"], two_ranks[0][name]) == 0, (name, rank)
+            assert largest_difference(saves[f"{name}_stepped"], expected) < 1e-5, (name, rank)
+
+
+# ---- the Trainer on the mesh ---------------------------------------------------------------------
+
+FRAMES_PER_BATCH, STOP_AFTER = 32, 3  # tests/workers/mesh_trainer_checks.py
+
+
+def test_the_trainer_counts_frames_over_the_data_parallel_ranks_and_stops_everywhere(trainer_run):
+    for rank, res in enumerate(trainer_run):
+        assert res["dp_rank"] == rank // 2
+        # global rank 1 (tensor-parallel rank 1 of its group, which counts no frames) asked for the stop
+        assert len(res["batches"]) == STOP_AFTER, rank
+        assert res["collected_frames"] == STOP_AFTER * FRAMES_PER_BATCH * 2  # 2 data-parallel ranks, not 4
+        assert [u["frames"] for u in res["updates"]][::4] == [b * FRAMES_PER_BATCH * 2 for b in (1, 2, 3)]
+        assert res["num_updates"] == len(res["updates"]) == STOP_AFTER * 4  # 2 epochs of 2 minibatches a batch
+
+
+def test_the_trainers_tensor_parallel_groups_collect_sample_and_train_alike(trainer_run):
+    for a, b in ((0, 1), (2, 3)):
+        assert trainer_run[a]["batches"] == trainer_run[b]["batches"]  # same seed: same rollouts
+        for x, y in zip(trainer_run[a]["updates"], trainer_run[b]["updates"], strict=True):
+            assert x["digest"] == y["digest"]  # same minibatches: the learner's batch check never fired
+            assert all(torch.equal(x[k], y[k]) for k in x if k not in ("digest", "frames"))
+        for name, (local, placements) in trainer_run[a]["local"].items():
+            if placements[1] == "R":  # whole on the tensor-parallel dimension: the same shard, bit for bit
+                assert torch.equal(local, trainer_run[b]["local"][name][0]), name
+        assert all(torch.equal(v, trainer_run[b]["actor"][k]) for k, v in trainer_run[a]["actor"].items())
+    # the two data-parallel ranks explore differently
+    assert set(trainer_run[0]["batches"]).isdisjoint(trainer_run[2]["batches"])
+    for res in trainer_run[1:]:
+        assert largest_difference(res["weights"], trainer_run[0]["weights"]) == 0
+
+
+def test_the_trainer_logs_loss_averages_over_the_data_parallel_ranks(trainer_run):
+    from fabric_learner.trainer.trainer import _mean
+
+    logged = trainer_run[0]["logged"]
+    assert logged and all(not res["logged"] for res in trainer_run[1:])  # rank 0's logger only
+    for name, value, step in logged:
+        steps = [[u[name] for u in trainer_run[r]["updates"] if u["frames"] == step] for r in (0, 2)]
+        assert value == pytest.approx(((_mean(steps[0]) + _mean(steps[1])) / 2).item(), abs=1e-6), (name, step)
+
+
+def test_trainer_checkpoints_move_between_the_mesh_and_ddp_on_the_same_ranks(trainer_run):
+    frames = STOP_AFTER * FRAMES_PER_BATCH * 2
+    for rank, res in enumerate(trainer_run):
+        ddp, mesh = res["relaid"]["ddp"], res["relaid"]["mesh"]
+        # 2 data-parallel ranks -> 4: the learner loads as saved, then one batch of 4 x 32 frames
+        assert ddp["warnings"] and "written by 2 rank(s) and this run has 4" in ddp["warnings"][0]
+        assert largest_difference(ddp["loaded"], trainer_run[0]["weights"]) == 0
+        assert ddp["collected_frames"] == frames + 4 * FRAMES_PER_BATCH and len(ddp["batches"]) == 1
+        # and back: 4 -> 2, the ranks of each tensor-parallel group resume alike (else the batch check fires)
+        assert mesh["warnings"] and "written by 4 rank(s) and this run has 2" in mesh["warnings"][0]
+        assert largest_difference(mesh["loaded"], ddp["weights"]) == 0
+        assert mesh["collected_frames"] == frames + 6 * FRAMES_PER_BATCH and len(mesh["batches"]) == 1
+    for a, b in ((0, 1), (2, 3)):
+        x, y = trainer_run[a]["relaid"]["mesh"], trainer_run[b]["relaid"]["mesh"]
+        assert x["batches"] == y["batches"] and [u["digest"] for u in x["updates"]] == [u["digest"] for u in y["updates"]]
+    assert trainer_run[0]["relaid"]["mesh"]["batches"] != trainer_run[2]["relaid"]["mesh"]["batches"]
 
 
 @pytest.fixture(scope="module")

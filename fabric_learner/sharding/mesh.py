@@ -158,6 +158,22 @@ def data_parallel_rank() -> int:
     return dist.get_rank(process_group(DATA_PARALLEL))
 
 
+def tensor_parallel_rank() -> int:
+    """This rank's index within its tensor-parallel group; 0 without tensor parallelism.
+
+    The ranks of one group feed one batch: what they count of it (frames, samples) counts once,
+    on the group's rank 0.
+
+    Examples:
+        >>> from fabric_learner.sharding.mesh import tensor_parallel_rank
+        >>> tensor_parallel_rank()  # one process
+        0
+    """
+    if not (dist.is_available() and dist.is_initialized()) or tensor_parallel_size() == 1:
+        return 0
+    return dist.get_rank(process_group(TENSOR_PARALLEL))
+
+
 def whole_world(mesh):
     """A 1-D mesh over every rank of ``mesh``: the data-parallel mesh of a run without model parallelism.
 

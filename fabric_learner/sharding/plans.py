@@ -184,15 +184,19 @@ def check_sharded(module: ShardedLoss, world_size: int) -> None:
         module.__dict__["mesh"] = None  # every rank feeds its own batch: "dp" is the whole world
         use_mesh(None)
         return
-    meshes = {id(r): r for r in (_compat.root_mesh(p.device_mesh) for _, p in params
-                                 if tensor_parallel_size(p.device_mesh) == tp)}
+    # Compared by value: torch hands a parameter the equal mesh (same ranks and names) an earlier learner of
+    # the process sliced, when its shape and placements match one of that learner's (a cache of its own).
+    meshes = []
+    for root in (_compat.root_mesh(p.device_mesh) for _, p in params if tensor_parallel_size(p.device_mesh) == tp):
+        if not any(root == seen for seen in meshes):
+            meshes.append(root)
     if len(meshes) != 1:
         raise RuntimeError(
             f"The strategy's parallelize_fn sharded the loss's parameters over {len(meshes)} different meshes "
-            f"({'; '.join(describe(m) for m in meshes.values())}); nothing was trained. Slice the data-parallel "
+            f"({'; '.join(describe(m) for m in meshes)}); nothing was trained. Slice the data-parallel "
             "and tensor-parallel meshes of every parameter from the one mesh the parallelize_fn receives."
         )
-    run_mesh = next(iter(meshes.values()))
+    run_mesh = meshes[0]
     apart = [name for name, p in params if p.device_mesh != run_mesh]
     if apart:
         raise RuntimeError(

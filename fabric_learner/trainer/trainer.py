@@ -15,7 +15,7 @@ What changes against torchrl's Trainer, and why:
   ``ReplayBufferTrainer``'s priority update (``td_error``) keeps working (torchrl skips
   ``post_loss`` whenever an optimization stepper is set).
 - Every rank collects its own data. ``collected_frames``/``total_frames`` count frames over
-  *all* ranks (an all-reduce per collected batch), so every rank stops after the same number
+  *all* data-parallel ranks (an all-reduce per collected batch), so every rank stops after the same number
   of batches, logging steps are comparable across world sizes, and the progress bar shows the
   global count. A stop request (e.g. ``EarlyStopping``) on any rank stops all of them, and a
   collector running dry on one rank ends training everywhere instead of hanging the others.
@@ -30,8 +30,12 @@ What changes against torchrl's Trainer, and why:
   (:class:`~fabric_learner.weights.PublishWeights`): a no-op when it runs the very policy the
   loss trains (DDP, one process); under FSDP the collector holds its own copy, and every rank
   gathers the full weights into it with ``learner.get_weights(cpu_offload=False)``.
-- ``seed`` seeds every rank differently (``seed + 1000 * rank``), so ranks explore
-  different trajectories.
+- ``seed`` seeds every data-parallel rank differently (``seed + 1000 * data-parallel rank``), so
+  ranks explore different trajectories.
+- On a mesh with tensor parallelism (docs/meshes.md) the ranks of one tensor-parallel group
+  compute parts of one update, so they are one data-parallel rank to the trainer: seeded alike,
+  their collectors, replay buffers and on-policy partitions produce the same batches (which the
+  learner checks), and their frames count once. Stops and a dry collector still reach every rank.
 - Checkpoints (``save_trainer_file``, ``save_trainer_interval``, ``load_from_file``) are a
   folder written collectively: the learner through ``learner.save`` (sharded under a sharded
   strategy), and one file per rank with the trainer counters, every registered hook's state
@@ -75,6 +79,7 @@ from fabric_learner.checkpoint.resize import fill_replay, replay_share, reseed
 from fabric_learner.checkpoint.trainer_state import CHECKPOINT_FORMAT
 from fabric_learner.collectives import all_reduce, distributed_world_size
 from fabric_learner.fabric import _lost_peer
+from fabric_learner.sharding.mesh import data_parallel_rank, registered_mesh, tensor_parallel_rank, use_mesh
 from fabric_learner.trainer.async_loop import AsyncLoop, warn_discarded
 from fabric_learner.trainer.hooks import LearnerStepper, LogThroughput, _TargetNetUpdate
 from fabric_learner.trainer.logging import _adapt_logger
@@ -103,9 +108,9 @@ class Trainer(_TorchRLTrainer):
     Args:
         learner: a ``fabric_learner`` Learner (``LocalLearner``, ``FabricLearner``); its
             ``loss_module`` and ``optimizer`` are the trainer's.
-        collector: this rank's collector (every rank collects its own data), or ``None`` to
-            drive ``optim_steps(batch)`` by hand.
-        total_frames: frames to collect over **all** ranks together.
+        collector: this rank's collector (every rank collects its own data; on a tensor-parallel mesh
+            the ranks of a group collect the same), or ``None`` to drive ``optim_steps(batch)`` by hand.
+        total_frames: frames to collect over **all** data-parallel ranks together.
         optim_steps_per_batch: optimisation steps per epoch over each collected batch (``None``:
             until the ``process_optim_batch`` hook raises ``StopIteration``).
         frame_skip: defaults to 1.
@@ -180,12 +185,19 @@ class Trainer(_TorchRLTrainer):
             raise TypeError(f"learner must be a fabric_learner Learner, got {type(learner).__name__}.")
         self.learner = learner
         self._world_size = learner.world_size
+        self._dp_rank, self._counts_frames = _place_on_mesh(learner)
+        self._dp_size = distributed_world_size() if self._world_size > 1 else 1
         # AsyncCollection (or True on several ranks): fabric_learner's asynchronous loop on every rank;
         # True on one rank keeps torchrl's own asynchronous mode.
         async_cfg = kwargs.pop("async_collection", False)
         if async_cfg is True and self._world_size > 1:
             async_cfg = AsyncCollection()
         if isinstance(async_cfg, AsyncCollection):
+            if not self._counts_frames or self._dp_rank != self.global_rank:
+                raise NotImplementedError(
+                    "async_collection on a mesh with tensor parallelism is not supported: its rounds count and deal "
+                    "batches per global rank. Use the synchronous loop (async_collection=False), which gives the "
+                    "ranks of each tensor-parallel group the same batches.")
             if collector is None:
                 raise ValueError("async_collection needs a collector: pass this rank's collector=.")
             stamp = versioned_policy(collector)  # raises, naming the fix, unless the policy stamps versions
@@ -247,7 +259,7 @@ class Trainer(_TorchRLTrainer):
         return self._world_size
 
     def _distributed(self) -> bool:
-        return self._world_size > 1 and distributed_world_size() > 1
+        return self._world_size > 1 and distributed_world_size(_WORLD) > 1
 
     distributed = _distributed  # part of async_loop.AsyncHost
 
@@ -282,8 +294,11 @@ class Trainer(_TorchRLTrainer):
             dist.barrier()
 
     def set_seed(self) -> None:
-        """Seed this rank's collector, torch and numpy with ``seed + 1000 * rank``."""
-        seed = self.seed + 1000 * self.global_rank
+        """Seed this rank's collector, torch and numpy with ``seed + 1000 * data-parallel rank``.
+
+        The ranks of a tensor-parallel group get the same seed: they must collect and sample alike.
+        """
+        seed = self.seed + 1000 * self._dp_rank
         if self.collector is not None:
             seed = self.collector.set_seed(seed, static_seed=False)
         torch.manual_seed(seed)
@@ -425,11 +440,16 @@ class Trainer(_TorchRLTrainer):
                 raise
 
     def _sync_counts(self, frames: int, exhausted: bool, init_random: int) -> tuple[int, bool, int]:
-        """Global frames of this batch, whether any rank's collector ran dry, and the warm-up total."""
+        """Global frames of this batch, whether any rank's collector ran dry, and the warm-up total.
+
+        Over every rank, a tensor-parallel group's frames and warm-up counted once (on its rank 0).
+        """
         if not self._distributed():
             return frames, exhausted, init_random
+        once = int(self._counts_frames)
         with self._peers_named("frame count after a collected batch"):
-            vec = all_reduce(torch.tensor([frames, int(exhausted), init_random], dtype=torch.int64))
+            vec = all_reduce(torch.tensor([frames * once, int(exhausted), init_random * once], dtype=torch.int64),
+                             group=_WORLD)
         return int(vec[0]), bool(vec[1]), int(vec[2])
 
     def _sync_stop(self) -> bool:
@@ -438,7 +458,7 @@ class Trainer(_TorchRLTrainer):
         if not self._distributed():
             return bool(self._stop_training)
         with self._peers_named("stop check after a batch"):
-            stop = bool(all_reduce(torch.tensor(int(self._stop_training), dtype=torch.int64)).item())
+            stop = bool(all_reduce(torch.tensor(int(self._stop_training), dtype=torch.int64), group=_WORLD).item())
         if stop and not self._stop_training:
             self.request_stop("another rank requested a stop")
         return stop
@@ -537,6 +557,9 @@ class Trainer(_TorchRLTrainer):
             "format": CHECKPOINT_FORMAT,
             "world_size": self._world_size,
             "rank": self.global_rank,
+            # on a tensor-parallel mesh each group's ranks save the same state: the one that counts frames is read
+            "data_parallel_rank": self._dp_rank,
+            "counts_frames": self._counts_frames,
             "state": {k: v for k, v in self._get_state().items()},
             "collector": collector["collector"],
             "carrier": collector["carrier"],
@@ -585,7 +608,8 @@ class Trainer(_TorchRLTrainer):
         must be on a shared filesystem.
         """
         def meta() -> dict[str, Any]:
-            out = {"world_size": self._world_size, "collected_frames": self.collected_frames,
+            out = {"world_size": self._world_size, "data_parallel_size": self._dp_size,
+                   "collected_frames": self.collected_frames,
                    "optim_steps": self._optim_count, "num_updates": self.learner.num_updates}
             if self._async is not None:
                 out["in_flight"] = "discarded"  # queued batches and rollouts in progress are not saved
@@ -608,13 +632,18 @@ class Trainer(_TorchRLTrainer):
         path = trainer_folder.locate(file)
         if path is None:
             raise FileNotFoundError(f"No fabric_learner trainer checkpoint at {file} (no {trainer_folder.META_FILE}).")
-        saved_world = trainer_folder.read_meta(path)["world_size"]
-        ranks = [self.global_rank] if saved_world == self._world_size else list(range(saved_world))
+        meta = trainer_folder.read_meta(path)
+        saved_world = meta["world_size"]
+        # another world, or the same ranks laid out on another mesh (e.g. DDP on 4 ranks -> 2 x 2): redistribute
+        resizing = saved_world != self._world_size or meta.get("data_parallel_size", saved_world) != self._dp_size
+        ranks = list(range(saved_world)) if resizing else [self.global_rank]
         states, learner_file = trainer_folder.read_rank_states(path, ranks)
         for r, state in zip(ranks, states):
-            self._check_rank_state(state, str(path / f"rank{r}.pt"), resizing=saved_world != self._world_size)
-        if saved_world != self._world_size:
-            return self._load_resized(states, learner_file)
+            self._check_rank_state(state, str(path / f"rank{r}.pt"), resizing=resizing)
+        if resizing:
+            # one state per data-parallel rank of the saved run, in data-parallel order
+            counted = [(s.get("data_parallel_rank", r), s) for r, s in zip(ranks, states) if s.get("counts_frames", True)]
+            return self._load_resized([s for _, s in sorted(counted, key=lambda pair: pair[0])], learner_file)
         state = states[0]
         self.learner.load(learner_file)  # validated before it changes anything
         self._load_rank_state(state)
@@ -626,10 +655,13 @@ class Trainer(_TorchRLTrainer):
         return self
 
     def _load_resized(self, states: list[dict[str, Any]], learner_file: Path) -> Trainer:
-        """Resume a checkpoint written by ``len(states)`` ranks on this run's (see ``checkpoint.resize``)."""
+        """Resume a checkpoint written by ``len(states)`` data-parallel ranks on this run's (see ``checkpoint.resize``).
+
+        The samples go to data-parallel ranks: the ranks of a tensor-parallel group get the same share.
+        """
         replay = {name: m for name, m in self._modules.items() if isinstance(m, ReplayBufferTrainer)}
         shares = {name: replay_share(m.replay_buffer, [s["modules"][name]["replay_buffer"] for s in states],
-                                     self.global_rank, self._world_size) for name, m in replay.items()}
+                                     self._dp_rank, self._dp_size) for name, m in replay.items()}
         with warnings.catch_warnings():  # the learner's own warning on random states: this one below says it all
             warnings.filterwarnings("ignore", message="The checkpoint holds the random state of")
             self.learner.load(learner_file)  # reshards; validated before it changes anything
@@ -641,12 +673,13 @@ class Trainer(_TorchRLTrainer):
                 module.load_state_dict(first["modules"][name])
         self._restore_counters(first["state"])  # global: the same on every rank that wrote them
         warnings.warn(
-            f"The checkpoint was written by {len(states)} rank(s) and this run has {self._world_size}: the learner "
+            f"The checkpoint was written by {len(states)} rank(s) and this run has {self._dp_size} (data-parallel ranks: "
+            "a tensor-parallel group counts once): the learner "
             "was resharded and the replay buffers' samples dealt over the ranks, but collectors start afresh and "
             "random generators are re-seeded from the frame count, so the run does not continue bit for bit.",
             stacklevel=3,
         )
-        reseed(self.collected_frames, self.global_rank)
+        reseed(self.collected_frames, self._dp_rank)  # a tensor-parallel group's ranks alike
         self._skip_taken_random_frames()
         self._publish_after_load()
         self._loaded = True
@@ -686,7 +719,7 @@ class Trainer(_TorchRLTrainer):
         path = Path(self.save_trainer_file)
         found, seen = trainer_folder.counters_seen(path)
         if self._distributed():
-            both = all_reduce(torch.tensor(seen + [-v for v in seen], dtype=torch.int64), op="max")
+            both = all_reduce(torch.tensor(seen + [-v for v in seen], dtype=torch.int64), op="max", group=_WORLD)
             if not torch.equal(both[:3], -both[3:]):
                 raise RuntimeError(
                     f"Resuming from {path}: the ranks see different checkpoints there (rank {self.global_rank} sees "
@@ -695,6 +728,24 @@ class Trainer(_TorchRLTrainer):
                 )
         if found is not None:
             self.load_from_file(path)
+
+
+_WORLD = None  # collectives over every rank (the default process group), not only the data-parallel ones
+
+
+def _place_on_mesh(learner) -> tuple[int, bool]:
+    """This rank's data-parallel rank, and whether it counts its group's frames (tensor-parallel rank 0).
+
+    Reads the learner's own mesh (registering it, as its loss does when it runs); a learner without
+    tensor parallelism has every rank data-parallel.
+    """
+    owner = getattr(learner, "sharded_module", None)
+    mesh = getattr(owner, "mesh", None) if owner is not None else None
+    if mesh is not registered_mesh():
+        use_mesh(mesh)  # without a mesh: forget another learner's, "dp" is the whole world
+    if mesh is None or learner.world_size == 1:
+        return learner.global_rank, True
+    return data_parallel_rank(), tensor_parallel_rank() == 0
 
 
 def _shutdown_weight_sync(collector) -> None:

@@ -2,7 +2,8 @@
 
 Usage: python mesh_reshard_checks.py MESH_OUT_DIR OUT_DIR
 Writes OUT_DIR/rank{r}.pt: the full weights after loading the mesh's folder and one momentum-SGD step on
-this rank's half of the step's global batch, under each strategy.
+this rank's half of the step's global batch, under each strategy; and each learner's save
+(OUT_DIR/fsdp2, a DCP folder; OUT_DIR/ddp2.pt), which mesh_trainer_checks.py loads into the mesh.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main(mesh_dir, out_dir):
         learner.load(os.path.join(mesh_dir, "mesh"))
         learner.update(mesh_checks.whole(30)[rank * mesh_checks.N:(rank + 1) * mesh_checks.N])
         res[name] = mesh_checks.weights(learner)
+        learner.save(os.path.join(out_dir, name if name == "fsdp2" else f"{name}.pt"))  # mesh_trainer_checks.py loads them
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     learner.fabric.barrier()
     dist.destroy_process_group()
