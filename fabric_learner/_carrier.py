@@ -12,8 +12,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from torch import nn
+
+from fabric_learner._loss import as_tensordict
 
 
 class Carrier:
@@ -54,8 +56,7 @@ class LossForwarder(nn.Module):
 
 def output_leaves(output: Any) -> tuple:
     """The tensors of a loss output, so that DDP and FSDP2 can find the graph behind it."""
-    if is_tensorclass(output):  # torchrl's LLM losses return TensorClasses (GRPOLossOutput)
-        output = output._tensordict
+    output = as_tensordict(output)  # torchrl's LLM losses return TensorClasses (GRPOLossOutput)
     if isinstance(output, TensorDictBase):
         return tuple(output.values(include_nested=True, leaves_only=True))
     if isinstance(output, torch.Tensor):
