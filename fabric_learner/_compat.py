@@ -207,6 +207,17 @@ class _UpdaterMarks(dict):
 
 
 #: (object, attribute) pairs the functions above rely on, for tests/test_compat.py
+def run_collector_node(rank: int, world: int, host: str, port: int) -> None:
+    """Run one node of torchrl's ``DistributedCollector`` built with ``launcher="submitit_delayed"``.
+
+    torchrl's only entry for a node that its main process does not launch itself is this function, which its
+    public ``submitit_delayed_launcher`` calls on SLURM; ``python -m fabric_learner.collect`` calls it anywhere.
+    """
+    from torchrl.collectors.distributed import generic
+
+    generic._distributed_init_delayed(rank, "gloo", host, port, world, verbose=False)
+
+
 def required() -> list[tuple[str, Any, str]]:
     import torch.distributed.distributed_c10d as c10d
     from lightning.fabric import Fabric
@@ -217,6 +228,7 @@ def required() -> list[tuple[str, Any, str]]:
     from torch._functorch import pyfunctorch
     from torch.amp import GradScaler
     from torch.distributed.device_mesh import DeviceMesh
+    from torchrl.collectors.distributed import generic as distributed_generic
     from torchrl.data.replay_buffers.samplers import PrioritizedSampler
     from torchrl.objectives import DQNLoss, LossModule
 
@@ -244,6 +256,7 @@ def required() -> list[tuple[str, Any, str]]:
         ("torch DeviceMesh", DeviceMesh, "_flatten"),
         ("torch GradScaler", GradScaler("cpu"), "_per_optimizer_states"),
         ("torchrl LossModule", LossModule, "_erase_cache"),
+        ("torchrl.collectors.distributed.generic", distributed_generic, "_distributed_init_delayed"),
         ("torchrl LossModule", DQNLoss(nn.Linear(2, 2), action_space="categorical"), "_has_update_associated"),
         ("torch nn.Module", nn.Linear(1, 1), "_parameters"),
         ("torch nn.Module", nn.Linear(1, 1), "_buffers"),

@@ -65,15 +65,22 @@ class Admissions:
 
 
 def build(learner_factory, *, total_frames: int, delay: float = 0.0, max_policy_lag=None, max_queued_batches: int = 2,
-          save_file=None, save_interval: int = 10**9, seed: int = 0, optim_steps: int = OPTIM_STEPS):
-    """``(trainer, learner, admissions, replay_buffer)``; ``learner_factory(loss, optimizer_factory, policy)``."""
+          save_file=None, save_interval: int = 10**9, seed: int = 0, optim_steps: int = OPTIM_STEPS,
+          collector_factory=None):
+    """``(trainer, learner, admissions, replay_buffer)``; ``learner_factory(loss, optimizer_factory, policy)``.
+
+    ``collector_factory(make_env, acting_policy)`` builds the collector (default: torchrl's ``AsyncCollector``).
+    """
     loss, qnet = make_loss("dqn", seed=0)
     spec = tc.make_env().action_spec
     explore = TensorDictSequential(qnet, EGreedyModule(spec, eps_init=0.3, eps_end=0.3))
     acting = VersionedPolicy(copy.deepcopy(explore))  # the collector's own copy, before a sharded learner empties qnet
     learner = learner_factory(loss, functools.partial(torch.optim.Adam, lr=LR), explore)
-    collector = AsyncCollector(functools.partial(make_env, delay), acting, frames_per_batch=FRAMES_PER_BATCH,
-                               total_frames=-1)
+    if collector_factory is None:
+        collector = AsyncCollector(functools.partial(make_env, delay), acting, frames_per_batch=FRAMES_PER_BATCH,
+                                   total_frames=-1)
+    else:
+        collector = collector_factory(functools.partial(make_env, delay), acting)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10_000), batch_size=RB_BATCH)
     trainer = Trainer(learner=learner, collector=collector, total_frames=total_frames, optim_steps_per_batch=optim_steps,
                       target_net_updater=SoftUpdate(loss, tau=0.1), seed=seed, progress_bar=False,

@@ -1,0 +1,153 @@
+"""One learner rank's collection driver: a process of its own that runs torchrl's ``DistributedCollector``.
+
+Why a process of its own: torchrl's distributed collector makes its group with the collectors the
+*default* process group of the process that drives it, and a learner rank's default group is the
+learner's (Fabric's). So each learner rank starts a driver; the driver is rank 0 of a torchrl group
+whose other ranks are the collectors that joined this build through the directory, and talks to
+its learner rank through two queues: batches out (bounded: while it is full the driver asks its
+collectors for nothing) and weights in (the latest publication wins).
+
+A build ends when a collector is reported dead, the group raises, the learner rank's process is gone,
+or the learner asks it to stop; the learner rank then starts the next build, which the collectors
+join again. Nothing is saved in a driver: what it held in flight is lost, and the learner counts it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+EXIT_FAULT = 75  # a collector of this build died: start the next one
+EXIT_NO_COLLECTORS = 76  # nobody joined in time
+FOREVER = 2**62  # torchrl's distributed collector loops while its frame count is below its total
+GRACE_S = 5.0  # how long a stopping driver may take to shut its collectors down cleanly
+
+
+@dataclass
+class DriverSpec:
+    """What a driver needs, pickled into its process."""
+
+    address: str  # the directory
+    host: str  # where this rank's collectors reach its driver
+    rank: int  # the learner rank it serves
+    expected: int  # collectors assigned to that rank
+    create_env_fn: Any  # cloudpickled by torchrl on its way to the collectors
+    policy: Any  # a VersionedPolicy: what the collectors act with
+    frames_per_batch: int  # per collector and batch
+    seed: int
+    on_failure: str  # "restart": wait for every collector; "continue": go on with those back in time
+    rejoin_s: float
+    connect_timeout_s: float
+    collector_kwargs: dict
+
+
+class SeededEnv:
+    """An environment constructor that seeds what it builds (each collector gets its own seed)."""
+
+    def __init__(self, create_env_fn, seed: int) -> None:
+        self.create_env_fn = create_env_fn
+        self.seed = seed
+
+    def __call__(self):
+        env = self.create_env_fn()
+        env.set_seed(self.seed)
+        return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_joins(directory, spec: DriverSpec, epoch: int, parent_alive) -> int:
+    """How many collectors this build has: every one assigned, or under "continue" those back in time."""
+    start = time.monotonic()
+    while parent_alive():
+        joined = directory.count(f"rank{spec.rank}", f"e{epoch}", "join")
+        waited = time.monotonic() - start
+        if joined >= spec.expected:
+            return spec.expected
+        if joined and epoch > 0 and spec.on_failure == "continue" and waited >= spec.rejoin_s:
+            return joined
+        if waited >= spec.connect_timeout_s:
+            return joined if spec.on_failure == "continue" else 0
+        time.sleep(0.05)
+    return 0
+
+
+def run(spec: DriverSpec, epoch: int, batches, weights, stop) -> None:
+    """The driver's process: build ``epoch`` of rank ``spec.rank``'s collection and feed ``batches``."""
+    import torch
+    from tensordict import TensorDictBase
+    from torchrl.collectors.distributed import DistributedCollector
+
+    from fabric_learner.remote.directory import Directory
+
+    torch.set_num_threads(1)
+    parent = os.getppid()
+
+    def parent_alive() -> bool:
+        return os.getppid() == parent and not stop.is_set()
+
+    directory = Directory.connect(spec.address)
+    nodes = _wait_for_joins(directory, spec, epoch, parent_alive)
+    if not nodes:
+        sys.exit(EXIT_NO_COLLECTORS)
+    port = _free_port()
+    directory.store.set(directory.key(f"rank{spec.rank}", f"e{epoch}", "group"), f"{spec.host} {port} {nodes}")
+    fault_key = (f"rank{spec.rank}", f"e{epoch}", "fault")
+
+    def watch() -> None:  # ends the process when its build can no longer go on
+        while True:
+            time.sleep(0.1)
+            if os.getppid() != parent:
+                os._exit(0)
+            if stop.is_set():  # the main thread shuts the collectors down after its current batch; else force it
+                time.sleep(GRACE_S)
+                os._exit(0)
+            try:
+                if directory.has(*fault_key):
+                    os._exit(EXIT_FAULT)
+            except Exception:  # noqa: BLE001 - the directory is gone: learner rank 0 is, and so is this run
+                os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="fabric_learner-driver-watch").start()
+    envs = [SeededEnv(spec.create_env_fn, spec.seed + 1 + i + 100 * epoch) for i in range(nodes)]
+    collector = DistributedCollector(
+        envs, spec.policy, frames_per_batch=spec.frames_per_batch * nodes, total_frames=FOREVER, sync=True,
+        launcher="submitit_delayed", tcp_port=port, backend="gloo", collector_kwargs=dict(spec.collector_kwargs))
+    _push_latest(collector, weights, block_s=0.0)
+    for batch in collector:
+        batch: TensorDictBase = batch.contiguous() if hasattr(batch, "contiguous") else batch
+        while not stop.is_set():
+            try:
+                batches.put(batch, timeout=0.1)
+                break
+            except queue.Full:
+                _push_latest(collector, weights, block_s=0.0)
+        if stop.is_set():
+            break
+        _push_latest(collector, weights, block_s=0.0)
+    collector.shutdown()  # the collectors end their node loops cleanly
+    batches.cancel_join_thread()
+    os._exit(0)
+
+
+def _push_latest(collector, weights, block_s: float) -> None:
+    """Send the collectors the newest weights waiting from the learner, if any (older ones are skipped)."""
+    latest = None
+    try:
+        latest = weights.get(timeout=block_s) if block_s else weights.get_nowait()
+        while True:
+            latest = weights.get_nowait()
+    except queue.Empty:
+        pass
+    if latest is not None:
+        collector.update_policy_weights_(latest)
