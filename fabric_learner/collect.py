@@ -26,12 +26,17 @@ from fabric_learner.remote.directory import Directory, split_address
 POLL_S = 0.1
 
 
-def _node(rank: int, world: int, host: str, port: int) -> None:
+def _node(conn) -> None:
+    """A collector node: imports first (while its build is being arranged), then runs when told where."""
     import torch
 
     from fabric_learner._compat import run_collector_node
 
     torch.set_num_threads(1)
+    import torchrl.collectors.distributed  # noqa: F401 - loaded before the group is known, not after
+
+    rank, world, host, port = conn.recv()
+    conn.close()
     run_collector_node(rank, world, host, port)
 
 
@@ -57,60 +62,95 @@ def _connect(address: str, wait_s: float) -> Directory | None:
     return None
 
 
-def _stop(node) -> None:
-    if node is not None and node.is_alive():
-        node.kill()
-    if node is not None:
-        node.join(10)
+class _Supervisor:
+    """One collector: its turn in the current run, its node, and how often the node died."""
+
+    def __init__(self, address: str, learner_rank: int | None, max_restarts: int, wait_s: float, log) -> None:
+        self.address, self.learner_rank, self.max_restarts, self.wait_s, self.log = (
+            address, learner_rank, max_restarts, wait_s, log)
+        self.ctx = mp.get_context("spawn")
+        self.restarts = 0
+        self.run = self.rank = None
+        self.spare = None  # (process, connection): a node that has done its imports and waits for a group
+
+    def serve(self) -> int:
+        try:
+            while True:
+                directory = _connect(self.address, self.wait_s)
+                if directory is None:
+                    self.log(f"no directory at {self.address} for {self.wait_s:.0f} s: ending")
+                    return 0 if self.run is not None else 1
+                try:
+                    ended = self.serve_build(directory)
+                except Exception as err:  # noqa: BLE001 - the directory went away (learner rank 0 ended or restarts)
+                    self.log(f"lost the directory ({type(err).__name__}); reconnecting")
+                    continue
+                if ended is not None:
+                    return ended
+        finally:
+            if self.spare is not None:
+                _stop(self.spare[0])
+
+    def serve_build(self, directory: Directory) -> int | None:
+        """Join the current build of this collector's learner rank and run a node in it until it is over."""
+        if directory.run != self.run:  # a new run (or the first): take a turn
+            self.run, world = directory.run, directory.world()
+            self.rank = self.learner_rank if self.learner_rank is not None else (directory.count("assign", add=1) - 1) % world
+            self.log(f"run {self.run}: serving learner rank {self.rank} of {world}")
+        rank = self.rank
+        if directory.has(f"rank{rank}", "done"):
+            self.log(f"learner rank {rank}'s collection ended")
+            return 0
+        epoch = directory.count(f"rank{rank}", "epochs") - 1
+        if epoch < 0:
+            time.sleep(POLL_S)
+            return None
+        node, conn = self.spare_node()
+        slot = directory.count(f"rank{rank}", f"e{epoch}", "join", add=1) - 1
+        group = directory.wait_for(f"rank{rank}", f"e{epoch}", "group", timeout_s=self.wait_s,
+                                   alive=lambda: directory.count(f"rank{rank}", "epochs") - 1 == epoch)
+        if group is None:
+            return None  # a newer build started meanwhile: join that one
+        host, port, nodes = group.decode().split()
+        if slot >= int(nodes):  # came back too late for this build
+            _wait_for_next_build(directory, rank, epoch)
+            return None
+        self.spare = None
+        conn.send((slot + 1, int(nodes) + 1, host, int(port)))
+        self.log(f"build {epoch} of learner rank {rank}: node {node.pid}, collector {slot + 1} of {nodes}")
+        outcome = _watch(directory, rank, epoch, node)
+        _stop(node)
+        if outcome != "died":
+            return None
+        self.restarts += 1
+        directory.store.set(directory.key(f"rank{rank}", f"e{epoch}", "fault"), str(slot))
+        if self.restarts > self.max_restarts:
+            self.log(f"the node died {self.restarts} times (--max-restarts {self.max_restarts}): ending")
+            return 1
+        self.log(f"the node died (build {epoch}); restart {self.restarts} of {self.max_restarts}")
+        return None
+
+    def spare_node(self):
+        if self.spare is None or not self.spare[0].is_alive():
+            parent, child = self.ctx.Pipe()
+            node = self.ctx.Process(target=_node, args=(child,), name="fabric_learner-node", daemon=False)
+            node.start()
+            child.close()
+            self.spare = (node, parent)
+        return self.spare
 
 
 def serve(address: str, learner_rank: int | None = None, max_restarts: int = 3, wait_s: float = 120.0,
           log=lambda msg: None) -> int:
     """Collect for the run at ``address`` until it ends (returns 0) or this collector gives up (returns 1)."""
-    ctx = mp.get_context("spawn")
-    restarts = 0
-    run = rank = None
-    while True:
-        directory = _connect(address, wait_s)
-        if directory is None:
-            log(f"no directory at {address} for {wait_s:.0f} s: ending")
-            return 0 if run is not None else 1
-        if directory.run != run:  # a new run (or the first): take a turn
-            run = directory.run
-            world = directory.world()
-            rank = learner_rank if learner_rank is not None else (directory.count("assign", add=1) - 1) % world
-            log(f"run {run}: serving learner rank {rank} of {world}")
-        if directory.has(f"rank{rank}", "done"):
-            log(f"learner rank {rank}'s collection ended")
-            return 0
-        epoch = directory.count(f"rank{rank}", "epochs") - 1
-        if epoch < 0:
-            time.sleep(POLL_S)
-            continue
-        slot = directory.count(f"rank{rank}", f"e{epoch}", "join", add=1) - 1
-        group = directory.wait_for(f"rank{rank}", f"e{epoch}", "group", timeout_s=wait_s,
-                                   alive=lambda e=epoch: directory.count(f"rank{rank}", "epochs") - 1 == e)
-        if group is None:
-            continue  # a newer build started meanwhile: join that one
-        host, port, nodes = group.decode().split()
-        if slot >= int(nodes):
-            _wait_for_next_build(directory, rank, epoch)
-            continue
-        node = ctx.Process(target=_node, args=(slot + 1, int(nodes) + 1, host, int(port)), name="fabric_learner-node")
-        node.start()
-        log(f"build {epoch} of learner rank {rank}: node {node.pid}, collector {slot + 1} of {nodes}")
-        outcome = _watch(directory, rank, epoch, node)
-        _stop(node)
-        if outcome == "died":
-            restarts += 1
-            try:
-                directory.store.set(directory.key(f"rank{rank}", f"e{epoch}", "fault"), str(slot))
-            except Exception:  # noqa: BLE001 - the directory went with it: the run restarts, join the next
-                pass
-            if restarts > max_restarts:
-                log(f"the node died {restarts} times (--max-restarts {max_restarts}): ending")
-                return 1
-            log(f"the node died (build {epoch}); restart {restarts} of {max_restarts}")
+    return _Supervisor(address, learner_rank, max_restarts, wait_s, log).serve()
+
+
+def _stop(node) -> None:
+    if node is not None and node.is_alive():
+        node.kill()
+    if node is not None:
+        node.join(10)
 
 
 def _watch(directory: Directory, rank: int, epoch: int, node) -> str:
@@ -130,12 +170,7 @@ def _watch(directory: Directory, rank: int, epoch: int, node) -> str:
 
 
 def _wait_for_next_build(directory: Directory, rank: int, epoch: int) -> None:
-    while True:
-        try:
-            if directory.count(f"rank{rank}", "epochs") - 1 != epoch or directory.has(f"rank{rank}", "done"):
-                return
-        except Exception:  # noqa: BLE001 - the directory is gone
-            return
+    while directory.count(f"rank{rank}", "epochs") - 1 == epoch and not directory.has(f"rank{rank}", "done"):
         time.sleep(POLL_S)
 
 
@@ -148,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pid = os.getpid()
     return serve(args.connect, args.learner_rank, args.max_restarts, args.wait,
-                 log=lambda msg: print(f"[collector {pid}] {msg}", file=sys.stderr, flush=True))
+                 log=lambda msg: print(f"[collector {pid} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Collectors apart from the learner ranks: ``RemoteCollectors`` fed by ``python -m fabric_learner.collect`` processes.
 
-Usage: python remote_checks.py OUT_DIR faults PORT      2 ranks (DDP); the test kills a collector's node mid-run
-       python remote_checks.py OUT_DIR continue PORT    1 process; the test kills a whole collector mid-run
-       python remote_checks.py OUT_DIR elastic PORT     2 ranks under torchrun --max-restarts=1; rank 1 SIGKILLs
-                                                        itself after the first checkpoint, attempt 1 resumes
+Usage: torchrun --max-restarts=1 ... remote_checks.py OUT_DIR faults PORT
+           2 DDP ranks, one collector each: the test kills the node of rank 1's collector after rank 1's 4th batch
+           (its supervisor restarts it); once rank 1 has 3 batches from the restarted collector and a checkpoint
+           exists, rank 1 SIGKILLs itself; torchrun restarts both ranks, which resume from the checkpoint
+       python remote_checks.py OUT_DIR continue PORT
+           1 process, 2 collectors, on_failure="continue": the test kills a whole collector mid-run
 
 The collectors are started by the test (one command each, as on other hosts); this program only builds
 the learner, ``RemoteCollectors`` and the Trainer. Each rank appends its progress to OUT_DIR/progress_rank{r}
@@ -12,6 +14,7 @@ the learner, ``RemoteCollectors`` and the Trainer. Each rank appends its progres
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -26,11 +29,10 @@ from lightning.fabric.strategies import DDPStrategy
 from fabric_learner import FabricLearner, LocalLearner
 from fabric_learner.remote import RemoteCollectors
 
-DELAYS = {"faults": 0.03, "continue": 0.01, "elastic": 0.01}  # seconds per environment step in the collectors
+DELAYS = {"faults": 0.03, "continue": 0.01}  # seconds per environment step in the collectors
 LAG = 12
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-TOTALS = {"faults": 40 * 2 * ac.FRAMES_PER_BATCH, "continue": 30 * 2 * ac.FRAMES_PER_BATCH,
-          "elastic": 30 * 2 * ac.FRAMES_PER_BATCH}
+TOTALS = {"faults": 60 * 2 * ac.FRAMES_PER_BATCH, "continue": 30 * 2 * ac.FRAMES_PER_BATCH}
 
 
 def learner_factory(mode):
@@ -46,9 +48,10 @@ class Progress:
     """A ``batch_process`` hook: one line per admitted batch (frames, lag) in this rank's progress file."""
 
     def __init__(self, path, trainer):
-        self.path, self.trainer = path, trainer
+        self.path, self.trainer, self.batches = path, trainer, 0
 
     def __call__(self, batch):
+        self.batches += 1
         with open(self.path, "a") as f:
             f.write(f"{self.trainer.collected_frames} {batch.numel()} {ATTEMPT}\n")
 
@@ -63,17 +66,24 @@ def main(out_dir: str, mode: str, port: str) -> None:
                                        rejoin_s=3.0, connect_timeout_s=60.0)
         return remote["c"]
 
-    save = os.path.join(out_dir, "ckpt") if mode == "elastic" else None
+    save = os.path.join(out_dir, "ckpt") if mode == "faults" else None
     trainer, learner, admissions, rb = ac.build(learner_factory(mode), total_frames=TOTALS[mode], delay=DELAYS[mode],
                                                 max_policy_lag=LAG, collector_factory=collector, save_file=save,
                                                 save_interval=8 * 2 * ac.FRAMES_PER_BATCH)
     rank = learner.global_rank
-    trainer.register_op("batch_process", Progress(os.path.join(out_dir, f"progress_rank{rank}"), trainer))
-    if mode == "elastic" and ATTEMPT == 0 and rank == 1:
-        def die_after_first_save(*_):
-            if os.path.exists(os.path.join(save, "meta.json")) and trainer.collected_frames >= 12 * 2 * ac.FRAMES_PER_BATCH:
+    progress = Progress(os.path.join(out_dir, f"progress_rank{rank}"), trainer)
+    trainer.register_op("batch_process", progress)
+    if mode == "faults" and ATTEMPT == 0 and rank == 1:
+        at_restart = []  # rank 1's batch count when it first saw its collectors' group rebuilt
+
+        def die_once_restarted_and_saved(*_):
+            if remote["c"].stats()["restarts"] >= 1 and not at_restart:
+                at_restart.append(progress.batches)
+            if at_restart and progress.batches >= at_restart[0] + 3 and os.path.exists(os.path.join(save, "meta.json")):
+                with open(os.path.join(out_dir, "attempt0_rank1.json"), "w") as f:
+                    json.dump({"remote": remote["c"].stats(), "batches": progress.batches}, f)
                 os.kill(os.getpid(), signal.SIGKILL)
-        trainer.register_op("post_steps", die_after_first_save)
+        trainer.register_op("post_steps", die_once_restarted_and_saved)
     trainer.train()
     ckpt = learner.checkpoint()
     torch.save({"params": {k: v.detach().clone() for k, v in ckpt["model"].items()}, "num_updates": learner.num_updates,
