@@ -33,6 +33,8 @@ LONGEST_FIRST = ["test_elastic.py", "test_launch.py", "test_reliability.py", "te
 # added 2026-12-02 (#35, #36), measured under load beside other runs: meshes ~100 s, the LLM modules 20-35 s each
 LONGEST_FIRST[3:3] = ["test_meshes.py"]
 LONGEST_FIRST[9:9] = ["test_llm_weights.py", "test_llm_fsdp.py", "test_llm.py", "test_grpo_recipe.py"]
+# added 2026-12-02 (#37): two launches with collector processes, ~140 s beside other runs
+LONGEST_FIRST[1:1] = ["test_remote.py"]
 
 
 def pytest_collection_modifyitems(items):
