@@ -6,6 +6,10 @@
     python examples/dqn_replay_ddp.py --strategy fsdp      # the same program under FSDP2
     torchrun --nproc-per-node=2 examples/dqn_replay_ddp.py --strategy fsdp   # the same options, any launcher
 
+    python examples/dqn_replay_ddp.py --collectors 2        # collectors apart, on a second command line:
+    python -m fabric_learner.collect --connect 127.0.0.1:29710   # twice, on this host or others
+    python examples/dqn_replay_ddp.py --collectors 2 --local-collectors   # the same, started by the learner
+
 Off-policy, every rank running this same program: each rank steps its own cart-poles with an
 epsilon-greedy Q-network, writes the transitions into its *own* prioritized replay buffer,
 samples its own minibatches and feeds them to ``learner.update``; DDP averages the gradients,
@@ -19,11 +23,17 @@ every step), so it always uses the newest weights.
 The environment is gymnasium's CartPole-v1 through torchrl's ``GymEnv``, ``--envs`` of them in
 a ``SerialEnv`` on each rank. Episodes end when the pole falls or after 500 steps; the mean
 length of the episodes that ended is the score.
+
+With ``--collectors N`` the cart-poles step in N collector processes apart from the learner ranks
+(``fabric_learner.RemoteCollectors``, on torchrl's distributed collectors): each rank serves its share,
+collects asynchronously (``AsyncCollection``: frames more than ``--max-lag`` updates old are dropped)
+and publishes the epsilon-greedy policy, epsilon included, after every round.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import os
 import time
@@ -37,7 +47,7 @@ from torchrl.modules import MLP, EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, SoftUpdate
 from torchrl.trainers import ReplayBufferTrainer, TrainerHookBase
 
-from fabric_learner import FabricLearner
+from fabric_learner import AsyncCollection, FabricLearner, RemoteCollectors, VersionedPolicy
 from fabric_learner.cli import add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import global_mean
 from fabric_learner.replay import prioritized_sampler
@@ -78,13 +88,15 @@ class EpisodeLength(TrainerHookBase):
 
 
 class AnnealEpsilon(TrainerHookBase):
-    """Steps the epsilon-greedy schedule by the frames this rank collected (``post_steps``)."""
+    """Steps the epsilon-greedy schedule by each rank's share of the frames collected since the last call."""
 
-    def __init__(self, egreedy: EGreedyModule, frames_per_batch: int):
-        self.egreedy, self.frames = egreedy, frames_per_batch
+    def __init__(self, egreedy: EGreedyModule, trainer):
+        self.egreedy, self.trainer, self.seen = egreedy, trainer, 0
 
     def __call__(self):
-        self.egreedy.step(self.frames)
+        frames = self.trainer.collected_frames
+        self.egreedy.step((frames - self.seen) // self.trainer.learner.world_size)
+        self.seen = frames
 
     def state_dict(self):
         return {}  # eps lives in the policy's buffers: the collector's state carries it
@@ -111,6 +123,10 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=None, help="trainer checkpoint folder, written every 10k frames")
     p.add_argument("--resume", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--collectors", type=int, default=0, help="collector processes apart from the ranks (0: in-process)")
+    p.add_argument("--collect-address", default="127.0.0.1:29710", help="HOST:PORT where collectors connect")
+    p.add_argument("--local-collectors", action="store_true", help="start the collectors here, as child processes")
+    p.add_argument("--max-lag", type=int, default=64, help="with --collectors: oldest policy admitted, in updates")
     add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)  # plain python: 2 CPU ranks
     return p.parse_args(argv)
 
@@ -122,13 +138,22 @@ def build(args, learner_kwargs: dict):
                        spec=env.action_spec, action_space="one_hot")
     loss = DQNLoss(qnet, action_space="one_hot", delay_value=True, double_dqn=True, loss_function="smooth_l1")
     loss.make_value_estimator(gamma=0.99)
-    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=args.lr), policy=qnet, clip_grad_norm=10.0,
-                            **learner_kwargs)
     frames_per_batch = args.envs * args.steps
-    per_rank = args.frames // learner.world_size
-    egreedy = EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.05, annealing_num_steps=per_rank // 3)
-    collector = Collector(env, TensorDictSequential(qnet, egreedy), frames_per_batch=frames_per_batch,
-                          total_frames=-1, init_random_frames=1000, auto_register_policy_transforms=False)
+    egreedy = EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.05, annealing_num_steps=args.frames // 3)
+    explore = TensorDictSequential(qnet, egreedy)
+    remote = args.collectors > 0
+    acting = VersionedPolicy(copy.deepcopy(explore)) if remote else None  # before a sharded learner empties qnet
+    # in-process, the collector acts with the loss's own Q-network; apart, the learner publishes explore's weights
+    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=args.lr), policy=explore if remote else qnet,
+                            clip_grad_norm=10.0, **learner_kwargs)
+    egreedy.annealing_num_steps = args.frames // learner.world_size // 3
+    if remote:
+        collector = RemoteCollectors(functools.partial(make_env, args.envs), acting, frames_per_batch=frames_per_batch,
+                                     collectors=args.collectors, address=args.collect_address,
+                                     local=args.local_collectors)
+    else:
+        collector = Collector(env, explore, frames_per_batch=frames_per_batch, total_frames=-1,
+                              init_random_frames=1000, auto_register_policy_transforms=False)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(50_000), priority_key="td_error", batch_size=args.batch,
                                 sampler=prioritized_sampler(50_000, alpha=0.6, beta=0.4))
     logger = None
@@ -139,9 +164,10 @@ def build(args, learner_kwargs: dict):
     trainer = Trainer(learner=learner, collector=collector, total_frames=args.frames, optim_steps_per_batch=args.updates,
                       target_net_updater=SoftUpdate(loss, tau=0.01), logger=logger, log_interval=2_000,
                       seed=args.seed, progress_bar=not args.no_progress, save_trainer_file=args.checkpoint,
-                      save_trainer_interval=10_000)
+                      save_trainer_interval=10_000,
+                      async_collection=AsyncCollection(max_policy_lag=args.max_lag) if remote else None)
     ReplayBufferTrainer(rb, flatten_tensordicts=True).register(trainer)  # extend, sample, update priorities
-    AnnealEpsilon(egreedy, frames_per_batch).register(trainer)
+    AnnealEpsilon(egreedy, trainer).register(trainer)
     lengths = EpisodeLength(trainer)
     lengths.register(trainer)
     return learner, trainer, lengths
@@ -161,6 +187,8 @@ def main(argv=None):
         how = "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__
         print(f"done: {learner.world_size} rank(s) {how}, {learner.num_updates} updates, {trainer.collected_frames} frames, "
               f"episode length {first:.0f} -> {last:.0f} in {time.perf_counter() - start:.0f}s", flush=True)
+        if args.collectors:
+            print(f"collection: {trainer.async_stats}, rank 0's collectors: {trainer.collector.stats()}", flush=True)
     learner.close()
 
 

@@ -38,6 +38,7 @@ def _node(conn) -> None:
     rank, world, host, port = conn.recv()
     conn.close()
     run_collector_node(rank, world, host, port)
+    os._exit(0)  # told to shut down: skip the interpreter's teardown of torchrl's store and group threads
 
 
 def _listening(address: str) -> bool:
@@ -119,7 +120,7 @@ class _Supervisor:
         conn.send((slot + 1, int(nodes) + 1, host, int(port)))
         self.log(f"build {epoch} of learner rank {rank}: node {node.pid}, collector {slot + 1} of {nodes}")
         outcome = _watch(directory, rank, epoch, node)
-        _stop(node)
+        _stop(node, grace_s=5.0 if outcome == "ended" else 0.0)
         if outcome != "died":
             return None
         self.restarts += 1
@@ -141,12 +142,20 @@ class _Supervisor:
 
 
 def serve(address: str, learner_rank: int | None = None, max_restarts: int = 3, wait_s: float = 120.0,
-          log=lambda msg: None) -> int:
+          verbose: bool = True) -> int:
     """Collect for the run at ``address`` until it ends (returns 0) or this collector gives up (returns 1)."""
+    pid = os.getpid()
+
+    def log(msg: str) -> None:
+        if verbose:
+            print(f"[collector {pid} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
     return _Supervisor(address, learner_rank, max_restarts, wait_s, log).serve()
 
 
-def _stop(node) -> None:
+def _stop(node, grace_s: float = 0.0) -> None:
+    if node is not None and grace_s:
+        node.join(grace_s)
     if node is not None and node.is_alive():
         node.kill()
     if node is not None:
@@ -166,7 +175,7 @@ def _watch(directory: Directory, rank: int, epoch: int, node) -> str:
         if not node.is_alive():
             return "ended" if node.exitcode == 0 or over or faulted else "died"
         if over or faulted:
-            return "rebuilt"
+            return "ended" if directory.has(f"rank{rank}", "done") else "rebuilt"
 
 
 def _wait_for_next_build(directory: Directory, rank: int, epoch: int) -> None:
@@ -181,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=3, help="node deaths survived before this collector ends")
     parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a directory before ending")
     args = parser.parse_args(argv)
-    pid = os.getpid()
-    return serve(args.connect, args.learner_rank, args.max_restarts, args.wait,
-                 log=lambda msg: print(f"[collector {pid} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True))
+    return serve(args.connect, args.learner_rank, args.max_restarts, args.wait)
 
 
 if __name__ == "__main__":

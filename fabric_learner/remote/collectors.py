@@ -146,12 +146,12 @@ class RemoteCollectors:
         if self._closed:
             return
         self._closed = True
+        self._stop_driver()  # first: it tells its collectors to end their node loops
         if self._directory is not None:
             try:
                 self._directory.store.set(self._directory.key(f"rank{self.rank}", "done"), "1")
             except Exception:  # noqa: BLE001 - rank 0 (the directory's host) may have ended first
                 pass
-        self._stop_driver()
         for proc in self._locals:
             proc.join(timeout=10)
             if proc.is_alive():
@@ -207,7 +207,7 @@ class RemoteCollectors:
         if self._driver is None:
             return
         self._stop.set()
-        self._driver.join(5)
+        self._driver.join(_driver.GRACE_S + 2)
         if self._driver.is_alive():
             self._driver.kill()
             self._driver.join(5)

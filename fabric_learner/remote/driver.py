@@ -85,7 +85,6 @@ def _wait_for_joins(directory, spec: DriverSpec, epoch: int, parent_alive) -> in
 def run(spec: DriverSpec, epoch: int, batches, weights, stop) -> None:
     """The driver's process: build ``epoch`` of rank ``spec.rank``'s collection and feed ``batches``."""
     import torch
-    from tensordict import TensorDictBase
     from torchrl.collectors.distributed import DistributedCollector
 
     from fabric_learner.remote.directory import Directory
@@ -123,28 +122,37 @@ def run(spec: DriverSpec, epoch: int, batches, weights, stop) -> None:
     collector = DistributedCollector(
         envs, spec.policy, frames_per_batch=spec.frames_per_batch * nodes, total_frames=FOREVER, sync=True,
         launcher="submitit_delayed", tcp_port=port, backend="gloo", collector_kwargs=dict(spec.collector_kwargs))
-    _push_latest(collector, weights, block_s=0.0)
+    try:
+        _feed(collector, batches, weights, stop)
+    except Exception:
+        if not stop.is_set():
+            raise  # the learner rank sees this driver end and rebuilds the group
+    else:
+        collector.shutdown()  # the collectors end their node loops cleanly
+    batches.cancel_join_thread()
+    os._exit(0)
+
+
+def _feed(collector, batches, weights, stop) -> None:
+    """Hand every batch to the learner rank (waiting while its queue is full), the newest weights to the collectors."""
+    _push_latest(collector, weights)
     for batch in collector:
-        batch: TensorDictBase = batch.contiguous() if hasattr(batch, "contiguous") else batch
+        batch = batch.contiguous() if hasattr(batch, "contiguous") else batch
         while not stop.is_set():
             try:
                 batches.put(batch, timeout=0.1)
                 break
             except queue.Full:
-                _push_latest(collector, weights, block_s=0.0)
+                _push_latest(collector, weights)
         if stop.is_set():
-            break
-        _push_latest(collector, weights, block_s=0.0)
-    collector.shutdown()  # the collectors end their node loops cleanly
-    batches.cancel_join_thread()
-    os._exit(0)
+            return
+        _push_latest(collector, weights)
 
 
-def _push_latest(collector, weights, block_s: float) -> None:
+def _push_latest(collector, weights) -> None:
     """Send the collectors the newest weights waiting from the learner, if any (older ones are skipped)."""
     latest = None
     try:
-        latest = weights.get(timeout=block_s) if block_s else weights.get_nowait()
         while True:
             latest = weights.get_nowait()
     except queue.Empty:
