@@ -60,6 +60,9 @@ THRESHOLD = {"ppo": 1000.0, "sac": 3000.0}
 FINAL_GOAL = 0.9  # learner / torchrl final return, seed-paired: at least this
 WALL_GOAL = 1.0  # 2 ranks / 1 process, seconds to the threshold, seed-paired: at most this
 LAST_EPISODES = 10
+# CleanRL's ppo_continuous_action on HalfCheetah-v4 at 1M steps, 3 seeds: mean and standard deviation of the
+# final returns (docs/results.md, "External references", cites the page)
+CLEANRL_PPO = (1442.64, 46.03)
 RESULTS_DIR = ROOT / "benchmarks" / "results" / "learning"
 SUMMARY = ROOT / "benchmarks" / "results" / "learning.json"
 PAGE = ROOT / "docs" / "results.md"
@@ -354,6 +357,14 @@ def render_section(summary: dict) -> str:
         goal = ("≥ " if v["at_least"] else "≤ ") + f"{v['goal']:.2f}"
         lines.append(f"| {v['algo'].upper()} | {v['what']} | {', '.join(map(str, v['seeds'])) or '-'} | {ratio} | "
                      f"{ci} | {goal} | {v['verdict']} |")
+    ppo = [r for r in summary["rows"] if r["algo"] == "ppo"]
+    if ppo:
+        mean, sd = CLEANRL_PPO
+        where = "; ".join(f"{r['contender']} {r['final_return_mean']:.0f}: " + (
+            "inside" if abs(r["final_return_mean"] - mean) <= sd else "below" if r["final_return_mean"] < mean else "above")
+            for r in ppo)
+        lines += ["", f"PPO final returns (seed means) against CleanRL's {mean:.2f} ± {sd:.2f} at 1M steps "
+                      f"(inside: within one standard deviation): {where}."]
     for algo in ALGOS:
         if any(r["algo"] == algo for r in summary["rows"]):
             lines += ["", f"![{algo.upper()} on HalfCheetah: running mean of the last 10 training episodes]"
@@ -366,6 +377,20 @@ def page_section(text: str) -> str:
     if BEGIN not in text or END not in text:
         raise ValueError(f"docs/results.md has lost its markers {BEGIN!r} ... {END!r}")
     return text[text.index(BEGIN):text.index(END) + len(END)]
+
+
+def check_page(text: str, summary: dict) -> list[str]:
+    """What is wrong with a docs/results.md text against a stored summary: empty when its generated section is
+    exactly the one ``render_section`` writes from it (so every number it shows is the summary's)."""
+    try:
+        shown = page_section(text)
+    except ValueError as err:
+        return [str(err)]
+    want = render_section(summary)
+    if shown == want:
+        return []
+    diff = [f"page: {a!r}\n  results: {b!r}" for a, b in zip(shown.splitlines(), want.splitlines()) if a != b]
+    return diff or [f"the page's section has {len(shown.splitlines())} lines, the results' {len(want.splitlines())}"]
 
 
 def plot(runs: list[dict], algo: str, path: Path) -> None:
