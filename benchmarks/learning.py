@@ -85,14 +85,21 @@ def run_name(algo: str, contender: str, seed: int) -> str:
 
 
 class Recorder:
-    """Per batch: ``[frames over all ranks, seconds since start, [returns of the episodes that ended]]``.
+    """Per batch: ``[frames over all ranks, seconds since start, [returns of the episodes that ended]]``;
+    and the run's segments (a SAC run stopped at its time budget and resumed is several).
 
     ``record`` is a collective under a process group (every rank's ended episodes reach every rank).
+    Seconds run on across segments: each segment counts from its process's start (its own setup and
+    the checkpoint it reloads included); the time between segments is not counted.
     """
 
     def __init__(self, start: float) -> None:
-        self.start = start
+        self.start = start  # this segment's process start (perf_counter)
+        self.offset = 0.0  # the seconds of the segments before this one
         self.points: list[list] = []
+
+    def seconds(self) -> float:
+        return self.offset + time.perf_counter() - self.start
 
     def record(self, frames: int, batch) -> None:
         import torch.distributed as dist
@@ -103,7 +110,7 @@ class Recorder:
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, returns)
             returns = [r for rank in every for r in rank]
-        self.points.append([int(frames), time.perf_counter() - self.start, [float(r) for r in returns]])
+        self.points.append([int(frames), self.seconds(), [float(r) for r in returns]])
 
     def hook(self, trainer):
         """The Trainer's ``pre_steps_log`` hook: the batch with the trainer's global frame count."""
@@ -112,6 +119,21 @@ class Recorder:
             return {}
         return log
 
+    def budget_hook(self, trainer, budget_s: float):
+        """A ``post_steps`` hook asking the Trainer to stop (it then saves its checkpoint) past ``budget_s``
+        seconds of this segment."""
+        def check():
+            if time.perf_counter() - self.start > budget_s:
+                trainer.request_stop(f"this segment's time budget of {budget_s:.0f} s is spent")
+        return check
+
+    # a checkpoint carries the curve and the seconds so far (the Trainer's registered module, or the loop's file)
+    def state_dict(self) -> dict:
+        return {"points": self.points, "seconds": self.seconds()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.points, self.offset = state["points"], state["seconds"]
+
 
 def _launch(contender: str) -> dict:
     if contender == "learner":
@@ -119,17 +141,19 @@ def _launch(contender: str) -> dict:
     return {"accelerator": "cpu", "devices": 2, "strategy": contender}
 
 
-def _train(algo: str, contender: str, seed: int, frames: int, opts, recorder: Recorder) -> dict:
-    """Runs one contender to its end; returns its counts (and, on learners, closes the learner)."""
+def _train(algo: str, contender: str, seed: int, frames: int, opts, recorder: Recorder, partial: Path) -> dict:
+    """Runs one contender to its end, or (SAC) to the end of this segment's budget; returns its counts and
+    ``finished``, and the learner (to close) where there is one."""
     import learning_loops
 
+    budget_s = opts.max_hours * 3600
     if algo == "ppo":
         import ppo_mujoco
 
         argv = ["--frames", str(frames), "--seed", str(seed), "--no-progress", "--env", opts.env or ppo_mujoco.RECIPE["env"]]
         args = ppo_mujoco.parse_args(argv)
         if contender == "torchrl":
-            return learning_loops.ppo_loop(args, recorder.record)
+            return {**learning_loops.ppo_loop(args, recorder.record), "finished": True}
         learner, trainer, _ = ppo_mujoco.build(args, _launch(contender))
     else:
         import sac_mujoco
@@ -141,15 +165,18 @@ def _train(algo: str, contender: str, seed: int, frames: int, opts, recorder: Re
             argv += ["--init-random-frames", str(opts.init_random_frames)]
         args = sac_mujoco.parse_args(argv)
         if contender == "torchrl":
-            return learning_loops.sac_loop(args, recorder.record)
+            return learning_loops.sac_loop(args, recorder, budget_s=budget_s, checkpoint=partial / "loop.pt")
         launch = _launch(contender)
         rank = int(os.environ.get("LOCAL_RANK", 0))  # the ranks FabricLearner starts have it from the start
-        trainer = sac_mujoco.build(args, functools.partial(FabricLearner, **launch), world=launch["devices"], rank=rank)
+        trainer = sac_mujoco.build(args, functools.partial(FabricLearner, **launch), world=launch["devices"], rank=rank,
+                                   save_trainer_file=str(partial / "trainer"))
         learner = trainer.learner
+        trainer.register_module("learning_recorder", recorder)
+        trainer.register_op("post_steps", recorder.budget_hook(trainer, budget_s))
     trainer.register_op("pre_steps_log", recorder.hook(trainer))
     trainer.train()
     return {"frames": trainer.collected_frames, "updates": learner.num_updates, "world_size": learner.world_size,
-            "learner": learner}
+            "finished": trainer.collected_frames >= trainer.total_frames, "learner": learner}
 
 
 def _cpu_seconds() -> float:
@@ -157,8 +184,26 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _partial_folder(out_dir: Path, name: str) -> Path:
+    """Where a SAC run stopped at its budget keeps its checkpoint (``partial/`` is not committed)."""
+    return out_dir / "partial" / name
+
+
+def _check_resumable(partial: Path) -> None:
+    """A stopped run continues only on the code it started on; else ``SystemExit`` before anything runs."""
+    meta = partial / "run.json"
+    if not meta.exists():
+        return
+    started = harness.read_json(meta)
+    now = {"git_head": harness.git_head(), "code_dirty": harness.git_dirty(*CODE)}
+    if started != now:
+        raise SystemExit(f"{partial} holds a run started on {started}; the code is now {now}. Nothing was run: check "
+                         f"out {started['git_head']} (clean) to continue it, or delete {partial} to start again.")
+
+
 def run(opts) -> Path | None:
-    """One (algo, contender, seed) run; rank 0 writes its result file and returns its path."""
+    """One (algo, contender, seed) run, or one segment of a SAC run (``--max-hours``); rank 0 writes its result
+    file when the run completes and returns its path (``None`` on other ranks and for a segment)."""
     harness.set_one_thread()
     os.environ.setdefault("RL_WARNINGS", "False")
     full = FULL_FRAMES[opts.algo]
@@ -169,12 +214,16 @@ def run(opts) -> Path | None:
     if smoke and out_dir.resolve() == RESULTS_DIR.resolve():
         raise SystemExit(f"a shortened or changed run ({frames} frames, env {opts.env}) may not write into {RESULTS_DIR}, "
                          "which docs/results.md reads; nothing was run. Leave --out-dir out, or run the full length.")
-    load_start, started = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    name = run_name(opts.algo, opts.contender, opts.seed)
+    partial = _partial_folder(out_dir, name)
+    _check_resumable(partial)
+    segment = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_start": list(os.getloadavg()),
+               "git_head": harness.git_head()}
     start = time.perf_counter()
     recorder = Recorder(start)
-    counts = _train(opts.algo, opts.contender, opts.seed, frames, opts, recorder)
-    seconds = time.perf_counter() - start
+    counts = _train(opts.algo, opts.contender, opts.seed, frames, opts, recorder, partial)
     learner = counts.pop("learner", None)
+    finished = counts.pop("finished")
     cpu = [_cpu_seconds()]
     rank = 0
     if learner is not None:
@@ -187,23 +236,37 @@ def run(opts) -> Path | None:
         learner.close()
     if rank != 0:
         return None
+    segment.update(seconds=time.perf_counter() - start, cpu_seconds=sum(cpu), cpu_seconds_by_rank=cpu,
+                   load_end=list(os.getloadavg()), frames_at_end=counts["frames"])
+    earlier = partial / "segments.json"
+    segments = [*(harness.read_json(earlier) if earlier.exists() else []), segment]
+    if not finished:
+        harness.write_json(partial / "segments.json", segments)  # what the checkpoint's recorder lacks: this one
+        harness.write_json(partial / "run.json", {"git_head": harness.git_head(), "code_dirty": harness.git_dirty(*CODE)})
+        print(f"{name}: stopped at {counts['frames']} frames after {segment['seconds']:.0f} s (--max-hours "
+              f"{opts.max_hours}); checkpoint in {partial}. Run the same command again to continue.", flush=True)
+        sys.exit(3)
     result = {
         "algo": opts.algo, "contender": opts.contender, "seed": opts.seed, "smoke": smoke,
         "frames_target": frames, **counts, "env": opts.env or "HalfCheetah-v5",
-        "seconds": seconds, "cpu_seconds": sum(cpu), "cpu_seconds_by_rank": cpu,
-        "load_start": list(load_start), "load_end": list(os.getloadavg()), "started": started,
-        "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": shlex.join(["python", "benchmarks/learning.py", *sys.argv[1:]]),
+        "seconds": sum(s["seconds"] for s in segments), "cpu_seconds": sum(s["cpu_seconds"] for s in segments),
+        "cpu_seconds_by_rank": cpu, "load_start": segments[0]["load_start"], "load_end": segment["load_end"],
+        "started": segments[0]["started"], "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "segments": segments, "command": shlex.join(["python", "benchmarks/learning.py", *sys.argv[1:]]),
         "code_dirty": harness.git_dirty(*CODE), "machine": harness.machine(),
         "threshold": THRESHOLD[opts.algo], "points": recorder.points,
     }
     result.update(measures(result))
-    path = out_dir / f"{run_name(opts.algo, opts.contender, opts.seed)}.json"
+    path = out_dir / f"{name}.json"
     harness.write_json(path, result, indent=None)
-    print(f"{path}: {result['frames']} frames, {result['updates']} updates in {seconds:.0f} s "
-          f"(CPU {sum(cpu):.0f} s, load {load_start[0]:.2f} -> {result['load_end'][0]:.2f}); final return "
-          f"{result['final_return']}, threshold {THRESHOLD[opts.algo]:.0f} reached at {result['seconds_to_threshold']} s",
-          flush=True)
+    if partial.exists():
+        import shutil
+
+        shutil.rmtree(partial)
+    print(f"{path}: {result['frames']} frames, {result['updates']} updates in {result['seconds']:.0f} s over "
+          f"{len(segments)} segment(s) (CPU {result['cpu_seconds']:.0f} s, load {result['load_start'][0]:.2f} -> "
+          f"{result['load_end'][0]:.2f}); final return {result['final_return']}, threshold "
+          f"{THRESHOLD[opts.algo]:.0f} reached at {result['seconds_to_threshold']} s", flush=True)
     return path
 
 
@@ -453,6 +516,9 @@ def main(argv=None) -> None:
     r.add_argument("--env", default=None, help="another task: a smoke run (e.g. Pendulum-v1)")
     r.add_argument("--init-random-frames", type=int, default=None, help="SAC's random warm-up: a smoke run")
     r.add_argument("--out-dir", default=None, help="where a smoke run writes (default: the temporary folder)")
+    r.add_argument("--max-hours", type=float, default=1.75,
+                   help="SAC: stop at the first batch past this many hours of this command, keep a checkpoint in "
+                        "<results>/partial/ and exit 3; the same command continues the run (PPO runs are shorter)")
     sub.add_parser("plan", help="the runs missing, with estimated times")
     sub.add_parser("report", help="results/learning.json, docs/learning_<algo>.png, docs/results.md")
     opts = p.parse_args(argv)

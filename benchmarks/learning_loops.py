@@ -13,12 +13,16 @@ the learner's contenders is the loop and the optimisation step:
   each: the three losses summed and backpropagated, the three Adams (grouped) stepped, the target
   critics Polyak-averaged after every update.
 
-``record(frames, batch)`` is called with every collected batch before its updates (as the
-Trainer's ``pre_steps_log`` hook is), so both kinds of contender time their curves alike.
+Each collected batch is recorded (``record(frames, batch)``, ``recorder.record``) before its updates,
+as the Trainer's ``pre_steps_log`` hook does, so both kinds of contender time their curves alike.
+``sac_loop`` also stops at a time budget and resumes from its checkpoint, as the learners' Trainer does.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -73,8 +77,15 @@ def ppo_loop(args, record: Record) -> dict:
     return {"frames": frames, "updates": updates, "world_size": 1}
 
 
-def sac_loop(args, record: Record) -> dict:
-    """The SAC recipe's loop for ``args.frames`` frames (whole batches); returns its counts."""
+def sac_loop(args, recorder, *, budget_s: float = float("inf"), checkpoint: Path | None = None) -> dict:
+    """The SAC recipe's loop for ``args.frames`` frames (whole batches); returns its counts and ``finished``.
+
+    Past ``budget_s`` seconds of this call it stops after a batch and saves, at ``checkpoint``, what
+    continues it: the loss's weights and targets, the optimizers, the replay buffer, the counters, the
+    RNG states and ``recorder``'s curve; called again with that file there, it resumes from it. The
+    environments start new episodes on resuming (at most 8 episodes in flight are cut short).
+    """
+    import numpy as np
     import sac_mujoco as recipe
     from torchrl.objectives import group_optimizers
 
@@ -93,12 +104,27 @@ def sac_loop(args, record: Record) -> dict:
         torch.optim.Adam([loss_module.log_alpha], lr=3.0e-4))
     batches = args.frames // args.frames_per_batch
     num_updates = int(args.frames_per_batch * cfg["utd_ratio"])
-    frames = updates = 0
+    frames = updates = done_batches = 0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        loss_module.load_state_dict(state["loss"])
+        optimizer.load_state_dict(state["optimizer"])
+        buffer.load_state_dict(state["buffer"])
+        recorder.load_state_dict(state["recorder"])
+        frames, updates, done_batches = state["frames"], state["updates"], state["batches"]
+        collector.init_random_frames = max(0, args.init_random_frames - frames)  # the warm-up left
+        collector.set_seed(args.seed + done_batches, static_seed=False)
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+    start = time.perf_counter()
+    finished = done_batches >= batches
     try:
-        for i, data in enumerate(collector):
+        for data in collector:
+            if finished:
+                break
             data = data.reshape(-1)
             frames += data.numel()
-            record(frames, data)
+            recorder.record(frames, data)
             buffer.extend(data)
             if frames >= args.init_random_frames:
                 for _ in range(num_updates):
@@ -108,8 +134,18 @@ def sac_loop(args, record: Record) -> dict:
                     optimizer.zero_grad(set_to_none=True)
                     target_updater.step()
                     updates += 1
-            if i + 1 == batches:
+            done_batches += 1
+            finished = done_batches >= batches
+            if finished:
+                break
+            if time.perf_counter() - start > budget_s and checkpoint is not None:
+                checkpoint.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"loss": loss_module.state_dict(), "optimizer": optimizer.state_dict(),
+                            "buffer": buffer.state_dict(), "recorder": recorder.state_dict(), "frames": frames,
+                            "updates": updates, "batches": done_batches, "torch_rng": torch.get_rng_state(),
+                            "numpy_rng": np.random.get_state()}, str(checkpoint) + ".tmp")
+                os.replace(str(checkpoint) + ".tmp", checkpoint)
                 break
     finally:
         collector.shutdown()
-    return {"frames": frames, "updates": updates, "world_size": 1}
+    return {"frames": frames, "updates": updates, "world_size": 1, "finished": finished}

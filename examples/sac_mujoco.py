@@ -51,6 +51,7 @@ from torchrl.envs import DoubleToFloat, ExplorationType, GymEnv, InitTracker, Re
 from torchrl.envs.utils import set_exploration_type
 from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import SACLoss, SoftUpdate
+from torchrl.trainers import ReplayBufferTrainer
 
 from fabric_learner import FabricLearner
 from fabric_learner.cli import add_launch_arguments, launch_kwargs
@@ -122,12 +123,14 @@ def make_collector(env, actor, rank_init_random: int, cfg: dict = RECIPE) -> Col
 # ---- the recipe as torchrl's SACTrainer on a learner -----------------------------------------------
 
 
-def build(args, learner_factory, *, world: int, rank: int):
+def build(args, learner_factory, *, world: int, rank: int, save_trainer_file: str | None = None):
     """torchrl's ``SACTrainer`` for this rank of ``world``, handed to a learner built by ``learner_factory``
     (``(loss, optimizer_factory, **kw) -> Learner``). Returns the ``fabric_learner.Trainer``.
 
     ``rank`` and ``world`` are needed before the learner exists: they seed this rank's environments
-    before the collector's first reset and split the random warm-up.
+    before the collector's first reset and split the random warm-up. With ``save_trainer_file`` the
+    trainer checkpoints there when it stops (a stop request, or the end) and resumes from it when
+    built again; the replay buffer is part of the checkpoint.
     """
     from torchrl.trainers.algorithms import SACTrainer
 
@@ -148,9 +151,16 @@ def build(args, learner_factory, *, world: int, rank: int):
             optim_steps_per_batch=int(args.frames_per_batch * cfg["utd_ratio"]), loss_module=loss,
             optimizer=make_optimizer(loss.parameters(), cfg), clip_norm=None, progress_bar=False, seed=args.seed,
             replay_buffer=make_buffer(args.frames // world + args.frames_per_batch, cfg),
-            target_net_updater=target_updater, save_trainer_file=None, log_interval=args.frames_per_batch * world,
-            log_rewards=False, log_actions=False)
-    return learner_trainer(trainer, learner_factory, progress_bar=not args.no_progress)
+            target_net_updater=target_updater, save_trainer_file=save_trainer_file, save_trainer_interval=10**15,
+            log_interval=args.frames_per_batch * world, log_rewards=False, log_actions=False)
+    out = learner_trainer(trainer, learner_factory, progress_bar=not args.no_progress)
+    # SACTrainer registers its ReplayBufferTrainer's hooks but not the buffer itself: register it, so that
+    # a checkpoint holds the buffer and a resume continues from the same data
+    for op, _ in out._process_optim_batch_ops:
+        owner = getattr(getattr(op, "__wrapped__", op), "__self__", None)
+        if isinstance(owner, ReplayBufferTrainer) and "replay_buffer" not in out._modules:
+            out.register_module("replay_buffer", owner)
+    return out
 
 
 def parse_args(argv=None):
