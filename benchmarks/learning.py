@@ -68,12 +68,13 @@ SUMMARY = ROOT / "benchmarks" / "results" / "learning.json"
 PAGE = ROOT / "docs" / "results.md"
 BEGIN, END = "<!-- learning-table:begin (benchmarks/learning.py report) -->", "<!-- learning-table:end -->"
 CODE = ("fabric_learner", "benchmarks", "examples")  # a run's "code_dirty": these differ from its commit
-# Estimated wall-clock seconds of one full run on this project's 2-core machine, from the smoke runs
-# of 2026-12-03 (docs/results.md, "Estimated run times"): per-frame and per-update costs scaled to
-# the full length; the machine is shared, so a busy one takes longer.
+# Estimated wall-clock seconds of one full run on this project's 2-core machine, from one short run of each
+# contender on HalfCheetah on 2026-12-02 (PPO 20,480 frames, SAC 4,000 with 4,000 update steps per rank
+# count), the machine shared with another session (load average 2.3-4.7): (seconds - setup) per batch
+# with updates, times the full run's such batches, plus setup. docs/results.md, "Estimated run times".
 ESTIMATE_S = {
-    ("ppo", "torchrl"): 1900, ("ppo", "learner"): 2000, ("ppo", "ddp"): 1700, ("ppo", "fsdp"): 2000,
-    ("sac", "torchrl"): 7000, ("sac", "learner"): 7200, ("sac", "ddp"): 4800, ("sac", "fsdp"): 5400,
+    ("ppo", "torchrl"): 3400, ("ppo", "learner"): 3800, ("ppo", "ddp"): 2600, ("ppo", "fsdp"): 5400,
+    ("sac", "torchrl"): 6700, ("sac", "learner"): 6900, ("sac", "ddp"): 4900, ("sac", "fsdp"): 8900,
 }
 
 
@@ -299,17 +300,21 @@ def measures(result: dict) -> dict:
 # ---- plan ------------------------------------------------------------------------------------------
 
 
-def plan(results_dir: Path = RESULTS_DIR) -> list[tuple[str, int]]:
-    """The full runs without a result file, each with its estimated seconds; printed with the commands."""
+def plan(results_dir: Path = RESULTS_DIR, max_hours: float = 1.75) -> list[tuple[str, int]]:
+    """The full runs without a result file, each with its estimated seconds; printed with their commands (a SAC
+    run longer than ``max_hours`` takes that command more than once, and one begun says how far it got)."""
     missing = [(run_name(a, c, s), ESTIMATE_S[a, c]) for a in ALGOS for s in SEEDS for c in CONTENDERS
                if not (results_dir / f"{run_name(a, c, s)}.json").exists()]
     for name, est in missing:
         algo, contender, seed = name.split("-")
+        times = -(-est // int(max_hours * 3600)) if algo == "sac" else 1
+        segments = _partial_folder(results_dir, name) / "segments.json"
+        begun = f", begun: {harness.read_json(segments)[-1]['frames_at_end']} frames done" if segments.exists() else ""
         print(f"{est / 3600:4.1f} h  python benchmarks/learning.py run --algo {algo} --contender {contender} "
-              f"--seed {seed[1:]}")
+              f"--seed {seed[1:]}" + (f"   ({times} times{begun})" if times > 1 or begun else ""))
     total = sum(est for _, est in missing)
     print(f"{len(missing)} of {len(ALGOS) * len(CONTENDERS) * len(SEEDS)} runs missing, about {total / 3600:.1f} h "
-          "on 2 quiet cores, one at a time (a run that finishes writes its file; each is one command)")
+          "one at a time (estimates from short runs on a shared 2-core machine: docs/results.md)")
     return missing
 
 
