@@ -350,10 +350,10 @@ def summarize(runs: list[dict]) -> dict:
             mine = [e for e in entries.values() if e["algo"] == algo and e["contender"] == contender]
             if not mine:
                 continue
-            finals = [e["final_return"] for e in mine]
+            finals = [e["final_return"] for e in mine if e["final_return"] is not None]  # None: no episode ended
             rows.append({"algo": algo, "contender": contender, "seeds": sorted(e["seed"] for e in mine),
-                         "final_return_mean": _round(_mean(finals)), "final_return_min": _round(min(finals)),
-                         "final_return_max": _round(max(finals)),
+                         "final_return_mean": _round(_mean(finals)), "final_return_min": _round(min(finals, default=None)),
+                         "final_return_max": _round(max(finals, default=None)),
                          "hours_mean": _round(_mean([e["seconds"] for e in mine]) / 3600, 3),
                          "reached": sum(e["seconds_to_threshold"] is not None for e in mine),
                          "hours_to_threshold_mean": _round(_mean([e["seconds_to_threshold"] for e in mine]) / 3600, 3)
@@ -410,12 +410,13 @@ def render_section(summary: dict) -> str:
     if not summary["runs"]:
         return (f"{BEGIN}\n**No runs yet.** `python benchmarks/learning.py plan` lists the 24 runs and their "
                 f"estimated times; `report` fills this table from `benchmarks/results/learning/`.\n{END}")
-    lines = [BEGIN, "| algorithm | contender | seeds | final return, mean (min-max) | hours, mean | "
+    lines = [BEGIN, "| algorithm | contender | seeds | final return, mean (min to max) | hours, mean | "
              "reached threshold | hours to threshold, mean | commits |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         to = "-" if r["hours_to_threshold_mean"] is None else f"{r['hours_to_threshold_mean']:.2f}"
-        lines.append(f"| {r['algo'].upper()} | {r['contender']} | {', '.join(map(str, r['seeds']))} | "
-                     f"{r['final_return_mean']:.0f} ({r['final_return_min']:.0f}-{r['final_return_max']:.0f}) | "
+        final = "-" if r["final_return_mean"] is None else (
+            f"{r['final_return_mean']:.0f} ({r['final_return_min']:.0f} to {r['final_return_max']:.0f})")
+        lines.append(f"| {r['algo'].upper()} | {r['contender']} | {', '.join(map(str, r['seeds']))} | {final} | "
                      f"{r['hours_mean']:.2f} | {r['reached']}/{len(r['seeds'])} | {to} | "
                      f"{', '.join('`' + c + '`' for c in r['commits'])} |")
     lines += ["", "| algorithm | verdict on | seeds | ratio | 95% interval | goal | verdict |", "|---|---|---|---|---|---|---|"]
@@ -430,7 +431,7 @@ def render_section(summary: dict) -> str:
         mean, sd = CLEANRL_PPO
         where = "; ".join(f"{r['contender']} {r['final_return_mean']:.0f}: " + (
             "inside" if abs(r["final_return_mean"] - mean) <= sd else "below" if r["final_return_mean"] < mean else "above")
-            for r in ppo)
+            for r in ppo if r["final_return_mean"] is not None)
         lines += ["", f"PPO final returns (seed means) against CleanRL's {mean:.2f} ± {sd:.2f} at 1M steps "
                       f"(inside: within one standard deviation): {where}."]
     for algo in ALGOS:
@@ -506,7 +507,7 @@ def report(results_dir: Path = RESULTS_DIR, summary_path: Path = SUMMARY, page: 
                 print("matplotlib is missing: curves not drawn (PYTHONPATH=<repo>:/work/mpl, or pip install -e .[bench])")
     text = page.read_text()
     page.write_text(text.replace(page_section(text), render_section(summary)))
-    print(f"{len(runs)} run(s) -> {summary_path.relative_to(ROOT)}, {page.relative_to(ROOT)}")
+    print(f"{len(runs)} run(s) -> {summary_path}, {page}")
     return summary
 
 
