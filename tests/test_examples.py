@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 from multiproc import ROOT, launch, python, run
@@ -65,3 +66,21 @@ def test_grpo_countdown_takes_a_local_hugging_face_folder(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:]
     done = [line for line in proc.stdout.splitlines() if line.startswith("done: 1 rank(s)")]
     assert len(done) == 1 and ", 1 updates, 4 completions," in done[0], proc.stdout[-4000:]
+
+
+def test_the_dqn_example_trains_with_its_collectors_apart_under_fsdp():
+    """``--collectors 2 --local-collectors``: each FSDP rank is fed by a collector process of its own (docs/remote.md)."""
+    from multiproc import free_port
+
+    script = os.path.join(ROOT, "examples", "dqn_replay_ddp.py")
+    args = [*SHORT["dqn_replay_ddp.py"], "--frames", "3072", "--strategy", "fsdp", "--collectors", "2",
+            "--local-collectors", "--collect-address", f"127.0.0.1:{free_port()}", "--logdir", "", "--no-progress"]
+    proc = run(python(script, *args), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.leftovers == 0
+    done = [line for line in proc.stdout.splitlines() if line.startswith("done: 2 rank(s) sharded (FSDP)")]
+    assert len(done) == 1, proc.stdout[-4000:]
+    served = sorted(set(re.findall(r"serving learner rank (\d) of 2", proc.stdout)))
+    assert served == ["0", "1"], proc.stdout[-4000:]  # one collector for each rank
+    stats = re.search(r"collection: .*'admitted_frames': (\d+).*rank 0's collectors: .*'restarts': (\d+)", proc.stdout)
+    assert stats and int(stats.group(1)) > 0 and stats.group(2) == "0", proc.stdout[-4000:]
