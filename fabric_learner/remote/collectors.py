@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 import time
 from typing import Any
 
@@ -50,7 +51,8 @@ class RemoteCollectors:
         on_failure (str): ``"restart"`` or ``"continue"`` (above).
         max_restarts (int): group rebuilds this rank allows before it raises.
         rejoin_s (float): how long a rebuild waits for collectors under ``"continue"``.
-        connect_timeout_s (float): how long a build may take to deliver its first batch before it is rebuilt.
+        timeout_s (float): how long this rank waits for its collectors, to join a build and for each batch (a
+            build's first included), before it rebuilds the group.
         collector_kwargs (dict, optional): passed to torchrl's ``Collector`` inside each collector process.
 
     Examples:
@@ -69,7 +71,7 @@ class RemoteCollectors:
 
     def __init__(self, create_env_fn, policy: VersionedPolicy, *, frames_per_batch: int, collectors: int, address: str,
                  host: str | None = None, local: bool = False, on_failure: str = "restart", max_restarts: int = 10,
-                 rejoin_s: float = 10.0, connect_timeout_s: float = 120.0, collector_kwargs: dict | None = None) -> None:
+                 rejoin_s: float = 10.0, timeout_s: float = 120.0, collector_kwargs: dict | None = None) -> None:
         if not isinstance(policy, VersionedPolicy):
             raise TypeError(f"RemoteCollectors needs a fabric_learner.VersionedPolicy (its frames carry the weights' "
                             f"version), got {type(policy).__name__}. Wrap a copy of the policy: VersionedPolicy(policy).")
@@ -90,9 +92,9 @@ class RemoteCollectors:
         self.host = host or (directory_host if self.rank == 0 else socket.gethostbyname(socket.gethostname()))
         self.local = local
         self.max_restarts = max_restarts
-        self.connect_timeout_s = connect_timeout_s
+        self.timeout_s = timeout_s
         self._spec_args = dict(create_env_fn=CloudpickleWrapper(create_env_fn), frames_per_batch=frames_per_batch,
-                               on_failure=on_failure, rejoin_s=rejoin_s, connect_timeout_s=connect_timeout_s,
+                               on_failure=on_failure, rejoin_s=rejoin_s, timeout_s=timeout_s,
                                collector_kwargs=dict(collector_kwargs or {}))
         self.total_frames = -1
         self.init_random_frames = 0
@@ -107,6 +109,7 @@ class RemoteCollectors:
         self._restarts = 0
         self._lost_batches = 0
         self._builds = 0
+        self._lock = threading.Lock()  # the driver and its queues are replaced from the feeder thread
 
     # ---- what a torchrl collector offers the Trainer ---------------------------------------------------
 
@@ -123,9 +126,10 @@ class RemoteCollectors:
         """Publish weights (a ``VersionedPolicy.weights`` TensorDict) to every collector of this rank."""
         if policy_or_weights is None:
             policy_or_weights = VersionedPolicy.weights(TensorDict.from_module(self.policy.policy), int(self.policy.version))
-        self._latest = policy_or_weights.detach().clone()
         self._start()
-        self._offer_latest()
+        with self._lock:
+            self._latest = policy_or_weights.detach().clone()
+            self._offer_latest()
 
     def __iter__(self):
         self._start()
@@ -146,7 +150,8 @@ class RemoteCollectors:
         if self._closed:
             return
         self._closed = True
-        self._stop_driver()  # first: it tells its collectors to end their node loops
+        with self._lock:
+            self._stop_driver()  # first: it tells its collectors to end their node loops
         if self._directory is not None:
             try:
                 self._directory.store.set(self._directory.key(f"rank{self.rank}", "done"), "1")
@@ -174,8 +179,12 @@ class RemoteCollectors:
     def _start(self) -> None:
         if self._directory is not None or self._closed:
             return
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world != self.world:
+            raise RuntimeError(f"RemoteCollectors was built for {self.world} learner rank(s) but the run has {world}: "
+                               "nothing has started. Build it after the learner, whose process group it shares out.")
         self._directory = (Directory.host(self.address, self.world) if self.rank == 0
-                           else Directory.connect(self.address, timeout_s=self.connect_timeout_s))
+                           else Directory.connect(self.address, timeout_s=self.timeout_s))
         if self.local:
             from fabric_learner import collect
 
@@ -225,18 +234,20 @@ class RemoteCollectors:
     def _check_driver(self, force: bool = False) -> None:
         """Rebuild this rank's group when its driver ended or never delivered a first batch in time."""
         driver = self._driver
-        stalled = time.monotonic() - self._last_batch_t > self.connect_timeout_s
+        stalled = time.monotonic() - self._last_batch_t > self.timeout_s
         if not force and driver is not None and driver.is_alive() and not stalled:
             return
         code = None if driver is None else driver.exitcode
         if self._restarts >= self.max_restarts:
             self._closed = True
-            self._stop_driver()
+            with self._lock:
+                self._stop_driver()
             raise RuntimeError(
                 f"Learner rank {self.rank}: its collectors' group was rebuilt {self._restarts} times (max_restarts) and "
                 f"failed again (driver exit code {code}, {'stalled' if stalled else 'ended'}). Check the collectors' "
                 "output (python -m fabric_learner.collect) and raise max_restarts if the faults are expected."
             )
         self._restarts += 1
-        self._stop_driver()
-        self._start_driver()
+        with self._lock:
+            self._stop_driver()
+            self._start_driver()

@@ -43,7 +43,7 @@ class DriverSpec:
     seed: int
     on_failure: str  # "restart": wait for every collector; "continue": go on with those back in time
     rejoin_s: float
-    connect_timeout_s: float
+    timeout_s: float
     collector_kwargs: dict
 
 
@@ -76,7 +76,7 @@ def _wait_for_joins(directory, spec: DriverSpec, epoch: int, parent_alive) -> in
             return spec.expected
         if joined and epoch > 0 and spec.on_failure == "continue" and waited >= spec.rejoin_s:
             return joined
-        if waited >= spec.connect_timeout_s:
+        if waited >= spec.timeout_s:
             return joined if spec.on_failure == "continue" else 0
         time.sleep(0.05)
     return 0

@@ -63,7 +63,7 @@ def main(out_dir: str, mode: str, port: str) -> None:
     def collector(make_env, acting):
         remote["c"] = RemoteCollectors(make_env, acting, frames_per_batch=ac.FRAMES_PER_BATCH, collectors=collectors,
                                        address=f"127.0.0.1:{port}", on_failure="continue" if mode == "continue" else "restart",
-                                       rejoin_s=3.0, connect_timeout_s=60.0)
+                                       rejoin_s=3.0, timeout_s=60.0)
         return remote["c"]
 
     save = os.path.join(out_dir, "ckpt") if mode == "faults" else None
