@@ -12,32 +12,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import harness  # noqa: E402
 import learning  # noqa: E402
+from test_claims import _commit, _git  # noqa: E402 - one reading of a commit named on a page
 
 PAGE = os.path.join(ROOT, "docs", "results.md")
-
-
-def _git(*args):
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
-
-
-def _full_commit(short: str, what: str) -> str:
-    if _git("rev-parse", "--git-dir").returncode != 0:
-        pytest.skip(f"no git repository here: {what}'s commit cannot be checked")
-    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
-        pytest.skip(f"shallow git history: {what}'s commit may lie before the cut")
-    found = _git("rev-parse", "--verify", "--quiet", short + "^{commit}")
-    assert found.returncode == 0, f"{what} names {short}, which is not in this history"
-    return found.stdout.strip()
 
 
 def _stored_summary() -> dict:
@@ -100,11 +84,11 @@ def test_every_run_names_a_clean_commit_of_this_history_no_older_than_the_verdic
     page = open(PAGE).read()
     named = re.search(r"Written at commit `([0-9a-f]{7,40})`", page)
     assert named, "docs/results.md's verdicts name no commit"
-    verdicts_at = _full_commit(named.group(1), "the verdicts of docs/results.md")
+    verdicts_at = _commit(named.group(1), "the verdicts of docs/results.md")
     for name, run in _stored_summary()["runs"].items():
         assert run["fabric_learner_dirty"] is False and run["code_dirty"] is False, (
             f"{name} ran on code that differed from {run['git_head']}: rerun it on a clean tree")
-        ran_at = _full_commit(run["git_head"], name)
+        ran_at = _commit(run["git_head"], name)
         assert _git("merge-base", "--is-ancestor", verdicts_at, ran_at).returncode == 0, (
             f"{name} ran at {run['git_head']}, before the verdicts were stated ({named.group(1)})")
 
