@@ -67,7 +67,8 @@ RESULTS_DIR = ROOT / "benchmarks" / "results" / "learning"
 SUMMARY = ROOT / "benchmarks" / "results" / "learning.json"
 PAGE = ROOT / "docs" / "results.md"
 BEGIN, END = "<!-- learning-table:begin (benchmarks/learning.py report) -->", "<!-- learning-table:end -->"
-CODE = ("fabric_learner", "benchmarks", "examples")  # a run's "code_dirty": these differ from its commit
+# a run's "code_dirty": these differ from its commit (result files, the run's own and its neighbours', are not code)
+CODE = ("fabric_learner", "benchmarks", "examples", ":(exclude)benchmarks/results")
 # Estimated wall-clock seconds of one full run on this project's 2-core machine, from one short run of each
 # contender on HalfCheetah on 2026-12-02 (PPO 20,480 frames, SAC 4,000 with 4,000 update steps per rank
 # count), the machine shared with another session (load average 2.3-4.7): (seconds - setup) per batch
