@@ -204,8 +204,7 @@ class RemoteCollectors:
                                          daemon=True, name=f"fabric_learner-driver-{self.rank}")
         self._driver.start()
         self._builds += 1
-        self._build_t = self._last_batch_t = time.monotonic()
-        self._first_batch_pending = True
+        self._last_batch_t = time.monotonic()
         self._offer_latest()
 
     def _offer_latest(self) -> None:
