@@ -11,12 +11,15 @@ Contenders (``CONTENDERS``), each on HalfCheetah-v5 with the recipe's hyper-para
 - ``learner``: the recipe on ``fabric_learner.Trainer`` + ``FabricLearner`` in one process (PPO:
   ``examples/ppo_mujoco.py``; SAC: torchrl's ``SACTrainer`` through ``learner_trainer``,
   ``examples/sac_mujoco.py``);
-- ``ddp``, ``fsdp``: the same on 2 CPU ranks under DDP / FSDP.
+- ``ddp``, ``fsdp``: the same on 2 CPU ranks under DDP / FSDP;
+- ``ddp_split`` (PPO only, added after the first DDP run): DDP on 2 ranks sharing the recipe's batch,
+  each rank collecting 1024 frames and taking minibatches of 32 with advantages standardised over
+  both ranks (``examples/ppo_mujoco.py --advantage-norm global``): the recipe's own updates.
 
-Frames are counted over all ranks and every contender collects the same total: on 2 ranks each
-rank collects its own batch (PPO 2048, SAC 1000 frames), so a batch holds twice the frames and the
-run takes half as many batches and updates (each update averages the ranks' gradients over twice
-the samples); SAC's random warm-up (25,000 frames) is split between the ranks.
+Frames are counted over all ranks and every contender collects the same total: on 2 ranks (but
+``ddp_split``) each rank collects its own batch (PPO 2048, SAC 1000 frames), so a batch holds twice
+the frames and the run takes half as many batches and updates (each update averages the ranks'
+gradients over twice the samples); SAC's random warm-up (25,000 frames) is split between the ranks.
 
 A run records, at every batch (before that batch's updates), the frames so far, the wall-clock
 seconds since the run started (setup included) and the returns of the training episodes that
@@ -50,7 +53,8 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
 import harness  # noqa: E402
 
 ALGOS = ("ppo", "sac")
-CONTENDERS = ("torchrl", "learner", "ddp", "fsdp")
+CONTENDERS = ("torchrl", "learner", "ddp", "fsdp", "ddp_split")
+CONTENDERS_OF = {"ppo": CONTENDERS, "sac": CONTENDERS[:4]}
 SEEDS = (0, 1, 2)
 FULL_FRAMES = {"ppo": 1_000_000, "sac": 300_000}
 # Stated before any run (docs/results.md, "Verdicts"): a return every contender should pass well
@@ -75,12 +79,17 @@ CODE = ("fabric_learner", "benchmarks", "examples", ":(exclude)benchmarks/result
 # with updates, times the full run's such batches, plus setup. docs/results.md, "Estimated run times".
 ESTIMATE_S = {
     ("ppo", "torchrl"): 3400, ("ppo", "learner"): 3800, ("ppo", "ddp"): 2600, ("ppo", "fsdp"): 5400,
+    ("ppo", "ddp_split"): 3600,  # a guess before its first run: the learner's batches, each rank half the work
     ("sac", "torchrl"): 6700, ("sac", "learner"): 6900, ("sac", "ddp"): 4900, ("sac", "fsdp"): 8900,
 }
 
 
 def run_name(algo: str, contender: str, seed: int) -> str:
     return f"{algo}-{contender}-s{seed}"
+
+
+def _all_runs() -> int:
+    return sum(len(CONTENDERS_OF[a]) for a in ALGOS) * len(SEEDS)
 
 
 # ---- one run ---------------------------------------------------------------------------------------
@@ -140,7 +149,7 @@ class Recorder:
 def _launch(contender: str) -> dict:
     if contender == "learner":
         return {"accelerator": "cpu", "devices": 1, "strategy": "auto"}
-    return {"accelerator": "cpu", "devices": 2, "strategy": contender}
+    return {"accelerator": "cpu", "devices": 2, "strategy": contender.split("_")[0]}
 
 
 def _train(algo: str, contender: str, seed: int, frames: int, opts, recorder: Recorder, partial: Path) -> dict:
@@ -153,6 +162,9 @@ def _train(algo: str, contender: str, seed: int, frames: int, opts, recorder: Re
         import ppo_mujoco
 
         argv = ["--frames", str(frames), "--seed", str(seed), "--no-progress", "--env", opts.env or ppo_mujoco.RECIPE["env"]]
+        if contender == "ddp_split":  # the recipe's batch of 2048 and minibatches of 64, shared by the 2 ranks
+            argv += ["--frames-per-batch", str(ppo_mujoco.RECIPE["frames_per_batch"] // 2),
+                     "--minibatch", str(ppo_mujoco.RECIPE["minibatch"] // 2), "--advantage-norm", "global"]
         args = ppo_mujoco.parse_args(argv)
         if contender == "torchrl":
             return {**learning_loops.ppo_loop(args, recorder.record), "finished": True}
@@ -206,6 +218,9 @@ def _check_resumable(partial: Path) -> None:
 def run(opts) -> Path | None:
     """One (algo, contender, seed) run, or one segment of a SAC run (``--max-hours``); rank 0 writes its result
     file when the run completes and returns its path (``None`` on other ranks and for a segment)."""
+    if opts.contender not in CONTENDERS_OF[opts.algo]:
+        raise SystemExit(f"the contender {opts.contender!r} has no {opts.algo.upper()} run; nothing was run. "
+                         f"{opts.algo.upper()}'s contenders: {', '.join(CONTENDERS_OF[opts.algo])}.")
     harness.set_one_thread()
     os.environ.setdefault("RL_WARNINGS", "False")
     full = FULL_FRAMES[opts.algo]
@@ -304,7 +319,7 @@ def measures(result: dict) -> dict:
 def plan(results_dir: Path = RESULTS_DIR, max_hours: float = 1.75) -> list[tuple[str, int]]:
     """The full runs without a result file, each with its estimated seconds; printed with their commands (a SAC
     run longer than ``max_hours`` takes that command more than once, and one begun says how far it got)."""
-    missing = [(run_name(a, c, s), ESTIMATE_S[a, c]) for a in ALGOS for s in SEEDS for c in CONTENDERS
+    missing = [(run_name(a, c, s), ESTIMATE_S[a, c]) for a in ALGOS for s in SEEDS for c in CONTENDERS_OF[a]
                if not (results_dir / f"{run_name(a, c, s)}.json").exists()]
     for name, est in missing:
         algo, contender, seed = name.split("-")
@@ -314,7 +329,7 @@ def plan(results_dir: Path = RESULTS_DIR, max_hours: float = 1.75) -> list[tuple
         print(f"{est / 3600:4.1f} h  python benchmarks/learning.py run --algo {algo} --contender {contender} "
               f"--seed {seed[1:]}" + (f"   ({times} times{begun})" if times > 1 or begun else ""))
     total = sum(est for _, est in missing)
-    print(f"{len(missing)} of {len(ALGOS) * len(CONTENDERS) * len(SEEDS)} runs missing, about {total / 3600:.1f} h "
+    print(f"{len(missing)} of {_all_runs()} runs missing, about {total / 3600:.1f} h "
           "one at a time (estimates from short runs on a shared 2-core machine: docs/results.md)")
     return missing
 
@@ -347,7 +362,7 @@ def summarize(runs: list[dict]) -> dict:
                for name, r in sorted(by.items())}
     rows = []
     for algo in ALGOS:
-        for contender in CONTENDERS:
+        for contender in CONTENDERS_OF[algo]:
             mine = [e for e in entries.values() if e["algo"] == algo and e["contender"] == contender]
             if not mine:
                 continue
@@ -380,13 +395,18 @@ def _paired(entries: dict, algo: str, num: str, den: str, key: str):
 def verdicts(entries: dict) -> list[dict]:
     """Final return learner / torchrl (at least ``FINAL_GOAL``) and seconds to the threshold, 2 ranks / 1
     process (at most ``WALL_GOAL``; a run that never reaches it counts as infinitely slow), per algorithm;
-    the median of the seed-paired ratios with ``harness.bootstrap_ci``'s interval, decided by ``harness.decide``."""
+    for ``ddp_split`` (added after the first DDP run) also its final return / the learner's. Each: the median
+    of the seed-paired ratios with ``harness.bootstrap_ci``'s interval, decided by ``harness.decide``."""
     out = []
     specs = [("final return, learner / torchrl loop", "learner", "torchrl", "final_return", FINAL_GOAL, True)]
     specs += [(f"seconds to the threshold, {c} 2 ranks / learner 1 process", c, "learner", "seconds_to_threshold",
-               WALL_GOAL, False) for c in ("ddp", "fsdp")]
+               WALL_GOAL, False) for c in ("ddp", "fsdp", "ddp_split")]
+    specs += [("final return, ddp_split 2 ranks / learner 1 process", "ddp_split", "learner", "final_return",
+               FINAL_GOAL, True)]
     for algo in ALGOS:
         for what, num, den, key, goal, at_least in specs:
+            if num not in CONTENDERS_OF[algo]:
+                continue
             pairs = _paired(entries, algo, num, den, key)
             row = {"algo": algo, "what": what, "goal": goal, "at_least": at_least, "seeds": [p[0] for p in pairs]}
             if len(pairs) < 2:
@@ -409,7 +429,7 @@ def verdicts(entries: dict) -> list[dict]:
 def render_section(summary: dict) -> str:
     """The table of docs/results.md between its markers, from ``summary`` alone."""
     if not summary["runs"]:
-        return (f"{BEGIN}\n**No runs yet.** `python benchmarks/learning.py plan` lists the 24 runs and their "
+        return (f"{BEGIN}\n**No runs yet.** `python benchmarks/learning.py plan` lists the runs and their "
                 f"estimated times; `report` fills this table from `benchmarks/results/learning/`.\n{END}")
     lines = [BEGIN, "| algorithm | contender | seeds | final return, mean (min to max) | hours, mean | "
              "reached threshold | hours to threshold, mean | commits |", "|---|---|---|---|---|---|---|---|"]
@@ -470,7 +490,7 @@ def plot(runs: list[dict], algo: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(CONTENDERS, ("black", "tab:blue", "tab:orange", "tab:green")))
+    colours = dict(zip(CONTENDERS, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red")))
     fig, (by_frames, by_time) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     commits = sorted({r["machine"]["git_head"] for r in runs if r["algo"] == algo})
     for r in runs:

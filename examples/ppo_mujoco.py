@@ -19,6 +19,9 @@ update (Adam works element by element, and the two losses touch disjoint paramet
 environment is ``HalfCheetah-v5`` (gymnasium 1.x; the recipe names v4); storage is in memory.
 Under DDP every rank collects its own 2048 frames per batch, so a batch holds ``2048 x ranks``
 frames and the run takes ``1 / ranks`` as many updates, the learning rate annealed over them.
+To run the recipe's own updates on N ranks instead, share its batch between them:
+``--frames-per-batch 2048/N --minibatch 64/N --advantage-norm global`` (each update averages the
+ranks' gradients over 64 samples, advantages standardised over all of them, as one process does).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torchrl.trainers import TrainerHookBase
 
 from fabric_learner import FabricLearner
 from fabric_learner.cli import add_launch_arguments, launch_kwargs
-from fabric_learner.onpolicy import LearnerValueEstimator, global_mean
+from fabric_learner.onpolicy import GlobalAdvantageNormalization, LearnerValueEstimator, global_mean
 from fabric_learner.trainer import Trainer
 
 # the recipe's published hyper-parameters (torchrl config_mujoco.yaml)
@@ -89,10 +92,10 @@ def make_models(env):
     return actor, critic
 
 
-def make_loss(actor, critic, cfg: dict = RECIPE):
+def make_loss(actor, critic, cfg: dict = RECIPE, normalize_advantage: bool = True):
     loss = ClipPPOLoss(actor_network=actor, critic_network=critic, clip_epsilon=cfg["clip_epsilon"],
                        loss_critic_type=cfg["loss_critic_type"], entropy_coeff=cfg["entropy_coef"],
-                       critic_coeff=cfg["critic_coef"], normalize_advantage=True)
+                       critic_coeff=cfg["critic_coef"], normalize_advantage=normalize_advantage)
     gae = GAE(gamma=cfg["gamma"], lmbda=cfg["gae_lambda"], value_network=critic, average_gae=False)
     return loss, gae
 
@@ -185,7 +188,7 @@ def build(args, learner_kwargs: dict, learner_cls=FabricLearner):
     """The learner and the trainer; every rank builds the same."""
     torch.manual_seed(args.seed)
     actor, critic = make_models(make_env(args.env))  # a proof environment, as the recipe
-    loss, gae = make_loss(actor, critic)
+    loss, gae = make_loss(actor, critic, normalize_advantage=args.advantage_norm == "rank")
     learner = learner_cls(loss, make_optimizer(args.lr), policy=actor, **learner_kwargs)
     fpb, world = args.frames_per_batch, learner.world_size
     batches = args.frames // (fpb * world)
@@ -206,6 +209,8 @@ def build(args, learner_kwargs: dict, learner_cls=FabricLearner):
                       seed=args.seed, progress_bar=not args.no_progress)
     LearnerValueEstimator(learner, gae, stage="pre_epoch").register(trainer)  # GAE before every epoch
     EpochMinibatches(buffer).register(trainer)
+    if args.advantage_norm == "global":
+        GlobalAdvantageNormalization().register(trainer)  # after the sampler: each minibatch over all ranks
     if args.anneal_lr:
         AnnealLR(learner, args.lr, batches * args.epochs * per_epoch).register(trainer)
     returns = EpisodeReward(trainer)
@@ -220,6 +225,8 @@ def parse_args(argv=None):
     p.add_argument("--frames-per-batch", type=int, default=RECIPE["frames_per_batch"], help="per rank")
     p.add_argument("--minibatch", type=int, default=RECIPE["minibatch"])
     p.add_argument("--epochs", type=int, default=RECIPE["epochs"])
+    p.add_argument("--advantage-norm", choices=("rank", "global"), default="rank",
+                   help="standardise a minibatch's advantages on its rank (the recipe's loss) or over all ranks")
     p.add_argument("--lr", type=float, default=RECIPE["lr"])
     p.add_argument("--no-anneal-lr", dest="anneal_lr", action="store_false")
     p.add_argument("--seed", type=int, default=0)

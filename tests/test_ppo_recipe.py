@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 from multiproc import ROOT
 from tensordict import TensorDict
@@ -25,9 +26,9 @@ UPDATES = 20
 SEED = 3
 
 
-def _args():
+def _args(*extra):
     # one batch of the published size; 10 epochs x 32 minibatches of 64, lr annealed over them
-    return recipe.parse_args(["--frames", "2048", "--seed", str(SEED), "--no-progress", "--devices", "1"])
+    return recipe.parse_args(["--frames", "2048", "--seed", str(SEED), "--no-progress", "--devices", "1", *extra])
 
 
 def original_recipe_loop(args, n_updates):
@@ -92,9 +93,11 @@ def ported_recipe(args, n_updates):
     return losses, snapshot["weights"], learner
 
 
-def test_the_ported_recipe_updates_as_the_original_loop_for_20_updates():
+# "global": the advantages standardised by fabric_learner's hook over all ranks (here one) instead of by the loss
+@pytest.mark.parametrize("advantage_norm", ["rank", "global"])
+def test_the_ported_recipe_updates_as_the_original_loop_for_20_updates(advantage_norm):
     ref_losses, ref_weights = original_recipe_loop(_args(), UPDATES)
-    losses, weights, learner = ported_recipe(_args(), UPDATES)
+    losses, weights, learner = ported_recipe(_args("--advantage-norm", advantage_norm), UPDATES)
     assert learner.num_updates == 10 * 32  # the whole batch: 10 epochs of 2048 / 64 minibatches
     assert len(losses) == UPDATES and losses[0].keys() == ref_losses[0].keys()
     for i, (ours, theirs) in enumerate(zip(losses, ref_losses)):
