@@ -1,6 +1,7 @@
 """Learning at full length (#38): torchrl's PPO and SAC MuJoCo recipes, four contenders, three seeds.
 
     python benchmarks/learning.py plan                                      # the runs missing, with estimated times
+    python benchmarks/learning.py probe                                     # this host's speed (host_probe)
     python benchmarks/learning.py run --algo ppo --contender ddp --seed 0   # one run (PPO: 1M frames, SAC: 300k)
     python benchmarks/learning.py run --algo sac --contender learner --seed 1 --frames 4000   # a smoke run
     PYTHONPATH=.:/work/mpl python benchmarks/learning.py report              # summary, curves, docs/results.md
@@ -28,10 +29,10 @@ episodes), the curve of that running mean against frames and against seconds, an
 second at which it reaches ``THRESHOLD``. Each completed run writes
 ``results/learning/<algo>-<contender>-s<seed>.json`` with its provenance (commit, whether the code
 differed from it, the package hash, machine, load average at start and end, CPU seconds summed over
-ranks). ``--frames`` below the full length makes a smoke run, written under the system's temporary
-folder (or ``--out-dir``), never into ``results/learning``. ``report`` rebuilds
-``results/learning.json``, the curves ``docs/learning_<algo>.png`` and the table of
-``docs/results.md`` from whatever run files exist.
+ranks, and each segment's ``host_probe``: how fast its host ran a fixed piece of work). ``--frames``
+below the full length makes a smoke run, written under the system's temporary folder (or
+``--out-dir``), never into ``results/learning``. ``report`` rebuilds ``results/learning.json``, the
+curves ``docs/learning_<algo>.png`` and the table of ``docs/results.md`` from whatever run files exist.
 """
 
 from __future__ import annotations
@@ -198,6 +199,41 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def host_probe(repeats: int = 3) -> dict:
+    """Seconds of two fixed pieces of one-thread work, the median of ``repeats``: 600 Adam updates of a
+    PPO-sized MLP on 64 samples, and 5,000 HalfCheetah-v5 steps. Run after a run's clock has stopped, it
+    measures the host the run had, so seconds of runs on different hosts (sessions) can be read against it."""
+    import statistics
+
+    import gymnasium as gym
+    import torch
+
+    def updates() -> float:
+        net = torch.nn.Sequential(torch.nn.Linear(17, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                  torch.nn.Linear(64, 12))
+        optim = torch.optim.Adam(net.parameters(), lr=3e-4)
+        x = torch.randn(64, 17, generator=torch.Generator().manual_seed(0))
+        start = time.perf_counter()
+        for _ in range(600):
+            optim.zero_grad()
+            net(x).square().mean().backward()
+            optim.step()
+        return time.perf_counter() - start
+
+    def steps() -> float:
+        env = gym.make("HalfCheetah-v5")
+        env.reset(seed=0)
+        action = env.action_space.sample() * 0
+        start = time.perf_counter()
+        for _ in range(5000):
+            env.step(action)
+        env.close()
+        return time.perf_counter() - start
+
+    return {"torch_s": round(statistics.median(updates() for _ in range(repeats)), 3),
+            "mujoco_s": round(statistics.median(steps() for _ in range(repeats)), 3)}
+
+
 def _partial_folder(out_dir: Path, name: str) -> Path:
     """Where a SAC run stopped at its budget keeps its checkpoint (``partial/`` is not committed)."""
     return out_dir / "partial" / name
@@ -255,6 +291,7 @@ def run(opts) -> Path | None:
         return None
     segment.update(seconds=time.perf_counter() - start, cpu_seconds=sum(cpu), cpu_seconds_by_rank=cpu,
                    load_end=list(os.getloadavg()), frames_at_end=counts["frames"])
+    segment["host_probe"] = host_probe()  # after the clock, every rank's learner closed
     earlier = partial / "segments.json"
     segments = [*(harness.read_json(earlier) if earlier.exists() else []), segment]
     if not finished:
@@ -547,12 +584,16 @@ def main(argv=None) -> None:
                    help="SAC: stop at the first batch past this many hours of this command, keep a checkpoint in "
                         "<results>/partial/ and exit 3; the same command continues the run (PPO runs are shorter)")
     sub.add_parser("plan", help="the runs missing, with estimated times")
+    sub.add_parser("probe", help="this host's speed as each run records it (host_probe), nothing else running")
     sub.add_parser("report", help="results/learning.json, docs/learning_<algo>.png, docs/results.md")
     opts = p.parse_args(argv)
     if opts.command == "run":
         run(opts)
     elif opts.command == "plan":
         plan()
+    elif opts.command == "probe":
+        harness.set_one_thread()
+        print(host_probe())
     else:
         report()
 

@@ -109,6 +109,8 @@ def test_a_tiny_run_of_one_contender_writes_its_result_with_provenance():
     assert result["machine"]["git_head"] and result["machine"]["fabric_learner_sha256"]
     assert result["cpu_seconds"] > 0 and len(result["load_start"]) == len(result["load_end"]) == 3
     assert result["seconds"] >= result["points"][-1][1] > 0
+    probe = result["segments"][0]["host_probe"]  # the host's speed, so runs of different sessions can be compared
+    assert probe["torch_s"] > 0 and probe["mujoco_s"] > 0
 
 
 def test_a_shortened_run_may_not_write_where_the_page_reads():
