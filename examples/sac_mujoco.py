@@ -22,6 +22,10 @@ What differs from torchrl's script, and why:
   most of a day per 300k-frame run;
 - the recipe's three Adams (actor, critics, alpha, alike here) are one Adam over all three, the
   same update: Adam works element by element and the three losses reach disjoint parameters;
+- the replay buffer is registered the way torchrl's ``ReplayBufferTrainer.register`` does it,
+  storing each batch as it arrives: torchrl 0.14.1's ``SACTrainer`` extends its buffer in its
+  ``pre_epoch`` hook, which runs only with the updates, so the 25,000 random warm-up frames never
+  reach the buffer and the first updates sample the first 1,000 frames (the recipe stores them all);
 - the 8 environments step in this process (``SerialEnv``), not in 8 worker processes
   (``ParallelEnv``): the same transitions, without 8 processes fighting over 2 cores; the
   replay buffer is in memory, sized to the run, without prefetching threads;
@@ -144,22 +148,21 @@ def build(args, learner_factory, *, world: int, rank: int, save_trainer_file: st
     env.set_seed(args.seed + 1000 * rank)  # the collector resets it on creation: seed it first
     collector = make_collector(env, actor, args.init_random_frames // world, cfg)
     batches = args.frames // (args.frames_per_batch * world)
+    buffer = make_buffer(args.frames // world + args.frames_per_batch, cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "SACTrainer is an experimental/prototype feature"
         trainer = SACTrainer(
             collector=collector, total_frames=batches * args.frames_per_batch * world, frame_skip=1,
             optim_steps_per_batch=int(args.frames_per_batch * cfg["utd_ratio"]), loss_module=loss,
             optimizer=make_optimizer(loss.parameters(), cfg), clip_norm=None, progress_bar=False, seed=args.seed,
-            replay_buffer=make_buffer(args.frames // world + args.frames_per_batch, cfg),
+            replay_buffer=None,  # registered below: see the module docstring
             target_net_updater=target_updater, save_trainer_file=save_trainer_file, save_trainer_interval=10**15,
             log_interval=args.frames_per_batch * world, log_rewards=False, log_actions=False)
+    trainer.replay_buffer = buffer  # what its utd_ratio log reads
     out = learner_trainer(trainer, learner_factory, progress_bar=not args.no_progress)
-    # SACTrainer registers its ReplayBufferTrainer's hooks but not the buffer itself: register it, so that
-    # a checkpoint holds the buffer and a resume continues from the same data
-    for op, _ in out._process_optim_batch_ops:
-        owner = getattr(getattr(op, "__wrapped__", op), "__self__", None)
-        if isinstance(owner, ReplayBufferTrainer) and "replay_buffer" not in out._modules:
-            out.register_module("replay_buffer", owner)
+    # torchrl's own registration of a buffer: every batch stored as it arrives (the warm-up's included), the
+    # buffer part of the trainer's checkpoint, so that a resume continues from the same data
+    ReplayBufferTrainer(buffer, flatten_tensordicts=True, iterate=True).register(out)
     return out
 
 

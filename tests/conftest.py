@@ -30,6 +30,8 @@ LONGEST_FIRST = ["test_elastic.py", "test_launch.py", "test_reliability.py", "te
                  "test_examples.py", "test_from_torchrl.py", "test_trainer.py", "test_compile.py",  # 30 29 24 19
                  "test_async.py", "test_stages.py", "test_async_save.py", "test_fsdp.py",  # 19 17 17 13
                  "test_zygote.py", "test_ppo_recipe.py", "test_ddp.py"]  # 12 12 7
+# added 2026-12-04: the SAC recipe against torchrl's loop, 17 s alone
+LONGEST_FIRST[-1:-1] = ["test_sac_recipe.py"]
 # added 2026-12-02 (#35, #36), measured under load beside other runs: meshes ~100 s, the LLM modules 20-35 s each
 LONGEST_FIRST[3:3] = ["test_meshes.py"]
 LONGEST_FIRST[9:9] = ["test_llm_weights.py", "test_llm_fsdp.py", "test_llm.py", "test_grpo_recipe.py"]
