@@ -86,6 +86,8 @@ def test_every_run_names_a_clean_commit_of_this_history_no_older_than_the_verdic
     assert named, "docs/results.md's verdicts name no commit"
     split = re.search(r"before any `ddp_split` run\*\* \(at `([0-9a-f]{7,40})`", page)
     assert split, "docs/results.md's third verdict names no commit"
+    sac = re.search(r"SAC's learner runs count from `([0-9a-f]{7,40})`", page)
+    assert sac, "docs/results.md names no commit from which SAC's learner runs count"
     for name, run in _stored_summary()["runs"].items():
         assert run["fabric_learner_dirty"] is False and run["code_dirty"] is False, (
             f"{name} ran on code that differed from {run['git_head']}: rerun it on a clean tree")
@@ -94,6 +96,11 @@ def test_every_run_names_a_clean_commit_of_this_history_no_older_than_the_verdic
         verdicts_at = _commit(stated.group(1), "the verdicts of docs/results.md")
         assert _git("merge-base", "--is-ancestor", verdicts_at, ran_at).returncode == 0, (
             f"{name} ran at {run['git_head']}, before its verdicts were stated ({stated.group(1)})")
+        if run["algo"] == "sac" and run["contender"] != "torchrl":  # the recipe's warm-up reaches the buffer from there
+            fixed_at = _commit(sac.group(1), "the SAC recipe's replay-buffer fix")
+            assert _git("merge-base", "--is-ancestor", fixed_at, ran_at).returncode == 0, (
+                f"{name} ran at {run['git_head']}, before SAC's learner runs count ({sac.group(1)}): move it to "
+                "benchmarks/results/learning/superseded/ and rerun it")
 
 
 def test_a_tiny_run_of_one_contender_writes_its_result_with_provenance():
