@@ -24,6 +24,7 @@ from torchrl.trainers.trainers import (
     DefaultOptimizationStepper,
     LRSchedulerHook,
     OptimizerHook,
+    ReplayBufferTrainer,
     TargetNetUpdaterHook,
     UpdateWeights,
     ValueEstimatorHook,
@@ -169,6 +170,9 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
         **overrides: ``fabric_learner.Trainer`` arguments to use instead of the trainer's
             (``progress_bar``, ``logger``, ``save_trainer_file``, ...).
 
+    Where the collector has ``init_random_frames``, the replay buffer stores every batch as it
+    arrives, the warm-up's included (torchrl's own ``train()`` stores a batch only once it updates,
+    so its off-policy trainers never see their random warm-up; otherwise both loops match).
     The trainer's norm clipping (``clip_norm`` with ``clip_grad_norm=True``) becomes the learner's
     ``clip_grad_norm`` (passed to ``learner`` unless it is a ``functools.partial`` fixing its own);
     value clipping is refused. The torchrl trainer hands its collector over (its ``collector``
@@ -243,7 +247,10 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
         if isinstance(hook, ValueEstimatorHook):
             LearnerValueEstimator(built, hook.value_estimator, stage=_STAGES[attr]).register(out)
             continue
-        out.register_op(_STAGES[attr], _following(hook, trainer, out), **op_kwargs)
+        stage = _STAGES[attr]
+        if stage == "pre_epoch" and _stores_replay(hook) and out.init_random_frames and out.num_epochs == 1:
+            stage = "batch_process"  # every batch stored as it arrives, the random warm-up's too
+        out.register_op(stage, _following(hook, trainer, out), **op_kwargs)
     for name, module in trainer._modules.items():
         if name not in out._modules and not isinstance(
                 module, (OptimizerHook, UpdateWeights, TargetNetUpdaterHook, ValueEstimatorHook)):
@@ -252,6 +259,18 @@ def learner_trainer(trainer: _TorchRLTrainer, learner: Callable[..., Any], **ove
     # the old trainer is collected, mid-run or after the new trainer has already closed it.
     trainer.collector = None
     return out
+
+
+def _stores_replay(hook) -> bool:
+    """Whether ``hook`` is a ``ReplayBufferTrainer``'s ``extend``.
+
+    torchrl's off-policy trainers (SAC, TD3, DDPG, DQN, IQL, CQL) register it at ``pre_epoch``, a
+    stage their loop runs only once the collector's ``init_random_frames`` are past: the random
+    warm-up would never reach the replay buffer. With one epoch per batch, ``batch_process`` stores
+    the same batches once each, the warm-up's included, as torchrl's ``ReplayBufferTrainer.register``
+    and its sota scripts do.
+    """
+    return getattr(hook, "__func__", None) is ReplayBufferTrainer.extend
 
 
 def _sets_clip(learner: Callable[..., Any]) -> bool:

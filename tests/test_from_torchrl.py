@@ -92,6 +92,25 @@ def test_the_update_to_data_ratio_counts_the_learner_trainers_updates():
     assert logged["update_count"] == trainer._optim_count > 0
 
 
+@pytest.mark.parametrize("algo", ["sac", "dqn"])
+def test_an_off_policy_trainers_random_warm_up_reaches_its_replay_buffer(algo):
+    def with_warm_up():
+        torchrl_trainer = A.build(algo)  # two batches; updates once the frames pass the warm-up: after the second
+        torchrl_trainer.collector.init_random_frames = torchrl_trainer.total_frames // 2 + 1
+        return torchrl_trainer
+
+    reference = with_warm_up()
+    reference.train()
+    torchrl_trainer = with_warm_up()
+    trainer = learner_trainer(torchrl_trainer, LocalLearner)
+    trainer.train()
+    assert trainer.collected_frames == reference.collected_frames == reference.total_frames
+    assert trainer.learner.num_updates > 0
+    # torchrl's own loop stores a batch only when it updates: the warm-up is lost there
+    assert reference.replay_buffer.write_count == reference.total_frames // 2
+    assert torchrl_trainer.replay_buffer.write_count == trainer.collected_frames
+
+
 def _innermost(op):
     while hasattr(op, "__wrapped__"):
         op = op.__wrapped__
