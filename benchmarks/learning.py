@@ -234,6 +234,12 @@ def host_probe(repeats: int = 3) -> dict:
             "mujoco_s": round(statistics.median(steps() for _ in range(repeats)), 3)}
 
 
+def segment_totals(segments: list[dict]) -> dict:
+    """A run's seconds and CPU seconds (in all and per rank): the sums over its segments."""
+    by_rank = [sum(cpu) for cpu in zip(*(s["cpu_seconds_by_rank"] for s in segments), strict=True)]
+    return {"seconds": sum(s["seconds"] for s in segments), "cpu_seconds": sum(by_rank), "cpu_seconds_by_rank": by_rank}
+
+
 def _partial_folder(out_dir: Path, name: str) -> Path:
     """Where a SAC run stopped at its budget keeps its checkpoint (``partial/`` is not committed)."""
     return out_dir / "partial" / name
@@ -303,8 +309,7 @@ def run(opts) -> Path | None:
     result = {
         "algo": opts.algo, "contender": opts.contender, "seed": opts.seed, "smoke": smoke,
         "frames_target": frames, **counts, "env": opts.env or "HalfCheetah-v5",
-        "seconds": sum(s["seconds"] for s in segments), "cpu_seconds": sum(s["cpu_seconds"] for s in segments),
-        "cpu_seconds_by_rank": cpu, "load_start": segments[0]["load_start"], "load_end": segment["load_end"],
+        **segment_totals(segments), "load_start": segments[0]["load_start"], "load_end": segment["load_end"],
         "started": segments[0]["started"], "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "segments": segments, "command": shlex.join(["python", "benchmarks/learning.py", *sys.argv[1:]]),
         "code_dirty": harness.git_dirty(*CODE), "machine": harness.machine(),

@@ -80,6 +80,18 @@ def test_the_measures_are_the_last_ten_episodes_and_the_first_batch_past_the_thr
     assert learning.measures({"points": points, "threshold": 7.0})["seconds_to_threshold"] is None
 
 
+def test_a_runs_seconds_and_cpu_are_the_sums_over_its_segments():
+    segments = [{"seconds": 10.0, "cpu_seconds_by_rank": [9.0, 8.0]}, {"seconds": 5.0, "cpu_seconds_by_rank": [4.0, 3.0]}]
+    assert learning.segment_totals(segments) == {"seconds": 15.0, "cpu_seconds": 24.0, "cpu_seconds_by_rank": [13.0, 11.0]}
+    for path in sorted(learning.RESULTS_DIR.rglob("*.json")):
+        if "partial" in path.relative_to(learning.RESULTS_DIR).parts:  # a stopped run's checkpoint, not a run
+            continue
+        run = json.load(open(path))
+        totals = learning.segment_totals(run["segments"])
+        assert run["cpu_seconds_by_rank"] == totals["cpu_seconds_by_rank"], f"{path}: CPU per rank is not its segments' sum"
+        assert abs(run["seconds"] - totals["seconds"]) < 1e-6 and abs(run["cpu_seconds"] - totals["cpu_seconds"]) < 1e-6, path
+
+
 def test_every_run_names_a_clean_commit_of_this_history_no_older_than_the_verdicts():
     page = open(PAGE).read()
     named = re.search(r"Written at commit `([0-9a-f]{7,40})`", page)
