@@ -276,8 +276,9 @@ def run(opts) -> Path | None:
     name = run_name(opts.algo, opts.contender, opts.seed)
     partial = _partial_folder(out_dir, name)
     _check_resumable(partial)
+    code = {"git_head": harness.git_head(), "code_dirty": harness.git_dirty(*CODE)}  # what this segment runs
     segment = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_start": list(os.getloadavg()),
-               "git_head": harness.git_head()}
+               "git_head": code["git_head"]}
     start = time.perf_counter()
     recorder = Recorder(start)
     counts = _train(opts.algo, opts.contender, opts.seed, frames, opts, recorder, partial)
@@ -302,7 +303,7 @@ def run(opts) -> Path | None:
     segments = [*(harness.read_json(earlier) if earlier.exists() else []), segment]
     if not finished:
         harness.write_json(partial / "segments.json", segments)  # what the checkpoint's recorder lacks: this one
-        harness.write_json(partial / "run.json", {"git_head": harness.git_head(), "code_dirty": harness.git_dirty(*CODE)})
+        harness.write_json(partial / "run.json", code)  # the code it started on, not a commit landed meanwhile
         print(f"{name}: stopped at {counts['frames']} frames after {segment['seconds']:.0f} s (--max-hours "
               f"{opts.max_hours}); checkpoint in {partial}. Run the same command again to continue.", flush=True)
         sys.exit(3)

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import tempfile
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -130,6 +131,32 @@ def test_a_tiny_run_of_one_contender_writes_its_result_with_provenance():
     assert result["seconds"] >= result["points"][-1][1] > 0
     probe = result["segments"][0]["host_probe"]  # the host's speed, so runs of different sessions can be compared
     assert probe["torch_s"] > 0 and probe["mujoco_s"] > 0
+
+
+def test_a_run_stopped_at_its_budget_continues_from_its_checkpoint_without_losing_a_batch():
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "learning.py"), "run", "--algo", "sac", "--contender",
+               "learner", "--seed", "0", "--frames", "2000", "--init-random-frames", "2000", "--env", "Pendulum-v1",
+               "--out-dir", out]
+        first = harness.run_bounded([*cmd, "--max-hours", "0"], 120, "a SAC segment stopped at once", check=False)
+        assert first.returncode == 3 and "Run the same command again to continue" in first.stdout, first.stdout[-2000:]
+        partial = learning._partial_folder(Path(out), "sac-learner-s0")
+        assert harness.read_json(partial / "run.json") == {
+            "git_head": harness.git_head(), "code_dirty": harness.git_dirty(*learning.CODE)}  # the code it ran
+        stopped_at = harness.read_json(partial / "segments.json")[0]["frames_at_end"]
+        code = harness.read_json(partial / "run.json")
+        harness.write_json(partial / "run.json", {**code, "git_head": "0000000"})  # as if it had run other code
+        refused = harness.run_bounded(cmd, 60, "a continuation on other code", check=False)
+        assert refused.returncode != 0 and "Nothing was run: check out 0000000" in refused.stdout
+        assert harness.read_json(partial / "segments.json")[0]["frames_at_end"] == stopped_at
+        harness.write_json(partial / "run.json", code)
+        harness.run_bounded(cmd, 180, "the same SAC run continued")
+        result = json.load(open(os.path.join(out, "sac-learner-s0.json")))
+        assert not partial.exists()
+    assert stopped_at == 1000 and len(result["segments"]) == 2  # stopped after the first of two batches
+    assert [frames for frames, _, _ in result["points"]] == [1000, 2000]  # each batch once, none lost
+    assert result["frames"] == 2000 and result["updates"] == 1000  # the warm-up counted: one update per frame after
+    assert result["seconds"] == sum(segment["seconds"] for segment in result["segments"])
 
 
 def test_a_shortened_run_may_not_write_where_the_page_reads():
