@@ -19,7 +19,7 @@ policy's own), different on each rank; both contenders get the same ones.
   first without gradient sync (``set_requires_gradient_sync(False)``); at the window's end the count is
   all-reduced over the ranks, the gradients scaled by ``world_size / total``, clipped
   (``clip_grad_norm_``), stepped, zeroed. That is the learner's token normalisation
-  (``fabric_learner/llm.py``), so both take the same step: the script checks that their pre-clip
+  (``fabric_learner/llm/counts.py``), so both take the same step: the script checks that their pre-clip
   gradient norms agree at every step. With ``--strategy ddp`` the learner runs DDP and the hand loop is
   ``DistributedDataParallel`` (``no_sync`` for the first micro-batch), the same otherwise.
 

@@ -13,7 +13,7 @@ the rewards into group-relative advantages with torchrl's ``MCAdvantage`` (rewar
 mean, over its standard deviation). The learner then takes one optimizer step on the group, in
 micro-batches of ``--micro-batch`` samples (``grad_accum_steps`` = group / micro-batch), with
 GRPO's token mean exact over micro-batches and ranks; the learner's weights then refresh the
-generation copy by parameter name, in buckets (``fabric_learner.llm_weights``).
+generation copy by parameter name, in buckets (``fabric_learner.llm``).
 
 The training side is torchrl's ``sota-implementations/grpo/grpo-sync.py`` recipe (see
 :func:`recipe_learner`): its ``GRPOLoss`` settings (KL to the inference policy 1e-2, entropy 1e-4),
@@ -40,7 +40,7 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 
 from fabric_learner import FabricLearner
 from fabric_learner.cli import add_launch_arguments, launch_kwargs
-from fabric_learner.llm_weights import load_weights, weight_buckets
+from fabric_learner.llm import load_weights, weight_buckets
 
 ANSWER_ALPHABET = frozenset("0123456789+-*/() ")
 

@@ -21,7 +21,7 @@ sys.path.insert(0, WORKERS)
 import llm_fsdp_checks as checks
 
 from fabric_learner import LocalLearner
-from fabric_learner.llm_reference import ReferenceLogProbs
+from fabric_learner.llm import ReferenceLogProbs
 from fabric_learner.testing import tiny_causal_lm
 
 BLOCKS = ["actor_network.model.model.layers.0", "actor_network.model.model.layers.1"]

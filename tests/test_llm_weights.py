@@ -19,8 +19,7 @@ from multiproc import WORKERS, launch
 
 from fabric_learner import LocalLearner
 from fabric_learner.checkpoint.dcp_folder import read_full
-from fabric_learner.checkpoint.export import export_checkpoint, export_pretrained
-from fabric_learner.llm_weights import load_weights, weight_buckets
+from fabric_learner.llm import export_checkpoint, export_pretrained, load_weights, weight_buckets
 from fabric_learner.testing import tiny_causal_lm
 
 pytest.importorskip("peft")  # the llm extra

@@ -20,7 +20,7 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from fabric_learner import FabricLearner, shard_loss
-from fabric_learner.llm_reference import ReferenceLogProbs
+from fabric_learner.llm import ReferenceLogProbs
 from fabric_learner.testing import grpo_batch, grpo_example
 
 TIMEOUT = timedelta(seconds=90)

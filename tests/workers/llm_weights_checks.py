@@ -20,8 +20,7 @@ from lora_cases import STEPS, generated_log_probs, generator_copy, grpo_case, ha
 from rl_cases import halves, make_batch, make_loss
 
 from fabric_learner import FabricLearner
-from fabric_learner.checkpoint.export import export_pretrained
-from fabric_learner.llm_weights import load_weights, weight_buckets
+from fabric_learner.llm import export_pretrained, load_weights, weight_buckets
 
 TIMEOUT = timedelta(seconds=90)
 BUCKET = 20_000  # bytes: the tiny model (~450 kB) comes in many buckets

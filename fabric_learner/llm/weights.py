@@ -46,7 +46,7 @@ def trained_model(learner, model: nn.Module | None = None) -> nn.Module:
 
     Examples:
         >>> from fabric_learner import LocalLearner
-        >>> from fabric_learner.llm_weights import trained_model
+        >>> from fabric_learner.llm import trained_model
         >>> from fabric_learner.testing import grpo_example
         >>> loss, policy, _ = grpo_example()
         >>> trained_model(LocalLearner(loss, policy=policy)) is policy.model
@@ -102,7 +102,7 @@ def weight_buckets(learner, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, model: 
     Examples:
         >>> import copy, itertools, torch
         >>> from fabric_learner import LocalLearner
-        >>> from fabric_learner.llm_weights import load_weights, weight_buckets
+        >>> from fabric_learner.llm import load_weights, weight_buckets
         >>> from fabric_learner.testing import grpo_example
         >>> loss, policy, batch = grpo_example()
         >>> generator_model = copy.deepcopy(policy.model)  # the engine's own copy
@@ -384,7 +384,7 @@ def load_weights(model: nn.Module, weights: Any, *, strict: bool = True) -> int:
         >>> import copy, torch
         >>> from torchrl.modules.llm import TransformersWrapper
         >>> from fabric_learner import LocalLearner
-        >>> from fabric_learner.llm_weights import load_weights
+        >>> from fabric_learner.llm import load_weights
         >>> from fabric_learner.testing import grpo_example
         >>> loss, policy, batch = grpo_example()
         >>> generator = TransformersWrapper(copy.deepcopy(policy.model), tokenizer=policy.tokenizer,

@@ -11,7 +11,7 @@ over the base model.
 Written atomically: everything goes into a temporary sibling of the folder, renamed onto it at the
 end, so a crash mid-export leaves the previous folder (or none), never half of one. From a sharded
 learner the export is a collective: the weights are gathered bucket by bucket
-(``llm_weights.weight_buckets``) and rank 0 writes them one shard file at a time, so no rank holds
+(``fabric_learner.llm.weight_buckets``) and rank 0 writes them one shard file at a time, so no rank holds
 the whole model at once.
 """
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fabric_learner.checkpoint.files import fsync_dir, read_learner_file
-from fabric_learner.llm_weights import Source, _buckets, learner_source, trained_model, weight_plan
+from fabric_learner.llm.weights import Source, _buckets, learner_source, trained_model, weight_plan
 
 __all__ = ["export_checkpoint", "export_pretrained"]
 
@@ -52,7 +52,7 @@ def export_pretrained(learner, folder: str | os.PathLike, *, model: nn.Module | 
 
     Keyword Args:
         model (nn.Module, optional): the model the loss trains (default: the policy's, see
-            ``llm_weights.trained_model``).
+            ``fabric_learner.llm.trained_model``).
         tokenizer (optional): saved beside the weights (``tokenizer.save_pretrained``).
         lora (str): for a peft model, ``"merged"`` (default) or ``"adapters"`` (peft's adapter folder).
         max_shard_bytes (int): the most bytes of one safetensors file (default 5 GiB).
@@ -70,7 +70,7 @@ def export_pretrained(learner, folder: str | os.PathLike, *, model: nn.Module | 
         >>> import os, tempfile, torch
         >>> from transformers import AutoModelForCausalLM
         >>> from fabric_learner import LocalLearner
-        >>> from fabric_learner.checkpoint.export import export_pretrained
+        >>> from fabric_learner.llm import export_pretrained
         >>> from fabric_learner.testing import grpo_example
         >>> loss, policy, batch = grpo_example()
         >>> learner = LocalLearner(loss, lambda p: torch.optim.SGD(p, lr=0.1), policy=policy)
@@ -157,7 +157,7 @@ def export_checkpoint(path: str | os.PathLike, model: nn.Module, folder: str | o
         >>> import os, tempfile, torch
         >>> from transformers import AutoModelForCausalLM
         >>> from fabric_learner import LocalLearner
-        >>> from fabric_learner.checkpoint.export import export_checkpoint
+        >>> from fabric_learner.llm import export_checkpoint
         >>> from fabric_learner.testing import grpo_example, tiny_causal_lm
         >>> loss, policy, batch = grpo_example()
         >>> learner = LocalLearner(loss, lambda p: torch.optim.SGD(p, lr=0.1), policy=policy)

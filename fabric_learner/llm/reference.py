@@ -47,7 +47,7 @@ class ReferenceLogProbs:
     Examples:
         >>> import copy
         >>> from fabric_learner import LocalLearner
-        >>> from fabric_learner.llm_reference import ReferenceLogProbs
+        >>> from fabric_learner.llm import ReferenceLogProbs
         >>> from fabric_learner.testing import grpo_example, tiny_causal_lm
         >>> loss, policy, batch = grpo_example(kl_to_ref_coeff=0.1)
         >>> reference = ReferenceLogProbs(copy.deepcopy(policy.model), policy.tokenizer)
