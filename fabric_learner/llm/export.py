@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from fabric_learner.checkpoint.files import fsync_dir, read_learner_file
-from fabric_learner.llm.weights import Source, _buckets, learner_source, trained_model, weight_plan
+from fabric_learner.llm.sources import Source, learner_source
+from fabric_learner.llm.weights import fill_buckets, trained_model, weight_plan
 
 __all__ = ["export_checkpoint", "export_pretrained"]
 
@@ -98,7 +99,7 @@ def export_pretrained(learner, folder: str | os.PathLike, *, model: nn.Module | 
             failure = err
     # sharded: every rank iterates, the gathers are collectives; unsharded: rank 0 alone reads its tensors
     reads = learner.capabilities.sharded or (rank == 0 and failure is None)
-    stream = _buckets(plan, bucket_bytes, torch.device("cpu")) if reads else ()
+    stream = fill_buckets(plan, bucket_bytes, torch.device("cpu")) if reads else ()
     for bucket in stream:
         if writer is not None and failure is None:
             try:
@@ -183,7 +184,7 @@ def export_checkpoint(path: str | os.PathLike, model: nn.Module, folder: str | o
     _load_into(model, checkpoint["model"], prefix, path)
     writer = _Writer(folder, shard_bytes, lora)
     try:
-        for bucket in _buckets(plan, shard_bytes, torch.device("cpu")):
+        for bucket in fill_buckets(plan, shard_bytes, torch.device("cpu")):
             writer.add(bucket)
         writer.finish(model, tokenizer, lora, overwrite)
     except BaseException:
