@@ -2,7 +2,9 @@
 
 The oracle is one process on the whole batch. Ranks feed micro-batches of very unequal lengths
 (tests/llm_cases.py); a recipe that averages per-micro-batch means (torchrl's GRPO recipe divides each
-by the accumulation steps, and DDP averages ranks) must differ from it, and the learner must not.
+by the accumulation steps, and DDP averages ranks) must differ from it, and the learner must not. The
+same launch cuts each rank's window by a token budget (``update_by_tokens``: 3 micro-batches on rank 0,
+one and two of empty work on rank 1), padded and packed.
 """
 
 from __future__ import annotations
@@ -85,6 +87,41 @@ def test_unequal_ranks_and_micro_batches_equal_one_process_on_the_whole_batch(ra
         assert got["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     for name in want:  # ranks agree bit for bit
         assert torch.equal(ranks[0][strategy, case]["after"][name], ranks[1][strategy, case]["after"][name]), name
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("case,cut", [(case, "budget") for case in CASES] + [("token_mean", "packed")])
+def test_micro_batches_cut_by_a_token_budget_on_unequal_ranks_equal_one_process_on_the_whole_batch(
+        ranks, reference, strategy, case, cut):
+    ref_before, ref_after, ref_norm = reference[case]
+    want = gradients(ref_before, ref_after)
+    assert [rank[strategy, case, cut]["micro_batches"] for rank in ranks] == [3, 1]  # rank 1 runs 2 empty ones
+    for rank in ranks:
+        got = rank[strategy, case, cut]
+        assert got["num_updates"] == 1
+        grads = gradients(got["before"], got["after"])
+        for name in want:
+            torch.testing.assert_close(grads[name], want[name], **TOL, msg=f"{strategy} {case} {cut} {name}")
+        assert got["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    for name in want:
+        assert torch.equal(ranks[0][strategy, case, cut]["after"][name], ranks[1][strategy, case, cut]["after"][name])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_token_budget_in_one_process_equals_the_whole_batch(reference, case):
+    from fabric_learner.llm import micro_batches, update_by_tokens
+
+    loss, policy = make_loss(case)
+    learner = LocalLearner(loss, SGD)
+    before = {k: v.clone() for k, v in learner.checkpoint()["model"].items()}
+    batch = whole(pieces(policy))
+    assert len(micro_batches(batch, 130)) == 4
+    out = update_by_tokens(learner, batch, 130)
+    ref_before, ref_after, ref_norm = reference[case]
+    want, got = gradients(ref_before, ref_after), gradients(before, learner.checkpoint()["model"])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+    assert float(out["grad_norm"]) == pytest.approx(ref_norm, rel=1e-5) and learner.num_updates == 1
 
 
 @pytest.mark.parametrize("case", ["token_mean", "prompt_mean"])

@@ -52,23 +52,25 @@ class LossCount:
 
     def __init__(self, loss: nn.Module, kind: str) -> None:
         self.loss, self.kind = loss, kind
+        self.muted = False  # set while a rank runs empty work (llm/batching.py): its count, hence its gradient, is 0
 
     def reset(self) -> None:
         """Forget a count left by a forward that was not taken (called before each of the learner's)."""
         self.loss.__dict__.pop(_COUNT, None)
 
     def take(self, batch: TensorDictBase) -> torch.Tensor:
-        """The count of the forward just run on ``batch``; raises when the loss left none."""
+        """The count of the forward just run on ``batch`` (0 while ``muted``); raises when the loss left none."""
         if self.kind == "samples":
-            return torch.tensor(float(batch.batch_size.numel()))
-        count = self.loss.__dict__.pop(_COUNT, None)
+            count = torch.tensor(float(batch.batch_size.numel()))
+        else:
+            count = self.loss.__dict__.pop(_COUNT, None)
         if count is None:
             raise RuntimeError(
                 f"{type(self.loss).__name__} aggregated no loss entry in its last forward, so the learner cannot tell "
                 "how many tokens it averaged over. Nothing was backpropagated. Check that the loss returns "
                 "'loss_*' entries (e.g. loss_objective)."
             )
-        return count
+        return count * 0 if self.muted else count
 
 
 def loss_count(loss: nn.Module) -> LossCount | None:

@@ -1,0 +1,242 @@
+"""Micro-batches cut by a token budget, and a global batch dealt over ranks by token count.
+
+RL batches of language-model samples are long-tailed: most replies are short, a few long. Cut into
+micro-batches of a fixed number of samples, each padded to its longest sample, most of the compute
+runs on pad tokens. Here a window's samples are sorted by length and cut so that each micro-batch's
+padded size (samples x longest, or with packing the sum of lengths) stays within ``max_tokens``; the
+number of micro-batches then follows the data. The step stays exact whatever the cut: the learner
+backpropagates each micro-batch's token (or sample) sum and divides by the window's total over the
+ranks (``counts.py``).
+
+Under FSDP every data-parallel rank must run the same number of forwards and backwards (each is a
+collective): :func:`update_by_tokens` agrees on the largest count over the ranks (one all-reduce of
+one number) and a rank with fewer micro-batches runs its shortest sample as empty work, whose count,
+hence its gradient, is zero.
+
+A sample's length is the sum of its attention mask (``("masks", "all_attention_mask")``, what
+torchrl's ``TransformersWrapper`` writes), the tokens the model reads for it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDictBase, lazy_stack
+
+__all__ = ["balanced_shares", "micro_batches", "sample_lengths", "share_of_rank", "update_by_tokens"]
+
+LENGTH_KEY = ("masks", "all_attention_mask")
+PACKED = "_fabric_learner_packed"  # set on a model whose forward packs its rows (packing.py)
+
+
+def sample_lengths(samples: TensorDictBase, key=LENGTH_KEY) -> list[int]:
+    """Each sample's length in tokens: the sum of its ``key`` mask (a lazy stack's samples may differ in length).
+
+    Examples:
+        >>> from fabric_learner.llm import sample_lengths
+        >>> from fabric_learner.testing import grpo_example
+        >>> _, _, batch = grpo_example(reply_words=(3, 9))
+        >>> [n == t.numel() for n, t in zip(sample_lengths(batch), batch.get(("tokens", "full"), as_list=True))]
+        [True, True]
+    """
+    if not isinstance(samples, TensorDictBase) or samples.batch_dims != 1:
+        raise TypeError(f"samples must be a TensorDict (or lazy stack) with one batch dimension, got "
+                        f"{type(samples).__name__}{'' if not isinstance(samples, TensorDictBase) else samples.batch_size}.")
+    try:
+        masks = samples.get(key, as_list=True)
+    except KeyError:
+        masks = None
+    if masks is None:
+        raise KeyError(f"The samples lack {key!r}, the mask whose sum is a sample's length; nothing was cut. Pass "
+                       "samples as torchrl's TransformersWrapper writes them, or name the mask with key=.")
+    return [int(mask.sum()) for mask in masks]
+
+
+def micro_batches(samples: TensorDictBase, max_tokens: int, *, packed: bool = False,
+                  key=LENGTH_KEY) -> list[TensorDictBase]:
+    """``samples`` cut into micro-batches whose size in tokens stays within ``max_tokens``.
+
+    Samples are taken longest first; each micro-batch is filled until one more sample would take
+    it past the budget: padded, its size is its sample count times its longest sample; ``packed``
+    (several samples in one row, see :func:`pack_sequences`), the sum of its lengths. Every sample
+    lands in exactly one micro-batch (a lazy stack of the samples themselves, not copies).
+
+    Args:
+        samples: a window's samples, one batch dimension (typically a lazy stack of any lengths).
+        max_tokens (int): the largest size of one micro-batch, in tokens.
+
+    Keyword Args:
+        packed (bool): size micro-batches as packed rows (sum of lengths) instead of padded ones.
+        key: the mask whose sum is a sample's length.
+
+    Raises:
+        ValueError: ``max_tokens`` is not a positive integer, or a sample is longer than it (named,
+            with the budget to use); nothing is cut.
+
+    Examples:
+        >>> from fabric_learner.llm import micro_batches, sample_lengths
+        >>> from fabric_learner.testing import grpo_example
+        >>> _, _, batch = grpo_example(reply_words=(2, 30, 3, 28, 2))
+        >>> lengths = sample_lengths(batch)
+        >>> parts = micro_batches(batch, max_tokens=2 * max(lengths))
+        >>> [len(part) for part in parts], sum(len(p) for p in parts) == len(batch)
+        ([2, 3], True)
+        >>> all(len(p) * max(sample_lengths(p)) <= 2 * max(lengths) for p in parts)
+        True
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer (tokens per micro-batch), got {max_tokens!r}.")
+    lengths = sample_lengths(samples, key)
+    if not lengths:
+        raise ValueError("samples holds no sample; nothing was cut. Pass at least one sample per rank and window.")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if order and lengths[order[0]] > max_tokens:
+        raise ValueError(f"Sample {order[0]} holds {lengths[order[0]]} tokens, more than max_tokens={max_tokens}; "
+                         f"nothing was cut. Raise max_tokens to at least {lengths[order[0]]}, or drop or truncate "
+                         "such samples before the update.")
+    groups: list[list[int]] = []
+    size = 0
+    for i in order:
+        if groups:  # the current micro-batch's size with sample i in it (its first sample is its longest)
+            grown = size + lengths[i] if packed else (len(groups[-1]) + 1) * lengths[groups[-1][0]]
+        if not groups or grown > max_tokens:
+            groups.append([i])
+            size = lengths[i]
+        else:
+            groups[-1].append(i)
+            size = grown
+    return [_select(samples, group) for group in groups]
+
+
+def update_by_tokens(learner, samples: TensorDictBase, max_tokens: int, *, packed: bool = False,
+                     key=LENGTH_KEY) -> TensorDictBase:
+    """One optimizer step on this rank's window ``samples``, cut by :func:`micro_batches`; every rank calls it.
+
+    The number of micro-batches is agreed over the data-parallel ranks (the largest, one all-reduce);
+    a rank with fewer runs its shortest sample as empty work, weighted zero. The step equals one
+    process's on all ranks' samples (the learner's token or sample normalisation, ``counts.py``),
+    for any ``max_tokens``. Works with torchrl's GRPO-family and SFT losses only: any other loss's
+    step would depend on how the window is cut.
+
+    Args:
+        learner (Learner): the learner, built over a GRPO-family or SFT loss, with no window open.
+        samples: this rank's samples for one optimizer step (see :func:`micro_batches`).
+        max_tokens (int): the largest micro-batch, in tokens.
+
+    Keyword Args:
+        packed (bool): micro-batches sized as packed rows; the loss's model must pack them
+            (:func:`pack_sequences`).
+        key: the mask whose sum is a sample's length.
+
+    Returns:
+        The loss output of this rank's last micro-batch, with the step's ``"grad_norm"``.
+
+    Raises:
+        ValueError: a loss without token or sample counts, a window left open by ``update`` calls,
+            ``packed`` without a packing model, or what :func:`micro_batches` refuses; nothing changed.
+
+    Examples:
+        >>> import torch
+        >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.llm import update_by_tokens
+        >>> from fabric_learner.testing import grpo_example
+        >>> loss, policy, batch = grpo_example(reply_words=(2, 30, 3, 28, 2))
+        >>> learner = LocalLearner(loss, lambda p: torch.optim.SGD(p, lr=0.1), policy=policy)
+        >>> out = update_by_tokens(learner, batch, max_tokens=200)
+        >>> learner.num_updates, "grad_norm" in out.keys()
+        (1, True)
+    """
+    counts = getattr(learner, "_counts", None)
+    if counts is None:
+        raise ValueError(f"update_by_tokens needs a loss the learner normalises by its token or sample count "
+                         f"(torchrl's GRPOLoss, DAPO, CISPOLoss, SFTLoss); {type(learner.loss_module).__name__}'s "
+                         "step would depend on how the window is cut. Nothing changed; use learner.update.")
+    if learner._accum_step:
+        raise ValueError(f"A window is open: {learner._accum_step} of {learner.grad_accum_steps} micro-batches were "
+                         "fed through update(). Nothing changed; finish that window before update_by_tokens.")
+    if packed and not any(getattr(m, PACKED, False) for m in learner.loss_module.modules()):
+        raise ValueError("packed=True sizes micro-batches as packed rows, but the loss's model does not pack them; "
+                         "nothing changed. Call fabric_learner.llm.pack_sequences(policy) first, or drop packed=True.")
+    parts = micro_batches(samples, max_tokens, packed=packed, key=key)
+    steps = len(parts)
+    if learner.world_size > 1:
+        from fabric_learner.collectives import all_reduce
+
+        steps = int(all_reduce(torch.tensor([steps]), "max").item())
+    idle = _select(samples, [min(range(len(samples)), key=sample_lengths(samples, key).__getitem__)])
+    accum, last = learner.grad_accum_steps, None
+    learner.grad_accum_steps = steps
+    try:
+        for i in range(steps):
+            counts.muted = i >= len(parts)
+            out = learner.update(parts[i] if i < len(parts) else idle)
+            if i < len(parts):
+                last = out
+    finally:
+        counts.muted = False
+        learner.grad_accum_steps = accum
+        if learner._accum_step:  # a micro-batch failed mid-window: drop its gradients, as update would
+            learner._abandon_window()
+    if out is not last and "grad_norm" in out.keys():
+        last.set("grad_norm", out["grad_norm"])
+    return last
+
+
+def balanced_shares(lengths: Sequence[int], ranks: int) -> list[list[int]]:
+    """Sample indices for each of ``ranks`` ranks, balanced by tokens: longest first, each to the lightest rank.
+
+    Guarantee (the greedy's): the heaviest share holds at most the mean share plus the longest
+    sample, since the share that took its last sample was then the lightest, at or under the mean.
+    Each share lists its indices in increasing order; every index is in exactly one share.
+
+    Examples:
+        >>> from fabric_learner.llm import balanced_shares
+        >>> lengths = [400, 30, 25, 20, 380, 35, 15, 40]
+        >>> shares = balanced_shares(lengths, 2)
+        >>> [sum(lengths[i] for i in share) for share in shares]
+        [475, 470]
+        >>> sorted(i for share in shares for i in share) == list(range(len(lengths)))
+        True
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a positive integer, got {ranks!r}.")
+    heap = [(0, r) for r in range(ranks)]
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        load, r = heapq.heappop(heap)
+        shares[r].append(i)
+        heapq.heappush(heap, (load + lengths[i], r))
+    return [sorted(share) for share in shares]
+
+
+def share_of_rank(samples: TensorDictBase, rank: int, ranks: int, *, key=LENGTH_KEY) -> TensorDictBase:
+    """Rank ``rank``'s part of a global batch dealt by :func:`balanced_shares`; every rank gets the same ``samples``.
+
+    The partition depends on the lengths only, so every rank computes the same one without communicating.
+
+    Examples:
+        >>> from fabric_learner.llm import sample_lengths, share_of_rank
+        >>> from fabric_learner.testing import grpo_example
+        >>> _, _, batch = grpo_example(reply_words=(30, 28, 2, 3))
+        >>> halves = [sum(sample_lengths(batch[:2])), sum(sample_lengths(batch[2:]))]  # by sample count
+        >>> dealt = [sum(sample_lengths(share_of_rank(batch, r, 2))) for r in (0, 1)]  # by tokens
+        >>> max(dealt) < max(halves), sum(dealt) == sum(halves)
+        (True, True)
+    """
+    shares = balanced_shares(sample_lengths(samples, key), ranks)
+    if not 0 <= rank < ranks:
+        raise ValueError(f"rank must be in [0, {ranks}), got {rank!r}.")
+    if not shares[rank]:
+        raise ValueError(f"{len(samples)} samples leave rank {rank} of {ranks} without one; deal at least one "
+                         "sample per rank.")
+    return _select(samples, shares[rank])
+
+
+def _select(samples: TensorDictBase, indices: list[int]) -> TensorDictBase:
+    """The samples at ``indices`` as a lazy stack of the samples themselves (no padding, no copy)."""
+    members = getattr(samples, "tensordicts", None)
+    if members is not None and samples.stack_dim == 0:
+        return lazy_stack([members[i] for i in indices])
+    return samples[torch.tensor(indices)]

@@ -1,0 +1,106 @@
+"""Cutting a window by a token budget, dealing a batch over ranks by tokens, and packed rows, in one process.
+
+The multi-rank equivalence of the token budget (DDP, FSDP; padded and packed) shares the launch of
+tests/test_llm.py. Here: the cut's bounds, the balance's stated tolerance on a long-tailed law, the
+packed forward against the padded one, and the refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict, lazy_stack
+
+from fabric_learner import LocalLearner
+from fabric_learner._loss import as_tensordict, total_loss
+from fabric_learner.llm import balanced_shares, micro_batches, pack_sequences, sample_lengths, update_by_tokens
+from fabric_learner.testing import dqn_example, grpo_example
+
+
+def long_tailed(n: int, seed: int) -> list[int]:
+    """Reply lengths from a log-normal law (median 55 tokens, sigma 1), clipped to [8, 512]."""
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in (torch.randn(n, generator=g) + 4.0).exp().clamp(8, 512)]
+
+
+def samples_of(lengths: list[int]):
+    """A lazy stack of samples holding only an attention mask of each length."""
+    return lazy_stack([TensorDict(masks=TensorDict(all_attention_mask=torch.ones(n, dtype=torch.bool)))
+                       for n in lengths])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_micro_batches_stay_within_the_budget_and_hold_every_sample_once(packed):
+    lengths = long_tailed(64, seed=0)
+    samples = samples_of(lengths)
+    parts = micro_batches(samples, 1024, packed=packed)
+    sizes = [sum(sample_lengths(p)) if packed else len(p) * max(sample_lengths(p)) for p in parts]
+    assert max(sizes) <= 1024
+    assert sorted(n for p in parts for n in sample_lengths(p)) == sorted(lengths)
+    assert all(any(s is t for t in samples.tensordicts) for p in parts for s in p.tensordicts)  # no copies
+    assert len(parts) < len(lengths) // 2  # samples share micro-batches: the count follows the data
+    padded = sum(sizes)
+    assert 1 - sum(lengths) / padded < (0.03 if packed else 0.15), (packed, 1 - sum(lengths) / padded)
+
+
+def test_a_sample_longer_than_the_budget_is_refused_with_the_budget_to_use():
+    with pytest.raises(ValueError, match="Raise max_tokens to at least 300"):
+        micro_batches(samples_of([20, 300, 40]), 256)
+    with pytest.raises(ValueError, match="positive integer"):
+        micro_batches(samples_of([20]), 0)
+
+
+def test_shares_balanced_by_tokens_stay_within_the_longest_sample_of_the_mean():
+    for seed in range(5):
+        lengths = long_tailed(64, seed)
+        mean = sum(lengths) / 2
+        shares = balanced_shares(lengths, 2)
+        assert sorted(i for s in shares for i in s) == list(range(64))
+        loads = [sum(lengths[i] for i in s) for s in shares]
+        assert max(loads) <= mean + max(lengths)  # the stated tolerance
+        by_count = [sum(lengths[:32]), sum(lengths[32:])]  # the deal by sample count it replaces
+        assert max(loads) <= max(by_count)
+        assert max(loads) / mean < 1.02, (seed, loads)  # measured on this law: within 2 % of the mean
+
+
+def test_packed_rows_give_the_padded_log_probs_loss_and_gradients():
+    loss, policy, batch = grpo_example(reply_words=(2, 30, 5, 17))
+    padded_out = as_tensordict(loss(batch.copy()))
+    params = list(policy.model.parameters())
+    padded_grads = torch.autograd.grad(total_loss(padded_out), params)
+    with torch.no_grad():
+        padded_lp = policy(batch.copy()).get(("log_probs", "full"), as_list=True)
+    pack_sequences(policy)
+    with torch.no_grad():
+        packed_lp = policy(batch.copy()).get(("log_probs", "full"), as_list=True)
+    packed_out = as_tensordict(loss(batch.copy()))
+    packed_grads = torch.autograd.grad(total_loss(packed_out), params)
+    for a, b in zip(packed_lp, padded_lp):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(total_loss(packed_out), total_loss(padded_out), atol=1e-5, rtol=1e-5)
+    for a, b in zip(packed_grads, padded_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_packing_refuses_an_attention_implementation_that_ignores_it_before_hooking():
+    loss, policy, batch = grpo_example(reply_words=(2, 9))
+    policy.model.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="attn_implementation='flex_attention'.*set_attn_implementation\\('sdpa'\\)"):
+        pack_sequences(policy)
+    assert not policy.model._forward_pre_hooks and not policy.model._forward_hooks
+    learner = LocalLearner(loss)
+    with pytest.raises(ValueError, match="pack_sequences"):
+        update_by_tokens(learner, batch, 1000, packed=True)
+    assert learner.num_updates == 0
+
+
+def test_a_token_budget_is_refused_for_a_loss_without_counts_and_for_an_open_window():
+    loss, net, batch = dqn_example()
+    with pytest.raises(ValueError, match="use learner.update"):
+        update_by_tokens(LocalLearner(loss, policy=net), batch, 100)
+    loss, policy, batch = grpo_example(reply_words=(2, 9))
+    learner = LocalLearner(loss, grad_accum_steps=2)
+    learner.update(batch)
+    with pytest.raises(ValueError, match="A window is open: 1 of 2"):
+        update_by_tokens(learner, batch, 1000)
+    assert learner.num_updates == 0 and learner._accum_step == 1
