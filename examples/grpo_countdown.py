@@ -11,8 +11,9 @@ download), samples ``--group`` completions of it with a ``TransformersWrapper(ge
 a *separate generation copy* of the model (as an inference engine would), scores them, and turns
 the rewards into group-relative advantages with torchrl's ``MCAdvantage`` (reward minus the group's
 mean, over its standard deviation). The learner then takes one optimizer step on the group, in
-micro-batches of ``--micro-batch`` samples (``grad_accum_steps`` = group / micro-batch), with
-GRPO's token mean exact over micro-batches and ranks; the learner's weights then refresh the
+micro-batches of at most ``--max-tokens`` padded tokens (``update_by_tokens``: as many as the
+lengths need, agreed over the ranks), or with ``--micro-batch N`` in micro-batches of N samples as the
+recipe cuts them, with GRPO's token mean exact over micro-batches and ranks; the learner's weights then refresh the
 generation copy by parameter name, in buckets (``fabric_learner.llm``).
 
 The training side is torchrl's ``sota-implementations/grpo/grpo-sync.py`` recipe (see
@@ -40,7 +41,7 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 
 from fabric_learner import FabricLearner
 from fabric_learner.cli import add_launch_arguments, launch_kwargs
-from fabric_learner.llm import load_weights, weight_buckets
+from fabric_learner.llm import load_weights, update_by_tokens, weight_buckets
 
 ANSWER_ALPHABET = frozenset("0123456789+-*/() ")
 
@@ -53,7 +54,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="optimizer updates (one group per rank each)")
     p.add_argument("--group", type=int, default=8, help="completions per problem (GRPO's group), per rank")
-    p.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch (the recipe's 32 / 8)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per micro-batch (token budget)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="instead of --max-tokens: micro-batches of this many samples (the recipe's: 32 / 8 = 4)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3, help="the recipe's is 1e-5, for a pretrained 3B model")
     p.add_argument("--model", default=None, help="local Hugging Face folder (model and tokenizer, from_pretrained)")
@@ -63,8 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true")
     add_launch_arguments(p, accelerator="cpu", strategy="fsdp", devices=2)
     args = p.parse_args(argv)
-    if args.group < 2 or args.group % args.micro_batch:
+    if args.group < 2 or (args.micro_batch and args.group % args.micro_batch):
         p.error(f"--group {args.group} must be at least 2 and a multiple of --micro-batch {args.micro_batch}")
+    if args.max_tokens < 1:
+        p.error(f"--max-tokens must be a positive number of tokens, got {args.max_tokens}")
     return args
 
 
@@ -179,8 +184,8 @@ def build(args, learner_kwargs: dict):
         _printable_only(generation_model, tokenizer)
     policy = TransformersWrapper(model, tokenizer=tokenizer, input_mode="history", generate=False,
                                  return_log_probs=True, pad_output=False)
-    learner = recipe_learner(make_loss(policy), policy, lr=args.lr, micro_batches=args.group // args.micro_batch,
-                             **learner_kwargs)
+    micro_batches = args.group // args.micro_batch if args.micro_batch else 1  # a token budget sets its own
+    learner = recipe_learner(make_loss(policy), policy, lr=args.lr, micro_batches=micro_batches, **learner_kwargs)
     generate = TransformersWrapper(generation_model, tokenizer=tokenizer, input_mode="history", generate=True,
                                    return_log_probs=True, pad_output=False,
                                    generate_kwargs={"max_new_tokens": args.max_new_tokens, "do_sample": True})
@@ -206,8 +211,11 @@ def main(argv=None):
     curve, replies, step_size = [], {}, args.micro_batch
     for step in range(args.steps):
         samples, reward, countdown = sample_group(env, generate, score, args.group)
-        for first in range(0, args.group, step_size):
-            out = learner.update(samples[first:first + step_size])
+        if step_size:
+            for first in range(0, args.group, step_size):
+                out = learner.update(samples[first:first + step_size])
+        else:  # micro-batches of at most --max-tokens padded tokens, as many as the lengths need
+            out = update_by_tokens(learner, samples, args.max_tokens)
         refresh(generation_model, learner)
         point = {"update": learner.num_updates, "reward": global_mean(reward).item(),
                  "countdown_reward": global_mean(countdown).item(), "seconds": time.perf_counter() - start,

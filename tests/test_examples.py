@@ -39,10 +39,11 @@ GRPO_STRATEGY = "fsdp"  # the example's default
 
 
 def test_grpo_countdown_trains_on_two_ranks_and_refreshes_its_generation_copy(tmp_path):
-    """Two GRPO updates on Countdown: each rank samples its own group, the learner steps, the copy is refreshed."""
+    """Two GRPO updates on Countdown: each rank samples its own group, the learner steps on micro-batches cut by
+    its token budget (the default), the copy is refreshed."""
     script = os.path.join(ROOT, "examples", "grpo_countdown.py")
     curve = tmp_path / "curve.json"
-    proc = launch(script, "--steps", "2", "--group", "4", "--micro-batch", "2", "--max-new-tokens", "8",
+    proc = launch(script, "--steps", "2", "--group", "4", "--max-tokens", "1000", "--max-new-tokens", "8",
                   "--strategy", GRPO_STRATEGY, "--no-progress", "--curve", str(curve), timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.leftovers == 0
