@@ -358,6 +358,210 @@ def capped_worker(kind: str, mode: Mode, strategy: str, cap_copies: float, out: 
         contender.close()
 
 
+# ---- the batching part: four ways to cut the same long-tailed samples (run in the ranks) -----------
+
+CUTS = ("fixed", "budget", "balanced", "packed")
+PAD_GOAL = {"budget": 0.15, "balanced": 0.15, "packed": 0.03}
+SPEEDUP_GOAL = 1.5  # tokens/s over the fixed-size micro-batches'
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """The batching part's sizes. Reply lengths follow a long-tailed law: words drawn log-normal with median
+    ``median_words`` and sigma ``sigma``, clipped to ``words`` (with the chat template and a 2-6 word prompt,
+    about 3 tokens a word: samples of about 15 to 500 tokens)."""
+
+    hidden: int = 256
+    layers: int = 4
+    samples: int = 32  # one optimizer step's global batch, dealt over 2 ranks
+    fixed: int = 4  # samples per micro-batch of the fixed contender (torchrl's grpo-sync recipe: 32 / 8)
+    median_words: float = 12.0
+    sigma: float = 0.9
+    words: tuple[int, int] = (2, 160)
+    steps: int = 2  # distinct global batches, taken in turn
+    reps: int = 12
+    warmup: int = 2
+
+
+QUICK_CUT = Cut(hidden=128, layers=2, samples=16, reps=4, warmup=1)
+
+
+def reply_words(cut: Cut, seed: int) -> list[int]:
+    """One global batch's reply lengths in words, from the law stated on :class:`Cut`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    drawn = (torch.randn(cut.samples, generator=g) * cut.sigma).exp() * cut.median_words
+    return [int(w) for w in drawn.round().clamp(*cut.words)]
+
+
+def max_tokens_for(lengths: list[int], cut: Cut) -> int:
+    """The token budget: the fixed contender's largest possible micro-batch (``fixed`` x the longest sample),
+    so that no budgeted micro-batch is larger than a fixed one can be."""
+    return cut.fixed * max(lengths)
+
+
+def shares(kind: str, batch, rank: int):
+    """This rank's part of the global ``batch``: halves by sample count, or by tokens (``balanced``, ``packed``)."""
+    from fabric_learner.llm import share_of_rank
+
+    if kind in ("balanced", "packed"):
+        return share_of_rank(batch, rank, 2)
+    half = len(batch) // 2
+    return batch[rank * half:(rank + 1) * half]
+
+
+def processed_tokens(kind: str, share_lengths: list[list[int]], cut: Cut, max_tokens: int) -> list[int]:
+    """The tokens each rank's forward runs on in one step: padded (or packed) micro-batches, plus the empty
+    work of a rank with fewer micro-batches (its shortest sample, once per missing micro-batch)."""
+    from fabric_learner.llm.batching import _groups
+
+    sizes = []
+    for lengths in share_lengths:
+        if kind == "fixed":
+            groups = [list(range(i, min(i + cut.fixed, len(lengths)))) for i in range(0, len(lengths), cut.fixed)]
+        else:
+            groups = _groups(lengths, max_tokens, kind == "packed")
+        sizes.append([sum(lengths[i] for i in g) if kind == "packed" else len(g) * max(lengths[i] for i in g)
+                      for g in groups])
+    most = max(len(s) for s in sizes)
+    return [sum(s) + (most - len(s)) * min(lengths) for s, lengths in zip(sizes, share_lengths)]
+
+
+class CutSteps:
+    """``FabricLearner(strategy="fsdp")`` on 2 CPU ranks stepping on one global batch per ``update``, cut as
+    ``kind`` says: ``fixed`` micro-batches of ``cut.fixed`` samples in the drawn order (``grad_accum_steps``
+    = share / fixed), or ``update_by_tokens`` (``packed``: through ``pack_sequences``)."""
+
+    def __init__(self, kind: str, cut: Cut, max_tokens: int):
+        from datetime import timedelta
+
+        import torch
+
+        from fabric_learner import FabricLearner
+        from fabric_learner.llm import pack_sequences
+
+        loss, _ = grpo_loss(cut.hidden, cut.layers)
+        if kind == "packed":
+            pack_sequences(loss.actor_network)
+        self.kind, self.max_tokens, self.fixed = kind, max_tokens, cut.fixed
+        self.learner = FabricLearner(loss, functools.partial(torch.optim.AdamW, lr=LR), strategy="fsdp", devices=2,
+                                     accelerator="cpu", grad_accum_steps=cut.samples // 2 // cut.fixed,
+                                     clip_grad_norm=CLIP, timeout=timedelta(minutes=5))
+        self.norms = []
+
+    def update(self, share) -> None:
+        from fabric_learner.llm import update_by_tokens
+
+        if self.kind == "fixed":
+            for i in range(0, len(share), self.fixed):
+                out = self.learner.update(share[i:i + self.fixed])
+        else:
+            out = update_by_tokens(self.learner, share, self.max_tokens, packed=self.kind == "packed")
+        self.norms.append(out.get("grad_norm"))
+
+    def close(self) -> None:
+        self.learner.close()
+
+
+def _reset_peak() -> None:
+    """Start VmHWM afresh at the current resident size (Linux: ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def batching_worker(cut: Cut, out: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    from fabric_learner.llm import sample_lengths
+    from fabric_learner.testing import grpo_batch
+
+    harness.set_one_thread()
+    rank = int(os.environ["RANK"])
+    policy = grpo_loss(cut.hidden, cut.layers)[0].actor_network
+    batches = [grpo_batch(policy, reply_words(cut, 7 + s), seed=7 + s) for s in range(cut.steps)]  # same on both ranks
+    lengths = [sample_lengths(b) for b in batches]
+    max_tokens = max(max_tokens_for(x, cut) for x in lengths)
+    per_kind = {kind: [shares(kind, b, rank) for b in batches] for kind in CUTS}
+    built = {kind: CutSteps(kind, cut, max_tokens) for kind in CUTS}  # the first starts the process group
+    # peak memory of one step over the resident size before it, each contender in turn after a warm-up step
+    peak = {}
+    for kind in CUTS:
+        built[kind].update(per_kind[kind][0])
+    for kind in CUTS:
+        gc.collect()
+        dist.barrier()
+        _reset_peak()
+        before = harness.status_mib("VmRSS")
+        built[kind].update(per_kind[kind][1 % cut.steps])
+        peak[kind] = harness.status_mib("VmHWM") - before
+    contenders = {kind: (lambda i, k=kind: built[k].update(per_kind[k][i % cut.steps])) for kind in CUTS}
+    samples = harness.interleaved(contenders, reps=cut.reps, inner=1, warmup=cut.warmup, sync=dist.barrier)
+    norms = {kind: _floats(built[kind].norms) for kind in CUTS}
+    shares_lengths = {kind: [sample_lengths(s) for s in per_kind[kind]] for kind in CUTS}
+    harness.write_gathered(out, {"rank": rank, "samples_s": samples, "peak_step_mib": peak, "grad_norms": norms,
+                                 "lengths": lengths, "share_lengths": shares_lengths, "max_tokens": max_tokens,
+                                 "n_params": n_params(cut.hidden, cut.layers)})
+    for kind in CUTS:
+        built[kind].close()
+
+
+def part_batching(args, mode: Mode) -> dict:
+    cut = QUICK_CUT if args.quick else Cut()
+    if args.reps:
+        cut = dataclasses.replace(cut, reps=args.reps)
+    with harness.scratch_path() as out:
+        start = time.monotonic()
+        harness.run_bounded(harness.torchrun(2, *_worker_argv(args, "batching"), "--out", out), 1800,
+                            "batching part", **MALLOC)
+        ranks = harness.read_json(out)
+    seconds = time.monotonic() - start
+    r0, max_tokens = ranks[0], ranks[0]["max_tokens"]
+    real = sum(sum(x) for x in r0["lengths"])  # every token of every step's global batch
+    steps = len(r0["lengths"])
+    rows = {}
+    for kind in CUTS:
+        per_step = [[r["share_lengths"][kind][s] for r in ranks] for s in range(steps)]
+        processed = [processed_tokens(kind, share, cut, max_tokens) for share in per_step]
+        rank_tokens = [[sum(x) for x in share] for share in per_step]
+        times = r0["samples_s"][kind]
+        rep_tokens = [sum(r0["lengths"][(cut.warmup + i) % steps]) for i in range(len(times))]
+        rows[kind] = {
+            "pad_fraction": 1 - real / sum(sum(p) for p in processed),
+            "slowest_rank_over_mean": statistics.mean(max(t) / (sum(t) / len(t)) for t in rank_tokens),
+            "slowest_processed_over_mean": statistics.mean(max(p) / (sum(p) / len(p)) for p in processed),
+            "tokens_per_s": statistics.median(t / s for t, s in zip(rep_tokens, times)),
+            "median_step_s": statistics.median(times),
+            "peak_step_mib": max(r["peak_step_mib"][kind] for r in ranks),
+        }
+    for kind in CUTS:
+        row = rows[kind]
+        row["speedup"] = harness.paired_ratio(r0["samples_s"]["fixed"], r0["samples_s"][kind])
+        row["speedup_ci"] = harness.bootstrap_ci(r0["samples_s"]["fixed"], r0["samples_s"][kind])
+        row["memory_ratio"] = row["peak_step_mib"] / rows["fixed"]["peak_step_mib"]
+        if kind != "fixed":
+            row["pad_met"] = row["pad_fraction"] <= PAD_GOAL[kind]
+            row["speed_verdict"] = harness.verdict(row["speedup_ci"], SPEEDUP_GOAL, at_least=True)
+            row["memory_met"] = row["memory_ratio"] <= 1.0
+    gaps = [abs(a - b) / max(abs(b), 1e-12) for kind in CUTS for a, b in zip(r0["grad_norms"][kind],
+                                                                           r0["grad_norms"]["fixed"], strict=True)]
+    result = {"what": "GRPO steps on the same long-tailed global batches, 2 FSDP ranks, four ways of cutting them",
+              "law": Cut.__doc__.split("Reply lengths ")[1].replace("\n", " "), "settings": dataclasses.asdict(cut),
+              "n_params": r0["n_params"], "max_tokens": max_tokens, "tokens_per_step": [sum(x) for x in r0["lengths"]],
+              "rows": rows, "grad_norm_max_rel_gap": max(gaps), "seconds": seconds, "ranks": ranks}
+    for kind in CUTS:
+        row = rows[kind]
+        print(f"batching: {kind:8s} pad {row['pad_fraction']:6.1%}  tokens/s {row['tokens_per_s']:8.0f} "
+              f"(x{row['speedup']:.2f} [{row['speedup_ci'][0]:.2f}, {row['speedup_ci'][1]:.2f}] of fixed)  "
+              f"peak step {row['peak_step_mib']:7.1f} MiB (x{row['memory_ratio']:.2f})  slowest rank's tokens / mean "
+              f"{row['slowest_rank_over_mean']:.3f}", flush=True)
+    print(f"batching: {r0['n_params'] / 1e6:.1f}M parameters, max_tokens {max_tokens}; the four take the same step "
+          f"(pre-clip grad norms within {max(gaps):.1e}) ({seconds:.0f} s)", flush=True)
+    return result
+
+
 # ---- the parts (run from the command) ---------------------------------------------------------------
 
 
@@ -448,7 +652,7 @@ def part_capped(args, mode: Mode) -> dict:
             "as_expected": trained == expected, "runs": runs}
 
 
-PARTS = {"speed": part_speed, "memory": part_memory, "capped": part_capped}
+PARTS = {"speed": part_speed, "memory": part_memory, "capped": part_capped, "batching": part_batching}
 
 
 def main() -> None:
@@ -472,6 +676,9 @@ def main() -> None:
         return memory_worker(args.kind, mode, args.strategy, args.out)
     if args.worker == "capped":
         return capped_worker(args.kind, mode, args.strategy, args.cap_copies, args.out)
+    if args.worker == "batching":
+        cut = QUICK_CUT if args.quick else Cut()
+        return batching_worker(dataclasses.replace(cut, reps=args.reps) if args.reps else cut, args.out)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:

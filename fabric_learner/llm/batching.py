@@ -58,10 +58,12 @@ def micro_batches(samples: TensorDictBase, max_tokens: int, *, packed: bool = Fa
                   key=LENGTH_KEY) -> list[TensorDictBase]:
     """``samples`` cut into micro-batches whose size in tokens stays within ``max_tokens``.
 
-    Samples are taken longest first; each micro-batch is filled until one more sample would take
-    it past the budget: padded, its size is its sample count times its longest sample; ``packed``
-    (several samples in one row, see :func:`pack_sequences`), the sum of its lengths. Every sample
-    lands in exactly one micro-batch (a lazy stack of the samples themselves, not copies).
+    Padded, a micro-batch's size is its sample count times its longest sample: the samples are
+    sorted by length and cut into runs within the budget, the cut that minimises the pad tokens
+    plus one average sample per micro-batch (what one more forward and backward costs).
+    ``packed`` (several samples in one row, see :func:`pack_sequences`), its size is the sum of its
+    lengths: first fit, longest first. Every sample lands in exactly one micro-batch (a lazy stack
+    of the samples themselves, not copies).
 
     Args:
         samples: a window's samples, one batch dimension (typically a lazy stack of any lengths).
@@ -91,23 +93,51 @@ def micro_batches(samples: TensorDictBase, max_tokens: int, *, packed: bool = Fa
     lengths = sample_lengths(samples, key)
     if not lengths:
         raise ValueError("samples holds no sample; nothing was cut. Pass at least one sample per rank and window.")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if order and lengths[order[0]] > max_tokens:
-        raise ValueError(f"Sample {order[0]} holds {lengths[order[0]]} tokens, more than max_tokens={max_tokens}; "
-                         f"nothing was cut. Raise max_tokens to at least {lengths[order[0]]}, or drop or truncate "
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] > max_tokens:
+        raise ValueError(f"Sample {longest} holds {lengths[longest]} tokens, more than max_tokens={max_tokens}; "
+                         f"nothing was cut. Raise max_tokens to at least {lengths[longest]}, or drop or truncate "
                          "such samples before the update.")
-    groups: list[list[int]] = []
-    size = 0
-    for i in order:
-        if groups:  # the current micro-batch's size with sample i in it (its first sample is its longest)
-            grown = size + lengths[i] if packed else (len(groups[-1]) + 1) * lengths[groups[-1][0]]
-        if not groups or grown > max_tokens:
-            groups.append([i])
-            size = lengths[i]
-        else:
-            groups[-1].append(i)
-            size = grown
-    return [_select(samples, group) for group in groups]
+    return [_select(samples, group) for group in _groups(lengths, max_tokens, packed)]
+
+
+def _groups(lengths: list[int], max_tokens: int, packed: bool) -> list[list[int]]:
+    """Sample indices in micro-batches within ``max_tokens``, trading pad tokens against micro-batches.
+
+    Padded: the samples sorted longest first and cut into runs (a run's size is its sample count
+    times its first sample's length), the cut of least cost found by dynamic programming, a
+    micro-batch costing its padded size plus one average sample (the fixed cost of one more forward
+    and backward, and under FSDP of gathering the weights again). Packed: first fit, longest first
+    (no padding to trade).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if packed:
+        groups, sizes = [], []
+        for i in order:
+            room = next((g for g, size in enumerate(sizes) if size + lengths[i] <= max_tokens), None)
+            if room is None:
+                groups.append([i])
+                sizes.append(lengths[i])
+            else:
+                groups[room].append(i)
+                sizes[room] += lengths[i]
+        return groups
+    sorted_lengths = [lengths[i] for i in order]
+    overhead = sum(lengths) / len(lengths)  # what one more micro-batch costs: one average sample
+    best = [0.0] + [float("inf")] * len(order)  # best[j]: the least cost of the first j sorted samples
+    cut = [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j - 1, -1, -1):  # the run order[i:j], padded to sorted_lengths[i]
+            size = (j - i) * sorted_lengths[i]
+            if size > max_tokens:
+                break  # longer runs only grow
+            if best[i] + size + overhead < best[j]:
+                best[j], cut[j] = best[i] + size + overhead, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def update_by_tokens(learner, samples: TensorDictBase, max_tokens: int, *, packed: bool = False,
