@@ -104,3 +104,26 @@ def test_a_token_budget_is_refused_for_a_loss_without_counts_and_for_an_open_win
     with pytest.raises(ValueError, match="A window is open: 1 of 2"):
         update_by_tokens(learner, batch, 1000)
     assert learner.num_updates == 0 and learner._accum_step == 1
+
+
+def test_the_trainer_cuts_each_step_by_tokens_as_update_by_tokens_does():
+    from fabric_learner import Trainer
+
+    steps = []
+    for by_trainer in (True, False):
+        loss, policy, batch = grpo_example(reply_words=(2, 30, 5, 17))
+        learner = LocalLearner(loss, lambda p: torch.optim.SGD(p, lr=0.1))
+        if by_trainer:
+            trainer = Trainer(learner=learner, collector=None, total_frames=0, optim_steps_per_batch=1,
+                              progress_bar=False, max_tokens=150)
+            trainer.optim_steps(batch)
+        else:
+            update_by_tokens(learner, batch, 150)
+        steps.append(learner.checkpoint()["model"])
+    assert len(micro_batches(batch, 150)) > 1 and learner.num_updates == 1
+    for name in steps[0]:
+        assert torch.equal(steps[0][name], steps[1][name]), name
+    loss, net, _ = dqn_example()
+    with pytest.raises(ValueError, match="Leave max_tokens=None"):
+        Trainer(learner=LocalLearner(loss, policy=net), collector=None, total_frames=0, optim_steps_per_batch=1,
+                progress_bar=False, max_tokens=150)

@@ -23,6 +23,9 @@ __all__ = ["GlobalLogScalar", "LearnerStepper", "LogThroughput"]
 class LearnerStepper(OptimizationStepper):
     """One torchrl optimisation step = one ``learner.update(sub_batch)``, then the ``post_loss`` hooks.
 
+    With ``max_tokens`` (an LLM loss) the step is ``update_by_tokens(learner, sub_batch, max_tokens)``:
+    the sub-batch cut into micro-batches of at most that many padded tokens, one optimizer step.
+
     The learner forwards the loss, sums its ``"loss"`` entries, backpropagates (synchronising
     gradients across ranks), clips and steps. ``post_loss`` hooks then see the minibatch as the
     loss left it (DQN's ``td_error`` for priority updates). Its state lives in the learner.
@@ -44,13 +47,19 @@ class LearnerStepper(OptimizationStepper):
         (1, 1)
     """
 
-    def __init__(self, learner) -> None:
+    def __init__(self, learner, *, max_tokens: int | None = None) -> None:
         self.learner = learner
+        self.max_tokens = max_tokens  # cut each sub-batch by tokens (fabric_learner.llm.update_by_tokens)
         # ``(sub_batch, output) -> None`` run before the ``post_loss`` hooks (TD3's priority write-back)
         self.on_output = None
 
     def step(self, trainer, sub_batch: TensorDictBase) -> TensorDictBase:
-        out = self.learner.update(sub_batch)
+        if self.max_tokens is None:
+            out = self.learner.update(sub_batch)
+        else:
+            from fabric_learner.llm import update_by_tokens
+
+            out = update_by_tokens(self.learner, sub_batch, self.max_tokens)
         if self.on_output is not None:
             self.on_output(sub_batch, out)
         trainer._post_loss_hook(sub_batch)

@@ -120,6 +120,9 @@ class Trainer(_TorchRLTrainer):
         target_net_updater: a torchrl ``TargetNetUpdater`` (``SoftUpdate``/``HardUpdate``),
             stepped after every optimizer step and checkpointed.
         log_throughput: register :class:`LogThroughput` (default ``True``).
+        max_tokens: for torchrl's LLM losses (GRPO family, SFT), each optimisation step's sub-batch is
+            cut into micro-batches of at most this many padded tokens
+            (:func:`fabric_learner.llm.update_by_tokens`) instead of being one ``update``.
         resume: with ``save_trainer_file``, ``train()`` first loads the latest complete checkpoint
             found there, so a restarted run (``torchrun --max-restarts``, or the same command run
             again) continues where it was; ``False`` starts afresh (the next save overwrites it).
@@ -164,6 +167,7 @@ class Trainer(_TorchRLTrainer):
         target_net_updater=None,
         log_throughput: bool = True,
         resume: bool = True,
+        max_tokens: int | None = None,
         **kwargs,
     ) -> None:
         for name in ("loss_module", "optimizer", "optimization_stepper"):
@@ -183,6 +187,8 @@ class Trainer(_TorchRLTrainer):
             )
         if not hasattr(learner, "update") or not hasattr(learner, "loss_module"):
             raise TypeError(f"learner must be a fabric_learner Learner, got {type(learner).__name__}.")
+        if max_tokens is not None:
+            _check_max_tokens(learner, max_tokens)
         self.learner = learner
         self._world_size = learner.world_size
         self._dp_rank, self._counts_frames = _place_on_mesh(learner)
@@ -219,7 +225,7 @@ class Trainer(_TorchRLTrainer):
             optim_steps_per_batch=optim_steps_per_batch,
             loss_module=learner.loss_module,
             optimizer=learner.optimizer,
-            optimization_stepper=LearnerStepper(learner),
+            optimization_stepper=LearnerStepper(learner, max_tokens=max_tokens),
             logger=_adapt_logger(logger),
             progress_bar=progress_bar and learner.global_rank == 0,
             seed=None,
@@ -760,3 +766,14 @@ def _shutdown_weight_sync(collector) -> None:
         shutdown = getattr(type(scheme), "shutdown", None)
         if callable(shutdown):
             shutdown(scheme)
+
+
+def _check_max_tokens(learner, max_tokens) -> None:
+    """``max_tokens`` refused before the trainer is built: not a positive integer, or a loss without token counts."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer (padded tokens per micro-batch) or None, got "
+                         f"{max_tokens!r}.")
+    if getattr(learner, "_counts", None) is None:
+        raise ValueError(f"max_tokens cuts each step by tokens, which keeps the step exact only for losses the learner "
+                         f"normalises by token or sample count (torchrl's GRPO family, SFTLoss); "
+                         f"{type(learner.loss_module).__name__} is not one. Leave max_tokens=None.")
