@@ -23,7 +23,7 @@ policy's own), different on each rank; both contenders get the same ones.
   gradient norms agree at every step. With ``--strategy ddp`` the learner runs DDP and the hand loop is
   ``DistributedDataParallel`` (``no_sync`` for the first micro-batch), the same otherwise.
 
-Three parts, each its own ``torchrun`` launches (``--parts``):
+Four parts, each its own ``torchrun`` launches (``--parts``):
 
 1. ``speed``: both contenders in one launch, ``--copies`` copies of each taking turns
    (``harness.rotating``); each repetition times one optimizer step of each, in a random order
@@ -40,6 +40,20 @@ Three parts, each its own ``torchrun`` launches (``--parts``):
    as ``fsdp_capped.py``: its address space before the model plus ``--cap-copies`` model copies,
    3.5 while parameters, gradients and AdamW's moments are 4): ``one_process`` (``LocalLearner``) is
    expected to fail to allocate, ``learner`` and ``hand`` on 2 ranks to train.
+
+4. ``batching``: the same long-tailed global batches (the law is stated on :class:`Cut`: reply words
+   log-normal, median 12, sigma 0.9, clipped to [2, 160]) stepped four ways by ``FabricLearner(strategy=
+   "fsdp")`` on 2 ranks, one copy each, in one launch: ``fixed`` (halves by sample count, micro-batches of
+   4 samples in the drawn order: torchrl's grpo-sync recipe), ``budget`` (``update_by_tokens``, halves by
+   sample count), ``balanced`` (``share_of_rank`` by tokens, then ``update_by_tokens``), ``packed`` (the
+   same with ``pack_sequences``). ``max_tokens`` is the fixed contender's largest possible micro-batch
+   (4 x the longest sample). Reported per contender: the pad fraction (1 - real tokens / tokens the
+   forwards ran on, counting padding and the empty work of a rank with fewer micro-batches), tokens/s
+   (every token of the global batch over the step's wall time; ratio to ``fixed`` as the median of
+   paired ratios, ``harness.interleaved``), a step's peak resident memory over the resident size before
+   it (``VmHWM`` reset through ``/proc/self/clear_refs``; worst rank), the slowest rank's tokens over
+   the mean, and a check that the four take the same step (pre-clip gradient norms). Goals: pad at
+   most 15% (budget) and 3% (packed); tokens/s at least 1.5x fixed; peak memory not above fixed's.
 
 Writes ``benchmarks/results/llm_update.json`` (``--out``): settings, machine and git provenance, every
 sample and launch, the ratios and verdicts. Sizes: ``--quick`` trains tiny models with few repetitions
