@@ -1,8 +1,9 @@
 """Packed sequences: a micro-batch's samples run as one row with no padding, each attending only to itself.
 
 torchrl's ``TransformersWrapper`` hands the model a padded batch (``input_ids``, ``attention_mask``).
-:func:`pack_sequences` hooks the model so that such a call runs as one row holding every sample's
-tokens back to back, with ``position_ids`` restarting at 0 for each sample and no attention mask:
+:func:`pack_sequences` hooks the model so that such a call runs as rows as wide as its longest
+sample, each holding several samples' tokens back to back (first fit, longest first), with
+``position_ids`` restarting at 0 for each sample and no attention mask:
 transformers then builds a block-diagonal causal mask from the positions (``masking_utils``: the
 packed-sequence format, read only without a cache), and the logits are put back in the padded layout
 the wrapper reads. Log-probs, loss and gradients equal the padded forward's (tested within 1e-5, fp32).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from fabric_learner.llm.batching import PACKED
@@ -30,7 +32,7 @@ _LAYOUT = "_fabric_learner_packed_layout"  # the padded layout of the call in fl
 
 
 def pack_sequences(policy: nn.Module) -> nn.Module:
-    """Make ``policy``'s transformers model run each padded batch as one packed row; returns the model.
+    """Make ``policy``'s transformers model run each padded batch as packed rows; returns the model.
 
     ``policy`` is torchrl's ``TransformersWrapper`` (its ``.model`` is hooked) or the transformers
     model itself. Only calls with a 2-D attention mask and no cache are packed (the learner's and the
@@ -75,7 +77,13 @@ def pack_sequences(policy: nn.Module) -> nn.Module:
 
 
 def _pack(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
-    """A padded call ``(input_ids, attention_mask)`` as one row: the real tokens, positions restarting per sample."""
+    """A padded call ``(input_ids, attention_mask)`` as packed rows as wide as its longest sample.
+
+    Samples go longest first into the first row with room (first fit); positions restart at 0 for
+    each sample, and a row's unused tail is a block of its own whose logits are dropped. Rows no
+    wider than the padded batch keep each row's attention (quadratic in its width) no larger than
+    padding's, while there are fewer rows.
+    """
     names = ("input_ids", "attention_mask")
     given = dict(zip(names, args))
     if len(args) > 2 or any(n in kwargs for n in given):
@@ -86,21 +94,41 @@ def _pack(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
             or kwargs.get("past_key_values") is not None or kwargs.get("inputs_embeds") is not None):
         return None  # generation, or a call that sets its own positions: as it is
     keep = mask.bool()
-    positions = keep.long().cumsum(-1) - 1  # 0, 1, ... over each row's real tokens, wherever its pads are
-    model.__dict__[_LAYOUT] = keep
+    lengths = keep.sum(-1).tolist()
+    width = max(lengths)
+    rows: list[int] = []  # each row's used width
+    place = {}
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, used in enumerate(rows) if used + lengths[i] <= width), None)
+        if row is None:
+            row = len(rows)
+            rows.append(0)
+        place[i] = (row, rows[row])
+        rows[row] += lengths[i]
+    ids = input_ids.new_zeros(len(rows), width)
+    positions = torch.arange(width, device=input_ids.device).repeat(len(rows), 1)
+    source = []  # for each real token, in the padded layout's order: its index in the packed rows
+    for i, n in enumerate(lengths):
+        row, start = place[i]
+        ids[row, start:start + n] = input_ids[i][keep[i]]
+        positions[row, start:start + n] = torch.arange(n, device=input_ids.device)
+        source.append(row * width + start + torch.arange(n, device=input_ids.device))
+    for row, used in enumerate(rows):  # the tail: positions restart, a block of its own
+        positions[row, used:] = torch.arange(width - used, device=input_ids.device)
+    model.__dict__[_LAYOUT] = (keep, torch.cat(source))
     packed = {k: v for k, v in kwargs.items() if k not in names}
-    packed.update(input_ids=input_ids[keep][None], position_ids=positions[keep][None], attention_mask=None,
-                  use_cache=False)
+    packed.update(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False)
     return (), packed
 
 
 def _unpack(model: nn.Module, args: tuple, kwargs: dict[str, Any], output):
-    """The packed row's logits back in the padded layout (zeros at pads, which the wrapper masks out)."""
-    keep = model.__dict__.pop(_LAYOUT, None)
-    if keep is None:
+    """The packed rows' logits back in the padded layout (zeros at pads, which the wrapper masks out)."""
+    layout = model.__dict__.pop(_LAYOUT, None)
+    if layout is None:
         return None
+    keep, source = layout
     logits = output.logits
     padded = logits.new_zeros(*keep.shape, logits.shape[-1])
-    padded[keep] = logits[0]
+    padded[keep] = logits.reshape(-1, logits.shape[-1])[source]
     output["logits"] = padded
     return output
