@@ -436,10 +436,18 @@ def processed_tokens(kind: str, share_lengths: list[list[int]], cut: Cut, max_to
             groups = [list(range(i, min(i + cut.fixed, len(lengths)))) for i in range(0, len(lengths), cut.fixed)]
         else:
             groups = _groups(lengths, max_tokens, kind == "packed")
-        sizes.append([sum(lengths[i] for i in g) if kind == "packed" else len(g) * max(lengths[i] for i in g)
+        sizes.append([_packed_size([lengths[i] for i in g]) if kind == "packed" else len(g) * max(lengths[i] for i in g)
                       for g in groups])
     most = max(len(s) for s in sizes)
     return [sum(s) + (most - len(s)) * min(lengths) for s, lengths in zip(sizes, share_lengths)]
+
+
+def _packed_size(lengths: list[int]) -> int:
+    """The tokens a packed micro-batch's forward runs on: its rows times their width (``packed_rows``)."""
+    from fabric_learner.llm.packing import packed_rows
+
+    width, _, rows = packed_rows(lengths)
+    return len(rows) * width
 
 
 class CutSteps:
@@ -562,7 +570,7 @@ def part_batching(args, mode: Mode) -> dict:
     gaps = [abs(a - b) / max(abs(b), 1e-12) for kind in CUTS for a, b in zip(r0["grad_norms"][kind],
                                                                            r0["grad_norms"]["fixed"], strict=True)]
     result = {"what": "GRPO steps on the same long-tailed global batches, 2 FSDP ranks, four ways of cutting them",
-              "law": Cut.__doc__.split("Reply lengths ")[1].replace("\n", " "), "settings": dataclasses.asdict(cut),
+              "law": " ".join(Cut.__doc__.split("Reply lengths ")[1].split()), "settings": dataclasses.asdict(cut),
               "n_params": r0["n_params"], "max_tokens": max_tokens, "tokens_per_step": [sum(x) for x in r0["lengths"]],
               "rows": rows, "grad_norm_max_rel_gap": max(gaps), "seconds": seconds, "ranks": ranks}
     for kind in CUTS:

@@ -1,8 +1,8 @@
 """Packed sequences: a micro-batch's samples run as one row with no padding, each attending only to itself.
 
 torchrl's ``TransformersWrapper`` hands the model a padded batch (``input_ids``, ``attention_mask``).
-:func:`pack_sequences` hooks the model so that such a call runs as rows as wide as its longest
-sample, each holding several samples' tokens back to back (first fit, longest first), with
+:func:`pack_sequences` hooks the model so that such a call runs as rows between one and two longest
+samples wide, each holding several samples' tokens back to back (first fit, longest first), with
 ``position_ids`` restarting at 0 for each sample and no attention mask:
 transformers then builds a block-diagonal causal mask from the positions (``masking_utils``: the
 packed-sequence format, read only without a cache), and the logits are put back in the padded layout
@@ -77,12 +77,10 @@ def pack_sequences(policy: nn.Module) -> nn.Module:
 
 
 def _pack(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
-    """A padded call ``(input_ids, attention_mask)`` as packed rows as wide as its longest sample.
+    """A padded call ``(input_ids, attention_mask)`` as packed rows (:func:`packed_rows`).
 
-    Samples go longest first into the first row with room (first fit); positions restart at 0 for
-    each sample, and a row's unused tail is a block of its own whose logits are dropped. Rows no
-    wider than the padded batch keep each row's attention (quadratic in its width) no larger than
-    padding's, while there are fewer rows.
+    Positions restart at 0 for each sample, and a row's unused tail is a block of its own whose
+    logits are dropped.
     """
     names = ("input_ids", "attention_mask")
     given = dict(zip(names, args))
@@ -95,16 +93,7 @@ def _pack(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
         return None  # generation, or a call that sets its own positions: as it is
     keep = mask.bool()
     lengths = keep.sum(-1).tolist()
-    width = max(lengths)
-    rows: list[int] = []  # each row's used width
-    place = {}
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r, used in enumerate(rows) if used + lengths[i] <= width), None)
-        if row is None:
-            row = len(rows)
-            rows.append(0)
-        place[i] = (row, rows[row])
-        rows[row] += lengths[i]
+    width, place, rows = packed_rows(lengths)
     ids = input_ids.new_zeros(len(rows), width)
     positions = torch.arange(width, device=input_ids.device).repeat(len(rows), 1)
     source = []  # for each real token, in the padded layout's order: its index in the packed rows
@@ -119,6 +108,30 @@ def _pack(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
     packed = {k: v for k, v in kwargs.items() if k not in names}
     packed.update(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False)
     return (), packed
+
+
+def packed_rows(lengths: list[int]) -> tuple[int, dict[int, tuple[int, int]], list[int]]:
+    """Rows for ``lengths``: ``(width, {sample: (row, start)}, [each row's used width])``.
+
+    Samples go longest first into the first row with room. The width is the one, between the
+    longest sample and twice it, whose rows hold the fewest tokens (rows x width); a row's attention
+    grows with the square of its width, hence the bound.
+    """
+    longest, total = max(lengths), sum(lengths)
+    best = None
+    for width in range(longest, min(2 * longest, total) + 1):
+        rows: list[int] = []
+        place = {}
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            row = next((r for r, used in enumerate(rows) if used + lengths[i] <= width), None)
+            if row is None:
+                row = len(rows)
+                rows.append(0)
+            place[i] = (row, rows[row])
+            rows[row] += lengths[i]
+        if best is None or len(rows) * width < len(best[2]) * best[0]:
+            best = (width, place, rows)
+    return best
 
 
 def _unpack(model: nn.Module, args: tuple, kwargs: dict[str, Any], output):
