@@ -392,3 +392,21 @@ class _EmptiedGuard:
             "collective: every rank must enter it)."
         )
 
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model) copies the model's hooks; past this one it would reach the owner, an FSDP module,
+        # and fail in torch with "FSDP does not support deepcopy", which names no fix
+        if self.owner._inside or self.owner._current:
+            return _unguarded  # the copy is taken of full weights: a plain module of its own
+        raise RuntimeError(
+            f"copy.deepcopy of the loss's module {self.path!r} ({self.kind}) or of a module holding it: under FSDP "
+            "its parameters live as shards in the learner and it holds no weights here, so nothing was copied. "
+            "Take the copy (a generation engine's, a collector's) before building the learner, or build the "
+            "learner with policy=<module> (it then stays full and current on every rank and copies as it is), "
+            "or copy inside `with learner.full_parameters():` (a collective: every rank must enter it)."
+        )
+
+
+def _unguarded(module, args) -> None:
+    """A copy's stand-in for ``_EmptiedGuard``: the copy holds its own full weights."""
+    return None
+
