@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -71,3 +72,42 @@ def test_grpo_countdowns_help_gives_the_values_it_runs_with(monkeypatch):
 def test_grpo_countdowns_reward_report_compares_windows_that_never_overlap(steps, report):
     curve = [{"reward": float(i)} for i in range(steps)]
     assert load("grpo_countdown.py").reward_report(curve) == report
+
+
+class _Parsed(Exception):
+    """Raised once an example's parser has parsed its command line: nothing runs past parsing."""
+
+
+def _doc_commands() -> list[tuple[str, str, list[str]]]:
+    """``(page, example, its options)`` for each example command line of the README and docs/."""
+    pages = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                                   if f.endswith(".md"))
+    found = set()
+    for page in pages:
+        for line in open(os.path.join(ROOT, page)).read().splitlines():
+            match = re.search(r"(?:python|torchrun)\b.*?examples/([a-z_]+\.py)((?: [^`#|]*)?)", line)
+            if match:
+                found.add((page, match.group(1), tuple(match.group(2).split())))
+    return sorted((page, script, list(args)) for page, script, args in found)
+
+
+def test_the_docs_give_command_lines_for_the_mesh_examples():
+    scripts = {script for page, script, _ in _doc_commands() if page == os.path.join("docs", "meshes.md")}
+    assert scripts == {"ppo_tensor_parallel.py", "grpo_tensor_parallel.py", "ppo_hsdp.py"}, scripts
+
+
+@pytest.mark.parametrize("page,script,args", _doc_commands(), ids=lambda v: v if isinstance(v, str) else None)
+def test_every_example_command_line_in_the_docs_names_an_example_and_options_it_takes(page, script, args,
+                                                                                     monkeypatch, capsys):
+    assert script in SCRIPTS, f"{page} runs examples/{script}, which does not exist"
+    module = load(script)
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, argv=None, namespace=None):
+        parse(self, argv, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    with pytest.raises(_Parsed):
+        module.parse_args(args) if hasattr(module, "parse_args") else module.main()
