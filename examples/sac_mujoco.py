@@ -121,7 +121,7 @@ def make_optimizer(params, cfg: dict = RECIPE) -> torch.optim.Adam:
 
 def make_collector(env, actor, rank_init_random: int, cfg: dict = RECIPE) -> Collector:
     return Collector(env, actor, frames_per_batch=cfg["frames_per_batch"], total_frames=-1,
-                     init_random_frames=rank_init_random)
+                     init_random_frames=rank_init_random, auto_register_policy_transforms=False)
 
 
 # ---- the recipe as torchrl's SACTrainer on a learner -----------------------------------------------

@@ -21,7 +21,6 @@ it through Lightning's watch over its children (``_take_over_child_observer``).
 from __future__ import annotations
 
 import atexit
-import functools
 import gc
 import os
 import sys
@@ -31,7 +30,7 @@ import weakref
 
 import torch.distributed as dist
 
-from fabric_learner import _call_order
+from fabric_learner import _call_order, _compat
 from fabric_learner._compat import release_ddp_group, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT
 
@@ -153,25 +152,17 @@ CHILD_FAILURE_GRACE_S = 10.0
 def _take_over_child_observer() -> None:
     """Rank 0 of a plain ``python`` launch: a rank it started that fails ends the run with status 1, naming it.
 
-    Lightning's child-process observer (a thread polling the children every 5 s) answers a child's
+    Lightning's child-process observer (a thread looking at the children every 5 s) answers a child's
     non-zero exit by SIGKILLing every process, this one included ("Forcefully terminating all other
     processes"): the run then ends with status 137, names no rank, and cuts rank 0's own traceback when
-    rank 0 is failing too but is slower (a busy host). The thread stays; its look at the children is
-    ``_look_at_children``.
+    rank 0 is failing too but is slower (a busy host). The thread stays; each look is ``_look_at_children``.
     """
-    try:
-        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
-    except ImportError:  # a Lightning without it: its own behaviour stays
-        return
-    for thread in threading.enumerate():
-        if isinstance(thread, _ChildProcessObserver) and not getattr(thread, "_fabric_learner", False):
-            thread._fabric_learner = True
-            thread._run = functools.partial(_look_at_children, thread)
+    _compat.take_over_child_observers(_look_at_children)
 
 
-def _look_at_children(observer) -> bool:
-    """One look (Lightning's ``_run``): True once every child exited 0, or after ending the run on a failure."""
-    codes = [proc.poll() for proc in observer._child_processes]
+def _look_at_children(children) -> bool:
+    """True once every child exited 0, or after ending the run on a failure (never returns then)."""
+    codes = [proc.poll() for proc in children]
     failed = [(rank, code) for rank, code in enumerate(codes, start=1) if code]
     if not failed:
         return all(code == 0 for code in codes)
@@ -195,6 +186,10 @@ def _die(code: int) -> None:
             print(f"fabric_learner: rank {rank} was still running and was killed", file=sys.stderr, flush=True)
         elif status != 0:
             print(f"fabric_learner: rank {rank} exited with status {status}", file=sys.stderr, flush=True)
+    try:
+        _compat.release_semaphores()  # else the resource tracker reports them leaked (and unlinks them)
+    except Exception:  # noqa: BLE001 - a courtesy on the way out, never a reason not to exit
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

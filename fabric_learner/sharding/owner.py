@@ -347,7 +347,6 @@ def gather_full(params: list[torch.Tensor], into: list[torch.Tensor]) -> None:
     networks RL policies often are; dim-0-sharded DTensors on a 1-D mesh (FSDP2's layout) travel
     together. Other layouts (and plain tensors) fall back to ``full_tensor()``.
     """
-    import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
     batches: dict[tuple, list[int]] = {}
@@ -367,7 +366,7 @@ def gather_full(params: list[torch.Tensor], into: list[torch.Tensor]) -> None:
             send[offset:offset + local.numel()] = local
             offset += width
         received = torch.empty(world * send.numel(), dtype=dtype, device=device)
-        dist.all_gather_into_tensor(received, send, group=mesh.get_group())
+        _compat.all_gather_flat(received, send, mesh.get_group())
         received = received.view(world, send.numel())
         offset = 0
         for i, r, width in zip(members, rows, widths):

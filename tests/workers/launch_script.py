@@ -11,6 +11,7 @@ FL_FIRST=ddp|fsdp: the first learner's strategy; the second uses the other one
 FL_CLOSE=1       : close() both learners instead of relying on the exit hook
 FL_FAIL_RANK=r   : rank r raises after its second update of the first learner
 FL_BUSY_RANK0=s  : meanwhile rank 0 computes for s seconds (a sleep, in no collective) before its third update
+FL_QUEUE=1       : every rank holds a multiprocessing queue (named semaphores, as collectors' queues do)
 FL_TIMEOUT=none  : the first learner gets timeout=None (torch's default) instead of the default 5 minutes
 """
 
@@ -56,6 +57,10 @@ def train(kwargs, fail_rank=-1):
 
 
 def main():
+    if os.environ.get("FL_QUEUE") == "1":
+        import multiprocessing
+
+        globals()["queue"] = multiprocessing.get_context("spawn").Queue()
     first = os.environ.get("FL_FIRST", "ddp")
     second = "ddp" if first == "fsdp" else "fsdp"
     plain = os.environ.get("FL_MODE", "external") == "plain"
