@@ -146,3 +146,30 @@ def test_the_exported_folders_reload_with_from_pretrained_holding_the_trained_we
     for model in (live, offline):
         state = model.state_dict()
         assert all(torch.equal(state[k], v) for k, v in rank0["generator"].items())
+
+
+@pytest.mark.parametrize("empty", ["TensorDict", "dict", "stream"])
+def test_load_weights_given_nothing_says_nothing_was_sent_and_why_under_fsdp_and_copies_nothing(empty):
+    from tensordict import TensorDict
+
+    from fabric_learner.llm_weights import load_weights
+    from fabric_learner.testing import tiny_causal_lm
+
+    model = tiny_causal_lm(3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = {"TensorDict": TensorDict(), "dict": {}, "stream": iter([])}[empty]
+    with pytest.raises(ValueError) as refused:
+        load_weights(model, weights)
+    message = str(refused.value)
+    assert "nothing was sent" in message and "rank 0 only" in message and "cpu_offload=False" in message, message
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_load_weights_given_an_empty_tensordict_refuses_even_without_strict():
+    from tensordict import TensorDict
+
+    from fabric_learner.llm_weights import load_weights
+    from fabric_learner.testing import tiny_causal_lm
+
+    with pytest.raises(ValueError, match="nothing was sent"):
+        load_weights(tiny_causal_lm(3), TensorDict(), strict=False)
