@@ -244,7 +244,8 @@ def reward_report(curve: list[dict], window: int = 10) -> str:
     if window == 0:
         return f"reward {_window_mean(curve):.3f} (one update)"
     first, last = _window_mean(curve[:window]), _window_mean(curve[-window:])
-    return f"reward {first:.3f} -> {last:.3f} (means of the first and last {window} updates)"
+    windows = "the first and last updates" if window == 1 else f"means of the first and last {window} updates"
+    return f"reward {first:.3f} -> {last:.3f} ({windows})"
 
 
 def _window_mean(points) -> float:

@@ -65,6 +65,7 @@ def test_grpo_countdowns_help_gives_the_values_it_runs_with(monkeypatch):
 
 @pytest.mark.parametrize("steps,report", [
     (1, "reward 0.000 (one update)"),
+    (2, "reward 0.000 -> 1.000 (the first and last updates)"),
     (5, "reward 0.500 -> 3.500 (means of the first and last 2 updates)"),
     (20, "reward 4.500 -> 14.500 (means of the first and last 10 updates)"),
     (30, "reward 4.500 -> 24.500 (means of the first and last 10 updates)"),
