@@ -48,7 +48,7 @@ from torchrl.objectives import DQNLoss, SoftUpdate
 from torchrl.trainers import ReplayBufferTrainer, TrainerHookBase
 
 from fabric_learner import AsyncCollection, FabricLearner, RemoteCollectors, VersionedPolicy
-from fabric_learner.cli import add_launch_arguments, launch_kwargs
+from fabric_learner.cli import DefaultsHelpFormatter, add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import global_mean
 from fabric_learner.replay import prioritized_sampler
 from fabric_learner.trainer import Trainer
@@ -110,7 +110,7 @@ class AnnealEpsilon(TrainerHookBase):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--frames", type=int, default=int(os.environ.get("DQN_FRAMES", 30_000)),
                    help="environment steps over all ranks together")
     p.add_argument("--envs", type=int, default=8, help="cart-poles per rank")

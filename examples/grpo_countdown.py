@@ -40,7 +40,7 @@ import torch
 from tensordict import TensorDict, lazy_stack, set_list_to_stack
 
 from fabric_learner import FabricLearner
-from fabric_learner.cli import add_launch_arguments, launch_kwargs
+from fabric_learner.cli import DefaultsHelpFormatter, add_launch_arguments, launch_kwargs
 from fabric_learner.llm import load_weights, update_by_tokens, weight_buckets
 
 ANSWER_ALPHABET = frozenset("0123456789+-*/() ")
@@ -51,7 +51,7 @@ RECIPE = {"kl_to_inference_coeff": 1e-2, "entropy_coeff": 1e-4, "lr": 1e-5, "eps
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=100, help="optimizer updates (one group per rank each)")
     p.add_argument("--group", type=int, default=8, help="completions per problem (GRPO's group), per rank")
     p.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per micro-batch (token budget)")
@@ -228,10 +228,8 @@ def main(argv=None):
                   f"  {point['seconds']:.0f}s", flush=True)
     if rank == 0:
         how = "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__
-        first, last = _window_mean(curve[:10]), _window_mean(curve[-10:])
         print(f"done: {world} rank(s) {how}, {learner.num_updates} updates, {world * args.group * args.steps} "
-              f"completions, reward {first:.3f} -> {last:.3f} (means of the first and last 10 updates) "
-              f"in {time.perf_counter() - start:.0f}s", flush=True)
+              f"completions, {reward_report(curve)} in {time.perf_counter() - start:.0f}s", flush=True)
         if args.curve:
             with open(args.curve, "w") as f:
                 json.dump({"command": _command(), "ranks": world, "group": args.group, "replies": replies,
@@ -245,6 +243,17 @@ def main(argv=None):
     if hasattr(learner, "close"):
         learner.close()
     return curve
+
+
+def reward_report(curve: list[dict], window: int = 10) -> str:
+    """The mean reward of the first and of the last ``window`` updates, windows that never overlap
+    (shorter on a run of fewer than ``2 * window`` updates; one mean for a run of one update)."""
+    window = min(window, len(curve) // 2)
+    if window == 0:
+        return f"reward {_window_mean(curve):.3f} (one update)"
+    first, last = _window_mean(curve[:window]), _window_mean(curve[-window:])
+    windows = "the first and last updates" if window == 1 else f"means of the first and last {window} updates"
+    return f"reward {first:.3f} -> {last:.3f} ({windows})"
 
 
 def _window_mean(points) -> float:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from fabric_learner import FabricLearner
+from fabric_learner.cli import DefaultsHelpFormatter
 from fabric_learner.sharding import apply_fsdp, data_parallel_rank, parallelize_layers
 from fabric_learner.testing import grpo_batch, grpo_example
 
@@ -50,7 +51,7 @@ def strategy(data_parallel_size: int = 2, tensor_parallel_size: int = 2, **kwarg
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--updates", type=int, default=2)
     args = parser.parse_args()
     replies = [3, 8, 5, 2]  # two samples per data-parallel rank

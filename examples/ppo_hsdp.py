@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ppo_tensor_parallel import make_batch, make_loss
 
 from fabric_learner import FabricLearner
+from fabric_learner.cli import DefaultsHelpFormatter
 from fabric_learner.sharding import apply_fsdp
 
 
@@ -45,7 +46,7 @@ def hsdp(module: nn.Module, mesh) -> nn.Module:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank and update")
     args = parser.parse_args()

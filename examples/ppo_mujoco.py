@@ -42,7 +42,7 @@ from torchrl.objectives.value import GAE
 from torchrl.trainers import TrainerHookBase
 
 from fabric_learner import FabricLearner
-from fabric_learner.cli import add_launch_arguments, launch_kwargs
+from fabric_learner.cli import DefaultsHelpFormatter, add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import GlobalAdvantageNormalization, LearnerValueEstimator, global_mean
 from fabric_learner.trainer import Trainer
 
@@ -219,7 +219,7 @@ def build(args, learner_kwargs: dict, learner_cls=FabricLearner):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--env", default=RECIPE["env"])
     p.add_argument("--frames", type=int, default=RECIPE["frames"], help="environment steps over all ranks")
     p.add_argument("--frames-per-batch", type=int, default=RECIPE["frames_per_batch"], help="per rank")

@@ -40,7 +40,7 @@ from torchrl.objectives.value import GAE
 from torchrl.trainers import TrainerHookBase
 
 from fabric_learner import FabricLearner
-from fabric_learner.cli import add_launch_arguments, launch_kwargs
+from fabric_learner.cli import DefaultsHelpFormatter, add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import (
     EpochPartitionSampler,
     GlobalAdvantageNormalization,
@@ -129,7 +129,7 @@ def scale_reward(batch, scale: float):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--frames", type=int, default=int(os.environ.get("DEMO_FRAMES", 160_000)),
                    help="environment steps over all ranks together")
     p.add_argument("--envs", type=int, default=16, help="pendulums per rank (one episode each per batch)")

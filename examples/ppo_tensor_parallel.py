@@ -29,6 +29,7 @@ from torchrl.modules import MLP, IndependentNormal, ProbabilisticActor, ValueOpe
 from torchrl.objectives import ClipPPOLoss
 
 from fabric_learner import FabricLearner
+from fabric_learner.cli import DefaultsHelpFormatter
 from fabric_learner.sharding import apply_fsdp, data_parallel_rank, parallelize_layers
 
 OBS, ACT, HIDDEN = 4, 2, 16
@@ -77,7 +78,7 @@ def strategy(data_parallel_size: int = 2, tensor_parallel_size: int = 2, **kwarg
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64, help="samples per data-parallel rank and update")
     args = parser.parse_args()

@@ -58,7 +58,7 @@ from torchrl.objectives import SACLoss, SoftUpdate
 from torchrl.trainers import ReplayBufferTrainer
 
 from fabric_learner import FabricLearner
-from fabric_learner.cli import add_launch_arguments, launch_kwargs
+from fabric_learner.cli import DefaultsHelpFormatter, add_launch_arguments, launch_kwargs
 
 # torchrl's sota-implementations/sac/config.yaml (utd_ratio: see the module docstring)
 RECIPE = dict(env="HalfCheetah-v5", frames=300_000, envs=8, frames_per_batch=1000, init_random_frames=25_000,
@@ -121,7 +121,7 @@ def make_optimizer(params, cfg: dict = RECIPE) -> torch.optim.Adam:
 
 def make_collector(env, actor, rank_init_random: int, cfg: dict = RECIPE) -> Collector:
     return Collector(env, actor, frames_per_batch=cfg["frames_per_batch"], total_frames=-1,
-                     init_random_frames=rank_init_random)
+                     init_random_frames=rank_init_random, auto_register_policy_transforms=False)
 
 
 # ---- the recipe as torchrl's SACTrainer on a learner -----------------------------------------------
@@ -167,7 +167,7 @@ def build(args, learner_factory, *, world: int, rank: int, save_trainer_file: st
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--env", default=RECIPE["env"])
     p.add_argument("--envs", type=int, default=RECIPE["envs"], help="environments per collector (per rank)")
     p.add_argument("--frames", type=int, default=RECIPE["frames"], help="environment steps over all ranks")

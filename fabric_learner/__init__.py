@@ -1,5 +1,6 @@
 """Train torchrl losses on one CPU, one GPU, or many GPUs under DDP or FSDP, unchanged."""
 
+from fabric_learner import _warnings
 from fabric_learner._launch import launcher
 from fabric_learner._stages import Stage
 from fabric_learner.asynchronous import AsyncCollection, VersionedPolicy
@@ -15,3 +16,5 @@ __all__ = ["AsyncCollection", "Capabilities", "FabricLearner", "Learner", "Local
            "ShardedLoss", "Stage", "TorchPrioritizedSampler", "Trainer", "VersionedPolicy", "launcher", "shard_loss",
            "whole_world"]
 __version__ = "0.1.0"
+
+_warnings.quiet()

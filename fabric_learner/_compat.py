@@ -206,7 +206,49 @@ class _UpdaterMarks(dict):
         super().__setitem__(key, value)
 
 
-#: (object, attribute) pairs the functions above rely on, for tests/test_compat.py
+def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
+    """``output`` = every rank's ``tensor``, concatenated. torch 2.13 deprecates ``all_gather_into_tensor``
+    (a ``FutureWarning`` per call site) for ``all_gather_single``, which older torch lacks."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def take_over_child_observers(look) -> None:
+    """Replace what Lightning's child-process observer threads do at each look with ``look(children)``.
+
+    Lightning's ``_SubprocessScriptLauncher`` (plain ``python``: rank 0 starts the other ranks) runs
+    a ``_ChildProcessObserver`` thread whose ``_run`` polls the children every 5 s and, on a non-zero
+    exit, SIGKILLs every process, rank 0 included; no public setting changes that. ``look`` gets the
+    children's ``Popen`` objects and returns True to end the observer.
+    """
+    import threading
+
+    try:
+        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    except ImportError:  # a Lightning without it: its own behaviour stays
+        return
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver) and not getattr(thread, "_fabric_learner", False):
+            thread._fabric_learner = True
+            thread._run = lambda children=thread._child_processes: look(children)
+
+
+def release_semaphores() -> None:
+    """Unlink this process's named multiprocessing semaphores (a queue's locks) now, for a process ending with ``os._exit``.
+
+    multiprocessing unlinks each at interpreter exit, by a finalizer (``SemLock._cleanup``) that
+    ``os._exit`` skips; Python's resource tracker then unlinks them itself and warns "There appear to be
+    N leaked semaphore objects". Only the names go: handles another process holds stay valid.
+    """
+    from multiprocessing import synchronize, util
+
+    for finalizer in list(util._finalizer_registry.values()):
+        if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+            finalizer()
+
+
 def run_collector_node(rank: int, world: int, host: str, port: int) -> None:
     """Run one node of torchrl's ``DistributedCollector`` built with ``launcher="submitit_delayed"``.
 
@@ -219,9 +261,12 @@ def run_collector_node(rank: int, world: int, host: str, port: int) -> None:
 
 
 def required() -> list[tuple[str, Any, str]]:
+    from multiprocessing import synchronize, util
+
     import torch.distributed.distributed_c10d as c10d
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
     from lightning.fabric.wrappers import _FabricModule
     from tensordict import TensorDict
     from torch._C import _functorch
@@ -252,7 +297,11 @@ def required() -> list[tuple[str, Any, str]]:
         ("lightning ModelParallelStrategy", ModelParallelStrategy(parallelize_fn=lambda m, mesh: m), "_timeout"),
         ("lightning ModelParallelStrategy", ModelParallelStrategy(parallelize_fn=lambda m, mesh: m), "_device_mesh"),
         ("lightning Fabric", Fabric(accelerator="cpu", devices=1), "_callbacks"),
+        ("lightning _ChildProcessObserver", _ChildProcessObserver(main_pid=0, child_processes=[]), "_run"),
+        ("lightning _ChildProcessObserver", _ChildProcessObserver(main_pid=0, child_processes=[]), "_child_processes"),
         ("torch.distributed.distributed_c10d", c10d, "_set_pg_timeout"),
+        ("multiprocessing.util", util, "_finalizer_registry"),
+        ("multiprocessing.synchronize SemLock", synchronize.SemLock, "_cleanup"),
         ("torch DeviceMesh", DeviceMesh, "_flatten"),
         ("torch GradScaler", GradScaler("cpu"), "_per_optimizer_states"),
         ("torchrl LossModule", LossModule, "_erase_cache"),

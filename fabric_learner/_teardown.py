@@ -13,7 +13,9 @@ barrier (all ranks done, or an error naming the missing rank), release of DDP's 
 the group, a drain that sleeps with the GIL released until every gloo worker is parked, then
 ``destroy_process_group()``. A rank that dies of an uncaught exception exits at once with
 status 1 after printing its traceback (and kills the ranks it launched), so peers see the
-closed connection and fail fast instead of waiting for the group timeout.
+closed connection and fail fast instead of waiting for the group timeout. Under plain ``python``,
+rank 0 ends the run with status 1 naming a rank it launched that failed, also when it learns of
+it through Lightning's watch over its children (``_take_over_child_observer``).
 """
 
 from __future__ import annotations
@@ -28,19 +30,21 @@ import weakref
 
 import torch.distributed as dist
 
-from fabric_learner import _call_order
+from fabric_learner import _call_order, _compat
 from fabric_learner._compat import release_ddp_group, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT
 
 _open: weakref.WeakSet = weakref.WeakSet()
 _state = {"installed": False, "owns_group": False, "crashed": False, "fabrics": [], "done": False}
 _lock = threading.Lock()
+_dying = threading.Lock()
 
 
 def register(learner, group_existed: bool) -> None:
     """Track a distributed learner; install the exit hooks once per process."""
     with _lock:
         _open.add(learner)
+        _state.setdefault("rank", learner.fabric.global_rank)  # named on failure, even with the group gone
         if not group_existed and not _state["installed"]:
             _state["owns_group"] = True
         if learner.fabric not in _state["fabrics"]:
@@ -54,12 +58,13 @@ def register(learner, group_existed: bool) -> None:
                 _state["crashed"] = True
                 previous(kind, value, tb)
                 _call_order.announce_failure(kind.__name__)  # peers waiting in a collective call learn it
-                rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else os.environ.get("RANK", "?")
+                rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else _state["rank"]
                 print(f"fabric_learner: rank {rank} failed ({kind.__name__}); exiting with status 1 without "
                       "waiting for the other ranks.", file=sys.stderr, flush=True)
                 _die(1)
 
             sys.excepthook = excepthook
+        _take_over_child_observer()
 
 
 def close(learner) -> None:
@@ -121,8 +126,11 @@ def _launched_children() -> list:
 
 
 def _wait_for_children(timeout: float = DEFAULT_TIMEOUT.total_seconds()) -> int:
-    """Rank 0 of a plain ``python`` launch: the exit status of the worst child (named if not 0)."""
-    worst = 0
+    """Rank 0 of a plain ``python`` launch: 0 when every child exited 0, else a failed child's status (each named).
+
+    A child that failed by itself (status 1) decides over one ended by a signal (killed once a peer had failed).
+    """
+    codes = []
     for rank, proc in enumerate(_launched_children(), start=1):
         try:
             code = proc.wait(timeout=timeout)
@@ -131,19 +139,64 @@ def _wait_for_children(timeout: float = DEFAULT_TIMEOUT.total_seconds()) -> int:
             code = proc.wait()
         if code != 0:
             print(f"fabric_learner: rank {rank} exited with status {code}", file=sys.stderr, flush=True)
-            worst = worst or (code if code > 0 else 128 - code)
-    return worst
+            codes.append(code)
+    own = [c for c in codes if c > 0]
+    return own[0] if own else (128 - codes[0] if codes else 0)
+
+
+#: how long a failing rank 0 waits for the ranks it launched to end by themselves before killing them
+CHILD_EXIT_WAIT_S = 2.0
+
+#: how long rank 0 is given to end by itself (its own traceback, its wait for the others) once a rank it
+#: launched has failed, before it ends the run
+CHILD_FAILURE_GRACE_S = 10.0
+
+
+def _take_over_child_observer() -> None:
+    """Rank 0 of a plain ``python`` launch: a rank it started that fails ends the run with status 1, naming it.
+
+    Lightning's child-process observer (a thread looking at the children every 5 s) answers a child's
+    non-zero exit by SIGKILLing every process, this one included ("Forcefully terminating all other
+    processes"): the run then ends with status 137, names no rank, and cuts rank 0's own traceback when
+    rank 0 is failing too but is slower (a busy host). The thread stays; each look is ``_look_at_children``.
+    """
+    _compat.take_over_child_observers(_look_at_children)
+
+
+def _look_at_children(children) -> bool:
+    """True once every child exited 0, or after ending the run on a failure (never returns then)."""
+    codes = [proc.poll() for proc in children]
+    failed = [(rank, code) for rank, code in enumerate(codes, start=1) if code]
+    if not failed:
+        return all(code == 0 for code in codes)
+    rank, code = failed[0]
+    print(f"fabric_learner: rank {rank} exited with status {code}; the run ends with status 1 (rank 0 stops "
+          f"the other ranks within {CHILD_FAILURE_GRACE_S:.0f} s unless it ends first).", file=sys.stderr, flush=True)
+    time.sleep(CHILD_FAILURE_GRACE_S)  # the main thread ends the process first if it can (excepthook, exit hook)
+    _die(1)
+    return True
 
 
 def _die(code: int) -> None:
     """Exit now, skipping interpreter finalization (gloo work may be in flight), children first."""
+    if not _dying.acquire(blocking=False):  # another thread is already ending this process
+        while True:
+            time.sleep(1.0)
+    deadline = time.monotonic() + CHILD_EXIT_WAIT_S  # a child failing too ends by itself, its traceback whole
     for rank, proc in enumerate(_launched_children(), start=1):
-        status = proc.poll()
+        try:
+            status = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: still running
+            status = None
         if status is None:
             proc.kill()
             print(f"fabric_learner: rank {rank} was still running and was killed", file=sys.stderr, flush=True)
         elif status != 0:
             print(f"fabric_learner: rank {rank} exited with status {status}", file=sys.stderr, flush=True)
+    try:
+        _compat.release_semaphores()  # else the resource tracker reports them leaked (and unlinks them)
+    except Exception:  # noqa: BLE001 - a courtesy on the way out, never a reason not to exit
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -11,14 +11,42 @@ disagreement before anything starts).
 from __future__ import annotations
 
 import argparse
+import copy
 from typing import Any
 
 from fabric_learner._launch import launcher
 
-__all__ = ["add_launch_arguments", "launch_kwargs", "launcher"]
+__all__ = ["DefaultsHelpFormatter", "add_launch_arguments", "launch_kwargs", "launcher"]
 
 _NAMES = ("accelerator", "strategy", "devices", "num_nodes", "precision")
 _DEFAULTS_KEY = "_fabric_learner_launch_defaults"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` that shows what an option takes when it is not given: ``(default: X)``.
+
+    Unlike argparse's ``ArgumentDefaultsHelpFormatter`` it also shows the default of an option
+    written without a help text, and leaves alone flags (``store_true``), options without a
+    default (``None``) and help texts that already say theirs.
+
+    Examples:
+        >>> import argparse
+        >>> from fabric_learner.cli import DefaultsHelpFormatter
+        >>> parser = argparse.ArgumentParser(prog="train.py", formatter_class=DefaultsHelpFormatter)
+        >>> _ = parser.add_argument("--steps", type=int, default=100, help="optimizer updates")
+        >>> _ = parser.add_argument("--seed", type=int, default=0)
+        >>> print(parser.format_help().split("options:")[1].strip())
+        -h, --help     show this help message and exit
+          --steps STEPS  optimizer updates (default: 100)
+          --seed SEED    default: 0
+    """
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if (action.option_strings and action.nargs != 0 and action.default not in (None, argparse.SUPPRESS)
+                and "default" not in (action.help or "") and action.help is not argparse.SUPPRESS):
+            action = copy.copy(action)
+            action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+        return super()._format_action(action)
 
 
 def devices_arg(value: str) -> int | str:

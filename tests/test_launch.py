@@ -103,6 +103,19 @@ def failing_runs():
     return two_at_a_time(FAILING, one)
 
 
+def test_a_rank_that_fails_while_rank_0_computes_ends_the_run_with_status_1_naming_it():
+    """Plain python: Lightning's observer would SIGKILL rank 0 (status 137, no rank named, issue #55's mesh runs)."""
+    busy = 60  # rank 0 computes (in no collective) far longer than the observer's 5 s look and our 10 s grace
+    proc = run(python(SCRIPT), timeout=240, FL_MODE="plain", FL_FAIL_RANK="1", FL_BUSY_RANK0=str(busy), FL_QUEUE="1")
+    assert proc.returncode == 1, (proc.returncode, proc.stdout[-3000:])
+    assert proc.leftovers == 0
+    assert "fabric_learner: rank 1 exited with status 1; the run ends with status 1" in proc.stdout, proc.stdout[-3000:]
+    assert "rank 0 is done computing" not in proc.stdout and "Forcefully terminating" not in proc.stdout
+    assert proc.stdout.index("RuntimeError: rank 1 fails on purpose") < proc.stdout.index("rank 1 exited with status 1")
+    # the ranks' queues: their semaphores are released as the ranks end, not left to Python's resource tracker
+    assert "leaked semaphore" not in proc.stdout, proc.stdout[-3000:]
+
+
 @pytest.mark.parametrize("mode,fail_rank", FAILING)
 def test_a_failing_rank_ends_every_process_promptly(failing_runs, mode, fail_rank):
     proc = finished(failing_runs[mode, fail_rank])

@@ -39,7 +39,8 @@ def load_weights(model: nn.Module, weights: Any, *, strict: bool = True) -> int:
 
     Raises:
         KeyError: a name ``model`` does not have (with the nearest fix).
-        ValueError: a shape that differs, or with ``strict`` parameters that received nothing.
+        ValueError: a shape that differs, an empty TensorDict or (with ``strict``) no tensors at all (as
+            ``get_weights()`` gives ranks other than 0 under FSDP), or with ``strict`` parameters that received nothing.
 
     Examples:
         >>> import copy, torch
@@ -58,6 +59,8 @@ def load_weights(model: nn.Module, weights: Any, *, strict: bool = True) -> int:
         True
     """
     if isinstance(weights, TensorDictBase):
+        if weights.is_empty():
+            raise ValueError(_NOTHING_SENT)
         weights = weights.flatten_keys(".").to_dict()
     buckets = [list(weights.items())] if isinstance(weights, Mapping) else _as_buckets(weights)
     receiver: _Receiver | None = None
@@ -75,12 +78,22 @@ def load_weights(model: nn.Module, weights: Any, *, strict: bool = True) -> int:
         copied += len(bucket)
         del bucket, targets
     if strict:
-        missing = receiver.missing() if receiver is not None else ["(every parameter: nothing was received)"]
+        if receiver is None:
+            raise ValueError(_NOTHING_SENT)
+        missing = receiver.missing()
         if missing:
             raise ValueError(f"{len(missing)} parameter(s) of the model received no weights, e.g. {missing[:4]}. "
                              "Send all of them (a peft model sent lora='adapters' receives only its adapters: "
                              "pass strict=False), or check that sender and receiver are the same architecture.")
     return copied
+
+
+_NOTHING_SENT = (
+    "load_weights received no tensors (an empty TensorDict, mapping or stream): nothing was sent, nothing was copied. "
+    "Under FSDP, learner.get_weights() (cpu_offload=True, the default) gathers the weights to rank 0 only and gives "
+    "the other ranks an empty TensorDict; where every rank loads them, call learner.get_weights(cpu_offload=False) "
+    "or iterate weight_buckets(learner) on every rank."
+)
 
 
 def _as_buckets(weights: Iterable) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -53,7 +53,8 @@ class RemoteCollectors:
         rejoin_s (float): how long a rebuild waits for collectors under ``"continue"``.
         timeout_s (float): how long this rank waits for its collectors, to join a build and for each batch (a
             build's first included), before it rebuilds the group.
-        collector_kwargs (dict, optional): passed to torchrl's ``Collector`` inside each collector process.
+        collector_kwargs (dict, optional): passed to torchrl's ``Collector`` inside each collector process
+            (``auto_register_policy_transforms`` defaults to ``False`` there; pass ``True`` for a recurrent policy).
 
     Examples:
         >>> import copy, torch
@@ -95,7 +96,9 @@ class RemoteCollectors:
         self.timeout_s = timeout_s
         self._spec_args = dict(create_env_fn=CloudpickleWrapper(create_env_fn), frames_per_batch=frames_per_batch,
                                on_failure=on_failure, rejoin_s=rejoin_s, timeout_s=timeout_s,
-                               collector_kwargs=dict(collector_kwargs or {}))
+                               # False: torchrl 0.14's behaviour without its FutureWarning, which it emits for every
+                               # policy (any module lacks an InitTracker's key); a recurrent policy passes True
+                               collector_kwargs={"auto_register_policy_transforms": False, **(collector_kwargs or {})})
         self.total_frames = -1
         self.init_random_frames = 0
         self._seed = 0

@@ -347,7 +347,6 @@ def gather_full(params: list[torch.Tensor], into: list[torch.Tensor]) -> None:
     networks RL policies often are; dim-0-sharded DTensors on a 1-D mesh (FSDP2's layout) travel
     together. Other layouts (and plain tensors) fall back to ``full_tensor()``.
     """
-    import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
     batches: dict[tuple, list[int]] = {}
@@ -367,7 +366,7 @@ def gather_full(params: list[torch.Tensor], into: list[torch.Tensor]) -> None:
             send[offset:offset + local.numel()] = local
             offset += width
         received = torch.empty(world * send.numel(), dtype=dtype, device=device)
-        dist.all_gather_into_tensor(received, send, group=mesh.get_group())
+        _compat.all_gather_flat(received, send, mesh.get_group())
         received = received.view(world, send.numel())
         offset = 0
         for i, r, width in zip(members, rows, widths):
@@ -391,4 +390,22 @@ class _EmptiedGuard:
             "and current on every rank), or run this code inside `with learner.full_parameters():` (a "
             "collective: every rank must enter it)."
         )
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model) copies the model's hooks; past this one it would reach the owner, an FSDP module,
+        # and fail in torch with "FSDP does not support deepcopy", which names no fix
+        if self.owner._inside or self.owner._current:
+            return _unguarded  # the copy is taken of full weights: a plain module of its own
+        raise RuntimeError(
+            f"copy.deepcopy of the loss's module {self.path!r} ({self.kind}) or of a module holding it: under FSDP "
+            "its parameters live as shards in the learner and it holds no weights here, so nothing was copied. "
+            "Take the copy (a generation engine's, a collector's) before building the learner, or build the "
+            "learner with policy=<module> (it then stays full and current on every rank and copies as it is), "
+            "or copy inside `with learner.full_parameters():` (a collective: every rank must enter it)."
+        )
+
+
+def _unguarded(module, args) -> None:
+    """A copy's stand-in for ``_EmptiedGuard``: the copy holds its own full weights."""
+    return None
 

@@ -10,6 +10,8 @@ FL_MODE=external : ``fabric run`` / ``torchrun`` started the ranks; the first le
 FL_FIRST=ddp|fsdp: the first learner's strategy; the second uses the other one
 FL_CLOSE=1       : close() both learners instead of relying on the exit hook
 FL_FAIL_RANK=r   : rank r raises after its second update of the first learner
+FL_BUSY_RANK0=s  : meanwhile rank 0 computes for s seconds (a sleep, in no collective) before its third update
+FL_QUEUE=1       : every rank holds a multiprocessing queue (named semaphores, as collectors' queues do)
 FL_TIMEOUT=none  : the first learner gets timeout=None (torch's default) instead of the default 5 minutes
 """
 
@@ -19,6 +21,7 @@ import functools
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -38,6 +41,9 @@ def train(kwargs, fail_rank=-1):
     for step in range(3):
         if step == 2 and rank == fail_rank:
             raise RuntimeError(f"rank {rank} fails on purpose")
+        if step == 2 and rank == 0 and os.environ.get("FL_BUSY_RANK0"):
+            time.sleep(float(os.environ["FL_BUSY_RANK0"]))
+            print("rank 0 is done computing", flush=True)
         learner.update(halves(make_batch("dqn", n=16, seed=step), rank))
         with torch.no_grad():  # a rollout between updates: the policy the loss trains, in place, on every strategy
             acted.append(float(qnet(make_batch("dqn", n=4, seed=9).select("observation"))["action_value"].sum()))
@@ -51,6 +57,10 @@ def train(kwargs, fail_rank=-1):
 
 
 def main():
+    if os.environ.get("FL_QUEUE") == "1":
+        import multiprocessing
+
+        globals()["queue"] = multiprocessing.get_context("spawn").Queue()
     first = os.environ.get("FL_FIRST", "ddp")
     second = "ddp" if first == "fsdp" else "fsdp"
     plain = os.environ.get("FL_MODE", "external") == "plain"
