@@ -15,6 +15,7 @@ directory answers for ``--wait`` seconds.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import socket
@@ -79,7 +80,9 @@ class _Supervisor:
             while True:
                 directory = _connect(self.address, self.wait_s)
                 if directory is None:
-                    self.log(f"no directory at {self.address} for {self.wait_s:.0f} s: ending")
+                    hint = ("" if self.run is not None else " (check that --connect is the address the learner passes "
+                            "to RemoteCollectors, and that its rank 0 runs)")
+                    self.log(f"no directory at {self.address} for {self.wait_s:.0f} s: ending{hint}")
                     return 0 if self.run is not None else 1
                 try:
                     ended = self.serve_build(directory)
@@ -119,7 +122,7 @@ class _Supervisor:
         self.spare = None
         conn.send((slot + 1, int(nodes) + 1, host, int(port)))
         self.log(f"build {epoch} of learner rank {rank}: node {node.pid}, collector {slot + 1} of {nodes}")
-        outcome = _watch(directory, rank, epoch, node)
+        outcome = _watch(directory, rank, epoch, node, slot)
         _stop(node, grace_s=5.0 if outcome == "ended" else 0.0)
         if outcome != "died":
             return None
@@ -162,11 +165,16 @@ def _stop(node, grace_s: float = 0.0) -> None:
         node.join(10)
 
 
-def _watch(directory: Directory, rank: int, epoch: int, node) -> str:
-    """Until the node ends or its build is over: ``"died"``, ``"ended"`` or ``"rebuilt"``."""
-    while True:
+def _watch(directory: Directory, rank: int, epoch: int, node, slot: int) -> str:
+    """Until the node ends or its build is over: ``"died"``, ``"ended"`` or ``"rebuilt"``.
+
+    Beats meanwhile (a counter in the directory): a collector killed whole reports nothing, and its
+    learner rank's driver learns it from the silence."""
+    for tick in itertools.count():
         node.join(POLL_S)
         try:
+            if tick % 5 == 0:
+                directory.count(f"rank{rank}", f"e{epoch}", f"beat{slot}", add=1)
             over = (directory.count(f"rank{rank}", "epochs") - 1 != epoch or directory.has(f"rank{rank}", "done")
                     or directory.current_run() != directory.run)
             faulted = directory.has(f"rank{rank}", f"e{epoch}", "fault")
