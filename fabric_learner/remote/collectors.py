@@ -127,7 +127,8 @@ class RemoteCollectors:
         self._delivered = False  # the current build has delivered a batch
         self._epoch, self._joined, self._nodes, self._build_read_t = 0, 0, 0, 0.0  # the current build, as last read
         self._next_line_t, self._line_gap, self._said_waiting = 0.0, WAIT_LINE_S, False
-        self._peers_checked_t = 0.0
+        self._told, self._tell_lock = False, threading.Lock()
+        self._peer_failure: tuple[str, int] | None = None  # (reason, rank) of another rank that ended the run
         self._lock = threading.Lock()  # the driver and its queues are replaced from the feeder thread
 
     # ---- what a torchrl collector offers the Trainer ---------------------------------------------------
@@ -153,7 +154,8 @@ class RemoteCollectors:
     def __iter__(self):
         self._start()
         while not self._closed:
-            self._check_peers(time.monotonic())
+            if self._peer_failure is not None:
+                self._end_run(*self._peer_failure)
             try:
                 batch = self._batches.get(timeout=0.1)
             except queue.Empty:
@@ -212,6 +214,8 @@ class RemoteCollectors:
                            else Directory.connect(self.address, timeout_s=self.timeout_s))
         self._started_t = time.monotonic()
         self._next_line_t = self._started_t + WAIT_LINE_S
+        if self.world > 1:
+            threading.Thread(target=self._watch_peers, daemon=True, name="fabric_learner-remote-peers").start()
         if self.local:
             from fabric_learner import collect
 
@@ -352,34 +356,48 @@ class RemoteCollectors:
         self._closed = True
         with self._lock:
             self._stop_driver()
-        message = (f"Learner rank {self.rank}: {reason}" if peer is None else
-                   f"Learner rank {self.rank}: the run ends because learner rank {peer} reports: {reason}")
-        self._say(f"ending the run on every rank. {message}")
-        directory = self._directory
-        told = [directory.key(f"rank{r}", "told") for r in range(self.world)]
+        message = self._tell(reason, peer)
         try:
-            if peer is None:
-                directory.store.set(directory.key(f"rank{self.rank}", "failed"), reason)
-            directory.store.set(told[self.rank], "1")
+            self._directory.store.set(self._directory.key(f"rank{self.rank}", "done"), "1")  # its collectors end
+            told = [self._directory.key(f"rank{r}", "told") for r in range(self.world)]
             deadline = time.monotonic() + LINGER_S
-            while self.world > 1 and not directory.store.check(told) and time.monotonic() < deadline:
+            while self.world > 1 and not self._directory.store.check(told) and time.monotonic() < deadline:
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the directory went with learner rank 0: the others know already
             pass
         raise RuntimeError(message + " The run ends on every rank.")
 
-    def _check_peers(self, now: float) -> None:
-        """Raise what another rank ended the run with, if one did (looked up every half second)."""
-        if self.world == 1 or now - self._peers_checked_t < 0.5:
-            return
-        self._peers_checked_t = now
-        for peer in range(self.world):
-            if peer == self.rank:
-                continue
-            try:
-                if not self._directory.has(f"rank{peer}", "failed"):
+    def _tell(self, reason: str, peer: int | None) -> str:
+        """Say why the run ends (once), and mark in the directory that this rank has said it."""
+        message = (f"Learner rank {self.rank}: {reason}" if peer is None else
+                   f"Learner rank {self.rank}: the run ends because learner rank {peer} reports: {reason}")
+        with self._tell_lock:
+            if self._told:
+                return message
+            self._told = True
+        self._say(f"ending the run on every rank. {message}")
+        try:
+            if peer is None:
+                self._directory.store.set(self._directory.key(f"rank{self.rank}", "failed"), reason)
+            self._directory.store.set(self._directory.key(f"rank{self.rank}", "told"), "1")
+        except Exception:  # noqa: BLE001 - the directory went with learner rank 0: the others know already
+            pass
+        return message
+
+    def _watch_peers(self) -> None:
+        """A thread of its own: every half second, whether another rank ended the run. It says so at once (the
+        collector's thread may be waiting for the learner to take a batch) and the collector raises it next."""
+        while not self._closed:
+            time.sleep(0.5)
+            for peer in range(self.world):
+                if peer == self.rank or self._closed:
                     continue
-                reason = self._directory.store.get(self._directory.key(f"rank{peer}", "failed")).decode()
-            except Exception:  # noqa: BLE001 - the directory went with learner rank 0; its collective errors tell
+                try:
+                    if not self._directory.has(f"rank{peer}", "failed"):
+                        continue
+                    reason = self._directory.store.get(self._directory.key(f"rank{peer}", "failed")).decode()
+                except Exception:  # noqa: BLE001 - the directory went with learner rank 0; its collective errors tell
+                    return
+                self._tell(reason, peer)
+                self._peer_failure = (reason, peer)
                 return
-            self._end_run(reason, peer=peer)

@@ -10,7 +10,8 @@ Usage: torchrun --max-restarts=1 ... remote_checks.py OUT_DIR faults PORT
            timeout_s=15: the test kills one of rank 0's collectors and rank 1's whole, waits past timeout_s, then
            starts a new collector for rank 1; rank 1 stops the run once it has 3 batches from the new one
        (2 ranks forked by tests/zygote.py) remote_checks.py OUT_DIR wrongport PORT
-           2 DDP ranks, timeout_s=12, and no collector at PORT (the test starts one at another port): the run ends
+           2 DDP ranks, timeout_s=12: the test starts a collector for rank 0 and rank 1's at another port; the run
+           ends
 
 The collectors are started by the test (one command each, as on other hosts); this program only builds
 the learner, ``RemoteCollectors`` and the Trainer. Each rank appends its progress to OUT_DIR/progress_rank{r}
