@@ -257,8 +257,8 @@ def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_a
              f"(python -m fabric_learner.collect --connect {address}; their output says what they reached), that their "
              f"--connect address and port are {address} exactly, and that no firewall blocks port {port}")
     assert said(out, 1, f"waiting for collectors at {address} for 1"), out[-6000:]
-    assert said(out, 1, "it has 0 of 1; none has connected yet; the run ends at 12 s (timeout_s) unless one does. Each "
-                        f"is started with: python -m fabric_learner.collect --connect {address}")
+    assert said(out, 1, f"it has 0 of 1; none has connected yet; the run ends at {timeout_s:g} s (timeout_s) unless one "
+                        f"does. Each is started with: python -m fabric_learner.collect --connect {address}")
     assert said(out, 1, f"ending the run on every rank. Learner rank 1: {never}"), out[-6000:]
     assert said(out, 0, f"ending the run on every rank. Learner rank 0: the run ends because learner rank 1 reports: "
                         f"{never}"), out[-6000:]
