@@ -80,6 +80,7 @@ class _Supervisor:
     def serve(self) -> int:
         try:
             self.spare_node()  # its imports overlap the wait for the directory
+            self.log(f"looking for the learner's directory at {self.address} (for up to {self.wait_s:.0f} s)")
             while True:
                 directory = _connect(self.address, self.wait_s)
                 if directory is None:

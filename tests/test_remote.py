@@ -44,13 +44,13 @@ class Collectors:
         for _ in range(n):
             self.add()
 
-    def add(self, *args: str, port: int | None = None) -> None:
+    def add(self, *args: str, port: int | None = None, wait: int | None = None) -> None:
         """Start one more collector (``args``: more options of ``python -m fabric_learner.collect``)."""
         log = self.folder / f"collector{len(self.logs)}.log"
         self.logs.append(log)
         self.procs.append(subprocess.Popen(
             [sys.executable, "-m", "fabric_learner.collect", "--connect", f"127.0.0.1:{port or self.port}", "--wait",
-             str(self.wait_s), *args], cwd=ROOT, env=env(PYTHONPATH=PATHS), stdout=open(log, "w"),
+             str(wait or self.wait_s), *args], cwd=ROOT, env=env(PYTHONPATH=PATHS), stdout=open(log, "w"),
             stderr=subprocess.STDOUT, start_new_session=True))
 
     def log(self, i: int) -> str:
@@ -63,6 +63,11 @@ class Collectors:
 
     def serving(self, i: int) -> int:
         return int(re.findall(r"serving learner rank (\d+)", self.log(i))[-1])
+
+    def looking(self, timeout: float = 120) -> None:
+        """Wait until every collector has done its imports and looks for the directory."""
+        wait_until(lambda: all("looking for the learner's directory" in self.log(i) for i in range(len(self.logs))),
+                   "the collectors' start", timeout)
 
     def wait(self, timeout: float = 60) -> list[int]:
         return [p.wait(timeout) for p in self.procs]
@@ -243,9 +248,10 @@ def test_a_rank_without_collectors_says_it_waits_naming_the_address_until_one_co
 def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_address(tmp_path):
     port, wrong = free_port(), free_port()
     collectors = Collectors(tmp_path, port, n=0, wait=15)
-    collectors.add("--learner-rank", "0")  # rank 0 has its collector
+    collectors.add("--learner-rank", "0", wait=60)  # rank 0 has its collector
     collectors.add(port=wrong)  # rank 1's was started with the wrong port
     try:
+        collectors.looking()  # imported: rank 0's connects within timeout_s of the directory, however busy the host
         proc = launch(SCRIPT, tmp_path, "wrongport", port, timeout=150)
         code = collectors.procs[1].wait(60)
     finally:

@@ -10,7 +10,7 @@ Usage: torchrun --max-restarts=1 ... remote_checks.py OUT_DIR faults PORT
            timeout_s=15: the test kills one of rank 0's collectors and rank 1's whole, waits past timeout_s, then
            starts a new collector for rank 1; rank 1 stops the run once it has 3 batches from the new one
        (2 ranks forked by tests/zygote.py) remote_checks.py OUT_DIR wrongport PORT
-           2 DDP ranks, timeout_s=20: the test starts a collector for rank 0 and rank 1's at another port; the run
+           2 DDP ranks, timeout_s=12: the test starts a collector for rank 0 and rank 1's at another port; the run
            ends
 
 The collectors are started by the test (one command each, as on other hosts); this program only builds
@@ -43,7 +43,7 @@ RESUMED_BATCHES = 20  # "faults": rank 0's batches after the resume, before it s
 SETTINGS = {  # RemoteCollectors arguments of each mode
     "faults": dict(collectors=2, on_failure="restart", rejoin_s=3.0, timeout_s=60.0),
     "continue": dict(collectors=3, on_failure="continue", rejoin_s=3.0, timeout_s=15.0, max_restarts=1),
-    "wrongport": dict(collectors=2, timeout_s=20.0),  # long enough for rank 0's collector to connect on a busy host
+    "wrongport": dict(collectors=2, timeout_s=12.0),
 }
 
 
