@@ -15,6 +15,7 @@ directory answers for ``--wait`` seconds.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import socket
@@ -27,7 +28,7 @@ POLL_S = 0.1
 
 
 def _node(conn) -> None:
-    """A collector node: imports first (while its build is being arranged), then runs when told where."""
+    """A collector node: imports first (before its collector joins a build), says so, then runs when told where."""
     import torch
 
     from fabric_learner._compat import run_collector_node
@@ -35,6 +36,7 @@ def _node(conn) -> None:
     torch.set_num_threads(1)
     import torchrl.collectors.distributed  # noqa: F401 - loaded before the group is known, not after
 
+    conn.send("ready")
     rank, world, host, port = conn.recv()
     conn.close()
     run_collector_node(rank, world, host, port)
@@ -72,14 +74,19 @@ class _Supervisor:
         self.ctx = mp.get_context("spawn")
         self.restarts = 0
         self.run = self.rank = None
-        self.spare = None  # (process, connection): a node that has done its imports and waits for a group
+        self.spare = None  # (process, connection): a node that does its imports, then waits for a group
+        self.spare_ready = False  # it has said it is ready
 
     def serve(self) -> int:
         try:
+            self.spare_node()  # its imports overlap the wait for the directory
+            self.log(f"looking for the learner's directory at {self.address} (for up to {self.wait_s:.0f} s)")
             while True:
                 directory = _connect(self.address, self.wait_s)
                 if directory is None:
-                    self.log(f"no directory at {self.address} for {self.wait_s:.0f} s: ending")
+                    hint = ("" if self.run is not None else " (check that --connect is the address the learner passes "
+                            "to RemoteCollectors, and that its rank 0 runs)")
+                    self.log(f"no directory at {self.address} for {self.wait_s:.0f} s: ending{hint}")
                     return 0 if self.run is not None else 1
                 try:
                     ended = self.serve_build(directory)
@@ -97,16 +104,17 @@ class _Supervisor:
         if directory.run != self.run:  # a new run (or the first): take a turn
             self.run, world = directory.run, directory.world()
             self.rank = self.learner_rank if self.learner_rank is not None else (directory.count("assign", add=1) - 1) % world
+            directory.count(f"rank{self.rank}", "connected", add=1)  # the learner rank knows it is not alone
             self.log(f"run {self.run}: serving learner rank {self.rank} of {world}")
         rank = self.rank
         if directory.has(f"rank{rank}", "done"):
             self.log(f"learner rank {rank}'s collection ended")
             return 0
+        node, conn = self.ready_node()  # joins only once it can collect at once: a build's first batch is prompt
         epoch = directory.count(f"rank{rank}", "epochs") - 1
         if epoch < 0:
             time.sleep(POLL_S)
             return None
-        node, conn = self.spare_node()
         slot = directory.count(f"rank{rank}", f"e{epoch}", "join", add=1) - 1
         group = directory.wait_for(f"rank{rank}", f"e{epoch}", "group", timeout_s=self.wait_s,
                                    alive=lambda: directory.count(f"rank{rank}", "epochs") - 1 == epoch)
@@ -116,10 +124,10 @@ class _Supervisor:
         if slot >= int(nodes):  # came back too late for this build
             _wait_for_next_build(directory, rank, epoch)
             return None
-        self.spare = None
+        self.spare, self.spare_ready = None, False
         conn.send((slot + 1, int(nodes) + 1, host, int(port)))
         self.log(f"build {epoch} of learner rank {rank}: node {node.pid}, collector {slot + 1} of {nodes}")
-        outcome = _watch(directory, rank, epoch, node)
+        outcome = _watch(directory, rank, epoch, node, slot)
         _stop(node, grace_s=5.0 if outcome == "ended" else 0.0)
         if outcome != "died":
             return None
@@ -137,7 +145,17 @@ class _Supervisor:
             node = self.ctx.Process(target=_node, args=(child,), name="fabric_learner-node", daemon=False)
             node.start()
             child.close()
-            self.spare = (node, parent)
+            self.spare, self.spare_ready = (node, parent), False
+        return self.spare
+
+    def ready_node(self):
+        """The spare node once it has done its imports (a new one if it died meanwhile)."""
+        while not self.spare_ready:
+            node, conn = self.spare_node()
+            try:
+                self.spare_ready = conn.poll(POLL_S) and conn.recv() == "ready"
+            except (EOFError, OSError):  # it died importing: spare_node starts another
+                node.join(1)
         return self.spare
 
 
@@ -162,11 +180,16 @@ def _stop(node, grace_s: float = 0.0) -> None:
         node.join(10)
 
 
-def _watch(directory: Directory, rank: int, epoch: int, node) -> str:
-    """Until the node ends or its build is over: ``"died"``, ``"ended"`` or ``"rebuilt"``."""
-    while True:
+def _watch(directory: Directory, rank: int, epoch: int, node, slot: int) -> str:
+    """Until the node ends or its build is over: ``"died"``, ``"ended"`` or ``"rebuilt"``.
+
+    Beats meanwhile (a counter in the directory): a collector killed whole reports nothing, and its
+    learner rank's driver learns it from the silence."""
+    for tick in itertools.count():
         node.join(POLL_S)
         try:
+            if tick % 5 == 0:
+                directory.count(f"rank{rank}", f"e{epoch}", f"beat{slot}", add=1)
             over = (directory.count(f"rank{rank}", "epochs") - 1 != epoch or directory.has(f"rank{rank}", "done")
                     or directory.current_run() != directory.run)
             faulted = directory.has(f"rank{rank}", f"e{epoch}", "fault")

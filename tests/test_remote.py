@@ -1,10 +1,11 @@
 """Collectors apart from the learner ranks (fabric_learner.remote, docs/remote.md).
 
 Every collector is a separate command, ``python -m fabric_learner.collect --connect 127.0.0.1:PORT``, as it
-would be on another host; the learner program is tests/workers/remote_checks.py. Two runs: 2 DDP ranks under
+would be on another host; the learner program is tests/workers/remote_checks.py. Three runs: 2 DDP ranks under
 ``torchrun --max-restarts=1`` whose rank 1's collector node is killed mid-run (restarted, joins again) and then
-rank 1 itself (the ranks resume from the checkpoint, the collectors reconnect); one process whose collector is
-killed whole under ``on_failure="continue"`` (the run goes on with the other).
+rank 1 itself (the ranks resume from the checkpoint, the collectors reconnect); 2 ranks under
+``on_failure="continue"`` that lose collectors killed whole (rank 0 one of its two, rank 1 its only one, which
+comes back later); 2 ranks whose only collector was started with the wrong port (the run ends on both ranks).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from multiproc import ROOT, WORKERS, env, free_port, run, torchrun
+from multiproc import ROOT, WORKERS, env, free_port, launch, run, torchrun
 
 sys.path.insert(0, WORKERS)
 
 import async_common as ac
+from remote_checks import RESUMED_BATCHES, SETTINGS
 
 from fabric_learner.remote import RemoteCollectors
 from fabric_learner.remote.directory import split_address
@@ -36,11 +38,20 @@ PATHS = os.pathsep.join([ROOT, WORKERS, os.path.join(ROOT, "tests")])  # the env
 class Collectors:
     """The test's collector commands, each in its own session, its log in ``folder``; all killed at the end."""
 
-    def __init__(self, folder, port: int, n: int = 2) -> None:
-        self.logs = [folder / f"collector{i}.log" for i in range(n)]
-        self.procs = [subprocess.Popen([sys.executable, "-m", "fabric_learner.collect", "--connect", f"127.0.0.1:{port}",
-                                        "--wait", "60"], cwd=ROOT, env=env(PYTHONPATH=PATHS), stdout=open(log, "w"),
-                                       stderr=subprocess.STDOUT, start_new_session=True) for log in self.logs]
+    def __init__(self, folder, port: int, n: int = 2, wait: int = 60) -> None:
+        self.folder, self.port, self.wait_s = folder, port, wait
+        self.logs, self.procs = [], []
+        for _ in range(n):
+            self.add()
+
+    def add(self, *args: str, port: int | None = None, wait: int | None = None) -> None:
+        """Start one more collector (``args``: more options of ``python -m fabric_learner.collect``)."""
+        log = self.folder / f"collector{len(self.logs)}.log"
+        self.logs.append(log)
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "fabric_learner.collect", "--connect", f"127.0.0.1:{port or self.port}", "--wait",
+             str(wait or self.wait_s), *args], cwd=ROOT, env=env(PYTHONPATH=PATHS), stdout=open(log, "w"),
+            stderr=subprocess.STDOUT, start_new_session=True))
 
     def log(self, i: int) -> str:
         return self.logs[i].read_text()
@@ -52,6 +63,11 @@ class Collectors:
 
     def serving(self, i: int) -> int:
         return int(re.findall(r"serving learner rank (\d+)", self.log(i))[-1])
+
+    def looking(self, timeout: float = 120) -> None:
+        """Wait until every collector has done its imports and looks for the directory."""
+        wait_until(lambda: all("looking for the learner's directory" in self.log(i) for i in range(len(self.logs))),
+                   "the collectors' start", timeout)
 
     def wait(self, timeout: float = 60) -> list[int]:
         return [p.wait(timeout) for p in self.procs]
@@ -74,6 +90,24 @@ def wait_for_batches(path, n: int, timeout: float = 120) -> None:
 
 def batch_sizes(path) -> list[int]:
     return [int(line.split()[1]) for line in path.read_text().splitlines()]
+
+
+def rounds(path) -> list[tuple[int, ...]]:
+    """A rank's rounds that ran the steps: (updates, replay buffer length, group builds, restarts)."""
+    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until(check, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen in {timeout} s")
+        time.sleep(0.1)
+
+
+def said(output: str, rank: int, text: str) -> list[str]:
+    """Lines of learner rank ``rank``'s own messages (``[learner rank R HH:MM:SS] ...``) that contain ``text``."""
+    return re.findall(rf"^\[learner rank {rank} [0-9:]+\] .*{re.escape(text)}.*$", output, re.M)
 
 
 def test_bad_settings_are_refused_before_anything_starts():
@@ -139,24 +173,100 @@ def test_what_was_admitted_is_trained_on_and_versions_respect_the_lag(faults):
         s = r["stats"]  # attempt 1's own counters
         assert r["hook_frames"] == s["admitted_frames"] and s["max_admitted_lag"] <= 12 and r["hook_max_lag"] <= 12
         assert r["rb_len"] >= s["admitted_frames"]  # the replay buffer also holds what the checkpoint restored
-    assert faults["ranks"][0]["collected_frames"] >= 60 * 2 * ac.FRAMES_PER_BATCH
+    lines = (faults["out"] / "progress_rank0").read_text().splitlines()
+    assert sum(line.split()[2] == "1" for line in lines) >= RESUMED_BATCHES  # then rank 0 stopped the run
+    assert faults["ranks"][0]["collected_frames"] > int(lines[-1].split()[0])
 
 
-def test_on_failure_continue_goes_on_with_the_collectors_left(tmp_path):
+@pytest.fixture(scope="module")
+def lost(tmp_path_factory):
+    """2 DDP ranks under "continue", max_restarts=1, timeout_s=15; 3 collectors (2 for rank 0, 1 for rank 1). One of
+    rank 0's and rank 1's only one are killed whole; once rank 1 has rebuilt its group, the test waits past timeout_s
+    and starts a new collector for rank 1, which stops the run after 3 batches from it."""
+    out = tmp_path_factory.mktemp("remote_continue")
     port = free_port()
-    collectors = Collectors(tmp_path, port)
+    collectors = Collectors(out, port, n=3, wait=20)  # rank 0 may end before a collector sees it did: 20 s later
     try:
         with ThreadPoolExecutor(1) as pool:
-            done = pool.submit(run, [sys.executable, SCRIPT, str(tmp_path), "continue", str(port)], timeout=240)
-            wait_for_batches(tmp_path / "progress_rank0", 3)
-            os.killpg(collectors.procs[1].pid, signal.SIGKILL)  # the whole collector: nobody restarts it
+            done = pool.submit(launch, SCRIPT, out, "continue", port, timeout=300)
+            for r in (0, 1):
+                wait_for_batches(out / f"progress_rank{r}", 4)
+            serving = [collectors.serving(i) for i in range(3)]
+            killed = (serving.index(0), serving.index(1))
+            for victim in killed:
+                os.killpg(collectors.procs[victim].pid, signal.SIGKILL)  # supervisor and node: nobody restarts it
+            wait_until(lambda: any(row[3] for row in rounds(out / "rounds_rank1")), "rank 1's rebuild")
+            time.sleep(SETTINGS["continue"]["timeout_s"] + 5)  # a wait counted as a restart would end the run here
+            collectors.add("--learner-rank", "1")
             proc = done.result()
-        assert collectors.procs[0].wait(60) == 0, collectors.log(0)
+            (out / "launch.log").write_text(proc.stdout)
+        codes = {i: collectors.procs[i].wait(60) for i in range(4) if i not in killed}
     finally:
         collectors.kill_all()
+    return {"proc": proc, "out": out, "port": port, "codes": codes, "logs": [collectors.log(i) for i in range(4)],
+            "ranks": [torch.load(out / f"continue_rank{r}.pt", weights_only=False) for r in (0, 1)]}
+
+
+def test_under_continue_a_rank_that_lost_every_collector_trains_on_its_replay_buffer_until_one_comes_back(lost):
+    proc, out = lost["proc"], lost["out"]
     assert proc.returncode == 0 and proc.leftovers == 0, proc.stdout[-6000:]
-    r = torch.load(tmp_path / "continue_rank0.pt", weights_only=False)
-    assert r["remote"]["restarts"] == 1 and r["remote"]["builds"] == 2
-    sizes = batch_sizes(tmp_path / "progress_rank0")
+    r0, r1 = lost["ranks"]
+    assert r1["remote"]["restarts"] == 1 and r1["remote"]["builds"] == 2  # the kill; waiting rebuilt nothing
+    rows = rounds(out / "rounds_rank1")
+    first = next(i for i, row in enumerate(rows) if row[3] == 1)
+    without = [row for row in rows[first:] if row[1] == rows[first][1]]  # no new frame on rank 1
+    assert len(without) >= 5 and without[-1][0] > without[0][0], rows[first:]  # ... but updates all the same
+    assert rows[-1][1] > rows[first][1]  # frames from the collector that came back
+    assert r0["num_updates"] == r1["num_updates"]
+    for k in r0["params"]:
+        assert torch.equal(r0["params"][k], r1["params"][k]), k
+    assert all(code == 0 for code in lost["codes"].values()), lost["logs"]
+
+
+def test_under_continue_a_rank_left_with_some_collectors_goes_on_with_them(lost):
+    r0 = lost["ranks"][0]
+    assert r0["remote"]["restarts"] == 1 and r0["remote"]["builds"] == 2
+    sizes = batch_sizes(lost["out"] / "progress_rank0")
     assert sizes[0] == 2 * ac.FRAMES_PER_BATCH and sizes[-1] == ac.FRAMES_PER_BATCH  # two collectors, then one
-    assert r["rb_len"] == r["stats"]["admitted_frames"] and r["collected_frames"] >= 30 * 2 * ac.FRAMES_PER_BATCH
+    for r in lost["ranks"]:
+        assert r["rb_len"] == r["stats"]["admitted_frames"] == r["hook_frames"] and r["hook_max_lag"] <= 12
+
+
+def test_a_rank_without_collectors_says_it_waits_naming_the_address_until_one_comes(lost):
+    out, address = lost["proc"].stdout, f"127.0.0.1:{lost['port']}"
+    assert said(out, 1, "group failed ("), out[-6000:]  # the killed collector's node, silence, or no batch
+    assert said(out, 1, "rebuilding it (restart 1 of 1)")
+    waits = said(out, 1, f"waiting for collectors at {address} for ")
+    gone = [line for line in waits if "it has 0 of 1; its collectors were lost; the run goes on (on_failure='continue')"
+            in line]
+    assert gone, out[-6000:]
+    waited = max(int(re.search(r" for (\d+) s:", line).group(1)) for line in gone)
+    assert waited > SETTINGS["continue"]["timeout_s"]  # longer than timeout_s: waiting never ends the run
+    assert said(out, 1, f"collectors at {address}: 1 of 1 delivering"), out[-6000:]
+
+
+def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_address(tmp_path):
+    port, wrong = free_port(), free_port()
+    collectors = Collectors(tmp_path, port, n=0, wait=15)
+    collectors.add("--learner-rank", "0", wait=60)  # rank 0 has its collector
+    collectors.add(port=wrong)  # rank 1's was started with the wrong port
+    try:
+        collectors.looking()  # imported: rank 0's connects within timeout_s of the directory, however busy the host
+        proc = launch(SCRIPT, tmp_path, "wrongport", port, timeout=150)
+        code = collectors.procs[1].wait(60)
+    finally:
+        collectors.kill_all()
+    out, address = proc.stdout, f"127.0.0.1:{port}"
+    assert proc.returncode == 1 and proc.leftovers == 0, out[-6000:]
+    timeout_s = SETTINGS["wrongport"]["timeout_s"]
+    never = (f"no collector connected to {address} in {timeout_s:g} s (timeout_s). Check that the collectors were started "
+             f"(python -m fabric_learner.collect --connect {address}; their output says what they reached), that their "
+             f"--connect address and port are {address} exactly, and that no firewall blocks port {port}")
+    assert said(out, 1, f"waiting for collectors at {address} for 1"), out[-6000:]
+    assert said(out, 1, f"it has 0 of 1; none has connected yet; the run ends at {timeout_s:g} s (timeout_s) unless one "
+                        f"does. Each is started with: python -m fabric_learner.collect --connect {address}")
+    assert said(out, 1, f"ending the run on every rank. Learner rank 1: {never}"), out[-6000:]
+    assert said(out, 0, f"ending the run on every rank. Learner rank 0: the run ends because learner rank 1 reports: "
+                        f"{never}"), out[-6000:]
+    assert "RuntimeError: Learner rank" in out and "rebuilding" not in out
+    assert code == 1 and f"no directory at 127.0.0.1:{wrong} for 15 s: ending (check that --connect" in collectors.log(1)

@@ -6,11 +6,16 @@ collector is a client. It carries no tensors, only who serves whom::
 
     <run>/world                          learner ranks of the run
     <run>/assign                         counter: the next collector's turn (rank = turn % world)
+    <run>/rank<r>/connected              counter: collectors that took a turn serving rank r
     <run>/rank<r>/epochs                 counter: rank r's driver builds, one per (re)build
-    <run>/rank<r>/e<e>/join              counter: collectors that joined build e (their slot)
+    <run>/rank<r>/e<e>/join              counter: collectors that joined build e (their slot), nodes imported
     <run>/rank<r>/e<e>/group             "HOST PORT NODES": where build e's torchrl group meets
-    <run>/rank<r>/e<e>/fault             set by a collector whose node died during build e
+    <run>/rank<r>/e<e>/beat<slot>        counter: the collector in that slot is alive (its supervisor beats)
+    <run>/rank<r>/e<e>/fault             set by a collector whose node died during build e, or by the driver
+                                         when a collector stopped beating
     <run>/rank<r>/done                   set when rank r's collection has ended for good
+    <run>/rank<r>/failed                 why rank r ended the run (every rank raises it)
+    <run>/rank<r>/told                   rank r has said why the run ends (the first waits for all, briefly)
 
 ``<run>`` is a fresh identifier written under ``run`` each time learner rank 0 starts, so a
 collector that outlives a learner restart (``torchrun --max-restarts``) sees the new run and

@@ -7,24 +7,26 @@ whose other ranks are the collectors that joined this build through the director
 its learner rank through two queues: batches out (bounded: while it is full the driver asks its
 collectors for nothing) and weights in (the latest publication wins).
 
-A build ends when a collector is reported dead, the group raises, the learner rank's process is gone,
-or the learner asks it to stop; the learner rank then starts the next build, which the collectors
-join again. Nothing is saved in a driver: what it held in flight is lost, and the learner counts it.
+A build waits for its collectors as long as its learner rank lets it (the learner rank decides when
+waiting becomes an error, and says what it waits for, from the directory). It ends when a collector is reported dead, stops
+beating (killed whole, its host gone), the group raises, the learner rank's process is gone, or the
+learner asks it to stop; the learner rank then starts the next build, which the collectors join again.
+Nothing is saved in a driver: what it held in flight is lost, and the learner counts it.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 EXIT_FAULT = 75  # a collector of this build died: start the next one
-EXIT_NO_COLLECTORS = 76  # nobody joined in time
+BEAT_S = 15.0  # a collector whose supervisor has not beaten for this long is gone (killed whole, host lost)
 FOREVER = 2**62  # torchrl's distributed collector loops while its frame count is below its total
 GRACE_S = 5.0  # how long a stopping driver may take to shut its collectors down cleanly
 
@@ -67,19 +69,31 @@ def _free_port() -> int:
 
 
 def _wait_for_joins(directory, spec: DriverSpec, epoch: int, parent_alive) -> int:
-    """How many collectors this build has: every one assigned, or under "continue" those back in time."""
+    """How many collectors this build has: every one assigned, or under "continue" those back in time (the
+    first build waits ``timeout_s`` for all, a rebuild ``rejoin_s``). Waits while none has joined, however long."""
     start = time.monotonic()
     while parent_alive():
-        joined = directory.count(f"rank{spec.rank}", f"e{epoch}", "join")
-        waited = time.monotonic() - start
-        if joined >= spec.expected:
-            return spec.expected
-        if joined and epoch > 0 and spec.on_failure == "continue" and waited >= spec.rejoin_s:
+        joined = min(directory.count(f"rank{spec.rank}", f"e{epoch}", "join"), spec.expected)
+        if joined == spec.expected:
             return joined
-        if waited >= spec.timeout_s:
-            return joined if spec.on_failure == "continue" else 0
+        patience = spec.rejoin_s if epoch > 0 else spec.timeout_s
+        if joined and spec.on_failure == "continue" and time.monotonic() - start >= patience:
+            return joined
         time.sleep(0.05)
     return 0
+
+
+def _silent_slot(directory, spec: DriverSpec, epoch: int, nodes: int, beats: dict, now: float) -> int | None:
+    """A collector of this build whose supervisor stopped beating ``BEAT_S`` ago, if any (``beats``: slot ->
+    (last count, when it changed))."""
+    for slot in range(nodes):
+        count = directory.count(f"rank{spec.rank}", f"e{epoch}", f"beat{slot}")
+        last, since = beats.get(slot, (None, now))
+        if count != last:
+            beats[slot] = (count, now)
+        elif now - since > BEAT_S:
+            return slot
+    return None
 
 
 def run(spec: DriverSpec, epoch: int, batches, weights, stop) -> None:
@@ -98,13 +112,14 @@ def run(spec: DriverSpec, epoch: int, batches, weights, stop) -> None:
     directory = Directory.connect(spec.address)
     nodes = _wait_for_joins(directory, spec, epoch, parent_alive)
     if not nodes:
-        sys.exit(EXIT_NO_COLLECTORS)
+        os._exit(0)  # told to stop while waiting
     port = _free_port()
     directory.store.set(directory.key(f"rank{spec.rank}", f"e{epoch}", "group"), f"{spec.host} {port} {nodes}")
     fault_key = (f"rank{spec.rank}", f"e{epoch}", "fault")
 
     def watch() -> None:  # ends the process when its build can no longer go on
-        while True:
+        beats: dict = {}
+        for tick in itertools.count():
             time.sleep(0.1)
             if os.getppid() != parent:
                 os._exit(0)
@@ -113,6 +128,10 @@ def run(spec: DriverSpec, epoch: int, batches, weights, stop) -> None:
                 os._exit(0)
             try:
                 if directory.has(*fault_key):
+                    os._exit(EXIT_FAULT)
+                silent = _silent_slot(directory, spec, epoch, nodes, beats, time.monotonic()) if tick % 10 == 0 else None
+                if silent is not None:  # its supervisor is gone too, so nobody else reports it
+                    directory.store.set(directory.key(*fault_key), f"collector {silent + 1} stopped beating")
                     os._exit(EXIT_FAULT)
             except Exception:  # noqa: BLE001 - the directory is gone: learner rank 0 is, and so is this run
                 os._exit(0)

@@ -161,7 +161,7 @@ class AsyncLoop:
                 if feeder.error is not None:
                     raise RuntimeError(f"The collector failed in its feeder thread: {feeder.error!r}") from feeder.error
                 warmup += 1
-                if _round_collective(host, [int(not feeder.delivered.is_set())], f"0 (warm-up poll {warmup})")[0] == 0:
+                if _round_collective(host, [int(not feeder.delivered.is_set())], f"0 (warm-up poll {warmup})", feeder)[0] == 0:
                     break
             while True:
                 self.rounds += 1
@@ -188,7 +188,7 @@ class AsyncLoop:
                 stop = int(host.stop_requested())
                 exhausted = int(feeder.exhausted and feeder.queue.empty())
                 g_collected, g_batches, g_dropped, g_not_ready, g_stop, g_exhausted, g_init = _round_collective(
-                    host, [collected, len(raw), dropped, not_ready, stop, exhausted, init_random], self.rounds)
+                    host, [collected, len(raw), dropped, not_ready, stop, exhausted, init_random], self.rounds, feeder)
                 self.global_dropped_frames += g_dropped
                 if g_exhausted:
                     break
@@ -246,22 +246,28 @@ def admit(batch: TensorDictBase, version_now: int, cfg: AsyncCollection) -> tupl
     return batch, collected, admitted, collected - admitted, max_lag
 
 
-def _round_collective(host: AsyncHost, values: list[int], round_) -> list[int]:
-    """Sum ``values`` over ranks; a failure names this rank and the round."""
+def _round_collective(host: AsyncHost, values: list[int], round_, feeder: _Feeder) -> list[int]:
+    """Sum ``values`` over ranks; a failure names this rank, the round and what the peers last announced, or is
+    this rank's own collector's error when it has one (a peer that left for the same reason broke the round)."""
     if not host.distributed():
         return list(values)
     try:
         return [int(v) for v in all_reduce(torch.tensor(values, dtype=torch.int64)).tolist()]
     except RuntimeError as err:
+        from fabric_learner import _call_order
         from fabric_learner.fabric import _lost_peer
 
         lost = _lost_peer(err)
         if lost is None:
             raise
+        if feeder.error is not None:
+            raise RuntimeError(f"The collector failed in its feeder thread: {feeder.error!r}") from feeder.error
+        _call_order.note_failure(f"failed (in asynchronous round {round_})")
+        peers = _call_order.peer_announcements()
         raise RuntimeError(
             f"Rank {host.global_rank}: asynchronous round {round_} could not complete a collective with the other "
-            f"ranks ({lost}). Another rank ended, died, or is busy elsewhere for longer than the process-group "
-            "timeout; see that rank's output for its own error."
+            f"ranks ({lost}). {peers[:1].upper() + peers[1:] + '. ' if peers else ''}Another rank ended, died, or is "
+            "busy elsewhere for longer than the process-group timeout; see that rank's output for its own error."
         ) from err
 
 
