@@ -55,6 +55,7 @@ PLATFORMS := $(foreach n,2_28 2_27 2_17,--platform manylinux_$(n)_x86_64) --plat
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/fl_site
 GPU_REPORTS ?= benchmarks/results
+TIER_ARGS ?=  # --dry-run: the CPU as the device
 CORES_PARTS ?= async_save,suite
 
 gpu-wheels:
@@ -70,7 +71,7 @@ gpu-site:
 
 # every CUDA check, one report (benchmarks/gpu_tier.py; `--dry-run` runs them on the CPU); within 8 minutes on one H100
 test-gpu: gpu-site
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) OMP_NUM_THREADS=1 $(GPU_PY) benchmarks/gpu_tier.py --report $(GPU_REPORTS)/gpu_tier.json
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) OMP_NUM_THREADS=1 $(GPU_PY) benchmarks/gpu_tier.py --report $(GPU_REPORTS)/gpu_tier.json $(TIER_ARGS)
 
 # the checks that need spare cores (benchmarks/cores.py): refused, with the count needed, where there are too few
 test-cores: gpu-site
