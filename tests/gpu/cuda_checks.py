@@ -335,10 +335,11 @@ class HandFSDP2:
 def test_grpo_tokens_per_second_on_the_device_against_hand_fsdp2_on_one_rank(record_property):
     import llm_update
 
-    hidden, layers, reps, warmup = (64, 2, 4, 2) if DRY else (384, 6, 30, 4)
+    # the dry run: llm_update.py's QUICK sizes; on the GPU its full ones (8.2M parameters, replies of 12-36 words)
+    hidden, layers, samples, words, reps, warmup = (64, 2, 2, (3, 12), 4, 2) if DRY else (384, 6, 4, (12, 36), 30, 4)
     loss, model = llm_update.grpo_loss(hidden, layers)
     generator = torch.Generator().manual_seed(0)
-    pairs = [tuple(grpo_batch(loss.actor_network, torch.randint(12, 36, (4,), generator=generator).tolist(),
+    pairs = [tuple(grpo_batch(loss.actor_network, torch.randint(*words, (samples,), generator=generator).tolist(),
                               seed=10 * p + m) for m in range(2)) for p in range(2)]
     tokens = [sum(int(m.sum()) for b in pair for m in b.get(("masks", "all_assistant_mask"), as_list=True))
               for pair in pairs]
