@@ -43,8 +43,10 @@ bench: $(VENV)/.bench
 # the tier's packages, then what `make test` needs beside them (for `make test-cores`); about 26 MiB, which
 # travels with the work tree (7 MiB) under the device tool's 64 MiB. Then two device calls (each within 600 s):
 #   run(command="set -o pipefail; make test-gpu GPU_REPORTS=$OUT 2>&1 | tee $OUT/gpu.log", carry=[".whl"], timeout_s=540)
-#   run(command="set -o pipefail; make test-cores GPU_REPORTS=$OUT 2>&1 | tee $OUT/cores.log", carry=[".whl"], timeout_s=600)
-# and commit the reports they send back (gpu_tier.json, cores.json) under benchmarks/results/ (docs/gpu.md).
+#   run(command="set -o pipefail; make test-cores CORES_PARTS=async_save GPU_REPORTS=$OUT 2>&1 | tee $OUT/cores.log", ...)
+#   run(command="set -o pipefail; make test-cores CORES_PARTS=suite GPU_REPORTS=$OUT 2>&1 | tee $OUT/suite.log", ...,
+#       timeout_s=600)
+# and commit the reports they send back (gpu_tier.json, cores.json: merge the two parts) under benchmarks/results/.
 WHEELS := .whl
 TIER_WHEELS := torchrl==0.14.1 tensordict==0.14.3 pyvers==0.2.3 hoptorch==0.1.4 importlib_metadata==10.2.0 \
 	lazy-importer==0.1.0 orjson==3.13.0
