@@ -301,8 +301,8 @@ def test_the_update_on_the_device_against_a_hand_written_loop_interleaved(record
     record_property("ci95", [round(ci[0], 4), round(ci[1], 4)])
     record_property("median_ms", {k: round(1e3 * harness.median(v), 4) for k, v in samples.items()})
     record_property("verdict_goal_1.05", harness.verdict(ci, 1.05))
-    for mine, theirs in zip(built["learner"], built["hand"]):
-        assert_same(flat_params(mine.loss_module), flat_params(theirs.loss), FP32)
+    for mine, theirs in zip(built["learner"], built["hand"]):  # ~65 steps each: the loss terms summed in another order
+        assert_same(flat_params(mine.loss_module), flat_params(theirs.loss), {"atol": 1e-4, "rtol": 1e-3})
 
 
 class HandFSDP2:
@@ -369,7 +369,9 @@ def test_grpo_tokens_per_second_on_the_device_against_hand_fsdp2_on_one_rank(rec
     record_property("model", {"hidden": hidden, "layers": layers, "seconds": round(time.perf_counter() - start, 1)})
     with learner.full_parameters():
         mine = flat_params(learner.loss_module)
-    theirs = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in flat_params(hand.loss).items()}
+    # the hand loop's DTensors gathered on the device (a collective of its group), then copied to the CPU
+    theirs = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+              for k, v in hand.loss.named_parameters()}
     assert_same(mine, theirs, {"atol": 1e-3, "rtol": 1e-2})  # the same steps, kernels in another order
 
 
