@@ -202,9 +202,16 @@ def test_fsdp2_decoder_units_with_activation_checkpointing_and_bf16_policy_stay_
     grpo_steps(reference, batches)
     learner = fsdp_on_device(grpo_example()[0], precision="bf16-mixed",
                              parallelize_fn=functools.partial(shard_loss, activation_checkpointing=True))
-    grpo_steps(learner, batches)
     units = learner.sharded_module.block_units()
-    assert len(units) == 2, units  # the tiny model's two decoder layers
+    assert [unit.checkpointed for unit in units] == [True, True]  # the tiny model's two decoder layers
+    calls, gathered = [0], set()
+    units[0].register_forward_pre_hook(lambda unit, *_: gathered.update(str(p.dtype) for p in unit.parameters()))
+    first_leaf = units[0].layers[next(iter(units[0].layers))].leaf
+    first_leaf.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    grpo_steps(learner, batches)
+    assert calls[0] == 2 * len(batches), calls  # each forward ran again in its backward
+    assert gathered == {"torch.bfloat16"}, gathered  # FSDP2's policy gathers the float32 shards in bf16
+    assert "param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in repr(learner.sharded_module.mp_policy)
     with learner.full_parameters():
         got = flat_params(learner.loss_module)
     record_property("max_abs_gap", assert_same(got, flat_params(reference.loss_module), {"atol": 3e-2, "rtol": 3e-2}))
