@@ -80,12 +80,14 @@ def run_bounded(cmd: list[str], timeout_s: float, what: str, *, check: bool = Tr
     """Runs ``cmd`` from the repository root and returns it finished, its stdout and stderr together in
     ``stdout``.
 
-    The child gets one thread per process, torchrl's warnings off, this checkout first on its path,
-    no variable of an enclosing launch, and ``extra_env``. It runs in its own session, and its whole
-    process group is killed when it ends, so nothing it started outlives it. ``RuntimeError`` (with
+    The child gets one thread per process, torchrl's warnings off, this checkout first on its path (then
+    this process's ``PYTHONPATH``), no variable of an enclosing launch, and ``extra_env``. It runs in its
+    own session, and its whole process group is killed when it ends, so nothing it started outlives it. ``RuntimeError`` (with
     the output's tail) when it runs past ``timeout_s`` or, with ``check``, exits non-zero.
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=ROOT, **extra_env)
+    # this checkout first, then what this process's path held (the GPU machine's --target folder of wheels)
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=path, **extra_env)
     for key in LAUNCH_VARIABLES:
         env.pop(key, None)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -37,6 +37,8 @@ LONGEST_FIRST[3:3] = ["test_meshes.py"]
 LONGEST_FIRST[9:9] = ["test_llm_weights.py", "test_llm_fsdp.py", "test_llm.py", "test_grpo_recipe.py"]
 # added 2026-12-02 (#37): two launches with collector processes, ~140 s beside other runs
 LONGEST_FIRST[1:1] = ["test_remote.py"]
+# added 2026-12-06 (#56): the GPU tier's dry run, one interpreter, ~35 s beside other runs
+LONGEST_FIRST.insert(LONGEST_FIRST.index("test_trainer_envs.py"), "test_gpu_tier.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -23,7 +23,9 @@ WORKERS = os.path.join(ROOT, "tests", "workers")
 
 def env(**extra):
     e = dict(os.environ)
-    e.update({"OMP_NUM_THREADS": "1", "RL_WARNINGS": "False", "PYTHONPATH": ROOT, **extra})
+    # this checkout first, then what the caller's path held (the GPU machine's --target folder of wheels)
+    path = os.pathsep.join(filter(None, [extra.pop("PYTHONPATH", ROOT), os.environ.get("PYTHONPATH")]))
+    e.update({"OMP_NUM_THREADS": "1", "RL_WARNINGS": "False", "PYTHONPATH": path, **extra})
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED", "TORCHELASTIC_RUN_ID",
                 "LT_STRATEGY", "LT_DEVICES", "LT_ACCELERATOR", "LT_PRECISION", "LT_NUM_NODES"):
         e.pop(key, None)
