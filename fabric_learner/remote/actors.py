@@ -1,0 +1,133 @@
+"""What runs inside one Ray actor: one rank of a ``RemoteLearner``, a ``FabricLearner`` in its own process.
+
+Each actor is a node of one device in Lightning's terms (``num_nodes=world_size``, ``devices=1``):
+Ray gives an actor only the GPUs it asked for, so its device is always its first visible one, and
+FSDP's mesh puts every rank on the data-parallel dimension. The rendezvous goes through the
+environment Lightning reads for processes it did not start (``MASTER_ADDR``/``MASTER_PORT`` of
+rank 0's actor, ``NODE_RANK``, ``LOCAL_RANK=0``), so the learner is built exactly as under
+``fabric run`` on N one-device nodes.
+
+The actor runs its calls one at a time in submission order (Ray's default group, one thread);
+``where()`` alone runs beside them (its own group), to say what a silent rank is doing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+import torch
+
+
+class LearnerRank:
+    """One learner rank. Methods mirror the ``Learner`` contract on this rank's share."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.learner = None
+        self._thread: int | None = None  # the thread running the current call, for where()
+
+    # ---- building ---------------------------------------------------------------------------
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: this node's address and a free port for the group's store."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, sent: tuple, address: str, port: int) -> dict:
+        """Build the loss (from the object or factory sent) and the FabricLearner; join the group.
+
+        ``sent``: ``(payload, optimizer, options)``, put in the object store once for every rank.
+        """
+        from fabric_learner.fabric import FabricLearner
+
+        payload, optimizer, options = sent
+        self._thread = threading.get_ident()
+        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), NODE_RANK=str(self.rank), LOCAL_RANK="0",
+                          WORLD_SIZE=str(self.world_size))
+        loss, policy = built(payload)
+        self.learner = FabricLearner(loss, optimizer, policy=policy, devices=1, num_nodes=self.world_size, **options)
+        return {"pid": os.getpid(), "sharded": self.learner.capabilities.sharded}
+
+    # ---- the contract, on this rank -----------------------------------------------------------
+
+    def update(self, share) -> tuple[Any, int, int, float]:
+        """One ``update`` on this rank's share: ``(output, num_updates, skipped_updates, weight)``.
+
+        ``weight`` is what the share's loss averaged over (tokens or samples for torchrl's LLM
+        losses, else the share's sample count): the controller averages the ranks' outputs by it.
+        """
+        self._thread = threading.get_ident()
+        learner = self.learner
+        first = learner._accum_step == 0
+        before = None if first or learner._window_count is None else learner._window_count
+        out = learner.update(share)
+        if learner._counts is not None and learner._window_count is not None:
+            weight = float(learner._window_count - (0 if before is None else before))
+        else:
+            weight = float(share.batch_size[0])
+        return out, learner.num_updates, learner.skipped_updates, weight
+
+    def get_weights(self):
+        self._thread = threading.get_ident()
+        weights = self.learner.get_weights(cpu_offload=True)
+        return weights if self.rank == 0 else None
+
+    def checkpoint(self):
+        self._thread = threading.get_ident()
+        state = self.learner.checkpoint()
+        return state if self.rank == 0 else None
+
+    def load_checkpoint(self, state) -> int:
+        self._thread = threading.get_ident()
+        self.learner.load_checkpoint(state)
+        return self.learner.num_updates
+
+    def save(self, path: str) -> None:
+        self._thread = threading.get_ident()
+        self.learner.save(path)
+
+    def load(self, path: str) -> int:
+        self._thread = threading.get_ident()
+        self.learner.load(path)
+        return self.learner.num_updates
+
+    def call(self, fn, *args) -> Any:
+        """``fn(learner, *args)`` on this rank (tests and tools: e.g. a rank's own parameters)."""
+        self._thread = threading.get_ident()
+        return fn(self.learner, *args)
+
+    def close(self) -> None:
+        self._thread = threading.get_ident()
+        if self.learner is not None:
+            self.learner.close()
+
+    # ---- beside the calls ------------------------------------------------------------------------
+
+    def where(self) -> str:
+        """The innermost frames of the call this rank is running (answers while that call runs)."""
+        frame = sys._current_frames().get(self._thread) if self._thread is not None else None
+        if frame is None:
+            return "idle"
+        stack = traceback.extract_stack(frame)[-3:]
+        return " <- ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in reversed(stack))
+
+
+def built(payload: Any) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """``(loss, policy)`` from what the controller sent: a ``(loss, policy)`` pair or a factory returning either."""
+    if isinstance(payload, tuple):
+        return payload
+    made = payload()
+    if isinstance(made, tuple):
+        if len(made) != 2:
+            raise TypeError(f"The loss factory returned a tuple of {len(made)}; return a loss or (loss, policy).")
+        return made
+    return made, None
