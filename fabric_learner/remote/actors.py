@@ -42,14 +42,22 @@ class LearnerRank:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, sent: tuple, address: str, port: int) -> dict:
+    def setup(self, sent: bytes, address: str, port: int) -> dict:
         """Build the loss (from the object or factory sent) and the FabricLearner; join the group.
 
-        ``sent``: ``(payload, optimizer, options)``, put in the object store once for every rank.
+        ``sent``: ``(payload, optimizer, options)`` pickled by the controller, read by every rank.
         """
+        from ray import cloudpickle
+
         from fabric_learner.fabric import FabricLearner
 
-        payload, optimizer, options = sent
+        try:
+            payload, optimizer, options = cloudpickle.loads(sent)
+        except (ImportError, AttributeError) as err:
+            raise type(err)(
+                f"This rank cannot rebuild the loss sent to it: {err}. Its classes must be importable on every node "
+                "(install the package there, or ray.init(runtime_env={'py_modules': [...]})), or pass a factory "
+                "defined in an importable module.") from err
         self._thread = threading.get_ident()
         os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), NODE_RANK=str(self.rank), LOCAL_RANK="0",
                           WORLD_SIZE=str(self.world_size))

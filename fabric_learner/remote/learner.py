@@ -143,10 +143,13 @@ class RemoteLearner(Learner):
         accelerator = "cuda" if num_gpus_per_learner > 0 else "cpu"
         options = {"strategy": strategy, "accelerator": accelerator, "precision": precision,
                    "clip_grad_norm": clip_grad_norm, "grad_accum_steps": grad_accum_steps,
-                   "on_nonfinite": on_nonfinite, "compile": compile, "stages": stages, "timeout": float(timeout)}
+                   "on_nonfinite": on_nonfinite, "compile": compile, "stages": stages,
+                   # the ranks' collectives wait longer than the controller, which so names a silent rank first
+                   "timeout": 2 * float(timeout)}
+        sent = _pickled((payload, optimizer, options))
         self._embedded = _runtime.join(address)
         try:
-            self._start(payload, optimizer, options, num_cpus_per_learner, num_gpus_per_learner, setup_timeout)
+            self._start(sent, num_cpus_per_learner, num_gpus_per_learner, setup_timeout)
         except BaseException:
             self._end_group()
             if self._embedded:
@@ -156,21 +159,14 @@ class RemoteLearner(Learner):
 
     # ---- the group ------------------------------------------------------------------------------
 
-    def _start(self, payload, optimizer, options, cpus, gpus, setup_timeout) -> None:
+    def _start(self, sent: bytes, cpus, gpus, setup_timeout) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from fabric_learner.remote.actors import LearnerRank
 
-        try:
-            sent = ray.put((payload, optimizer, options))
-        except Exception as err:  # any pickling failure: named with the fix
-            raise TypeError(
-                f"The loss (or optimizer factory, stages or strategy) cannot be sent to the learner ranks: {err}. "
-                "Nothing was started. Pass a factory instead of the object, e.g. RemoteLearner(lambda: "
-                "make_loss(), ...) (returning the loss or (loss, policy)), which each rank calls to build its own."
-            ) from err
+        sent = ray.put(sent)
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         self._group = placement_group([bundle] * self.num_learners, strategy="PACK")
         ready, _ = ray.wait([self._group.ready()], timeout=setup_timeout)
@@ -462,6 +458,20 @@ def _payload(loss_module: Any, policy: nn.Module | None) -> Any:
         return loss_module
     raise TypeError(f"loss_module must be a torchrl loss (an nn.Module) or a factory returning one, got "
                     f"{type(loss_module).__name__}.")
+
+
+def _pickled(sent: Any) -> bytes:
+    """What the ranks build from, pickled once here: a loss that cannot travel is refused before anything starts."""
+    from ray import cloudpickle
+
+    try:
+        return cloudpickle.dumps(sent)
+    except Exception as err:  # any pickling failure: named with the fix
+        raise TypeError(
+            f"The loss (or its policy, the optimizer factory, stages or strategy) cannot be sent to the learner ranks "
+            f"({type(err).__name__}: {err}). Nothing was started. Pass a factory instead of the object, e.g. "
+            "RemoteLearner(lambda: make_loss(), ...), returning the loss or (loss, policy): each rank calls it to build "
+            "its own.") from err
 
 
 def _check_optimizer(optimizer: Any) -> None:
