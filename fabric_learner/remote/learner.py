@@ -278,7 +278,11 @@ class RemoteLearner(Learner):
         return handle.result() if wait else handle
 
     def _collect(self, handle: PendingUpdate) -> None:
-        """Wait for ``handle`` (and every earlier one, in order) and apply their counters here."""
+        """Wait for ``handle`` and every earlier update, in order, applying their counters here.
+
+        The first of them to fail raises here, whichever handle was asked for: an update's error is
+        never left unseen behind a later one (the handles keep theirs for their own ``result()``).
+        """
         while self._in_flight:
             head = self._in_flight[0]
             try:
@@ -287,9 +291,7 @@ class RemoteLearner(Learner):
                 if self._in_flight and self._in_flight[0] is head:
                     self._in_flight.popleft()
                 head._error = err
-                if head is handle:
-                    raise
-                continue
+                raise
             self._in_flight.popleft()
             outputs = [a[0] for a in answers]
             head._result = combine(outputs, [a[3] for a in answers])
@@ -310,8 +312,7 @@ class RemoteLearner(Learner):
         """The trained weights as plain tensors in this process (gathered from the shards under FSDP)."""
         self._drain()
         ranks = None if self._sharded else [0]
-        weights = self._call("get_weights", what="get_weights()", ranks=ranks)[0]
-        return weights if cpu_offload else weights
+        return self._call("get_weights", what="get_weights()", ranks=ranks)[0]  # CPU tensors either way
 
     def checkpoint(self) -> dict[str, Any]:
         """See ``Learner.checkpoint``: the group's state (full tensors), in this process."""
@@ -347,6 +348,12 @@ class RemoteLearner(Learner):
 
     def wait_for_save(self, timeout: float | None = None) -> None:
         """Saves complete before ``save`` returns: nothing to wait for."""
+
+    def serve(self, module: nn.Module) -> bool:
+        """Modules in this process are not trained here: refresh them from :meth:`get_weights` instead."""
+        raise NotImplementedError(
+            "RemoteLearner trains on its ranks; a module in this process keeps its weights until you load them: "
+            "TensorDict.from_module(module) ... weights.to_module(module) with learner.get_weights().")
 
     def call_on_ranks(self, fn, *args) -> list[Any]:
         """``fn(rank_learner, *args)`` on every rank (each a ``FabricLearner``), answers in rank order.

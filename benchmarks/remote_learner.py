@@ -1,0 +1,145 @@
+"""RemoteLearner against the same strategy and ranks run as an SPMD program, on the same batches.
+
+    OMP_NUM_THREADS=1 python benchmarks/remote_learner.py --quick --out remote_learner.json
+
+Contenders, each on the global batches of ``common.make_batches`` (PPO, 2 ranks, gloo, CPU, one thread
+per rank, Adam, clipping at 1.0):
+- ``spmd``: ``FabricLearner(strategy="ddp")`` under torchrun, every rank updating on its half of
+  each global batch (what a script that becomes an SPMD program runs); per-update wall time of rank 0,
+  with a barrier around each timed block;
+- ``remote``: ``RemoteLearner(strategy="ddp", num_learners=2)`` driven from this process,
+  ``update(batch)`` on the whole batch (split, sent through Ray's object store, combined);
+- ``remote_pipelined``: the same learner with ``update(batch, wait=False)`` (two in flight): the
+  updates per second a controller gets when it does not wait for each one.
+
+SPMD launches and remote blocks take turns (``harness.rotation``), so both see the machine's load
+alike; ratios are paired per repetition (``harness.bootstrap_ci``). Also reported: the bytes sent per
+update (the shares) against the batch's own size, and the size Ray's object store holds for a share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RL_WARNINGS", "False")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common
+import harness
+import torch
+
+RANKS = 2
+
+
+def optimizer():
+    return functools.partial(torch.optim.Adam, lr=1e-3)
+
+
+def spmd(args) -> None:
+    """One torchrun rank: time ``inner``-update blocks of FabricLearner(strategy="ddp") on its halves."""
+    from fabric_learner import FabricLearner
+
+    harness.set_one_thread()
+    learner = FabricLearner(common.make_loss(args.workload)[0], optimizer(), strategy="ddp", accelerator="cpu",
+                            clip_grad_norm=common.CLIP)
+    rank = learner.global_rank
+    batches = [b.split(b.batch_size[0] // RANKS)[rank].clone() for b in _batches(args)]
+    barrier = torch.distributed.barrier
+    for i in range(args.warmup):
+        learner.update(batches[i % len(batches)])
+    samples = []
+    for block in range(args.blocks):
+        barrier()
+        t0 = time.perf_counter()
+        for i in range(args.inner):
+            learner.update(batches[(block * args.inner + i) % len(batches)])
+        barrier()
+        samples.append((time.perf_counter() - t0) / args.inner)
+    if rank == 0:
+        harness.write_json(args.spmd_out, samples)
+    learner.close()
+
+
+def _batches(args):
+    return common.make_batches(args.workload, count=4, n=args.batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="ppo", choices=["ppo", "dqn"])
+    parser.add_argument("--batch", type=int, default=512, help="global batch (each rank gets batch / 2)")
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="2 repetitions of 3 blocks")
+    parser.add_argument("--out")
+    parser.add_argument("--spmd-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.spmd_out:
+        return spmd(args)
+    if args.quick:
+        args.reps, args.blocks = 2, 3
+    harness.set_one_thread()
+    import ray
+
+    from fabric_learner import RemoteLearner
+
+    batches = _batches(args)
+    learner = RemoteLearner(common.make_loss(args.workload)[0], optimizer(), strategy="ddp", num_learners=RANKS,
+                            clip_grad_norm=common.CLIP, max_in_flight=2)
+    for i in range(args.warmup):
+        learner.update(batches[i % len(batches)])
+    times: dict[str, list[float]] = {"spmd": [], "remote": [], "remote_pipelined": []}
+    for rep in range(args.reps):
+        for name in harness.rotation(rep, ["spmd", "remote"]):
+            if name == "spmd":
+                with harness.scratch_path() as path:
+                    argv = [*harness.torchrun(RANKS, os.path.abspath(__file__)), "--spmd-out", path,
+                            "--workload", args.workload, "--batch", str(args.batch), "--blocks", str(args.blocks),
+                            "--inner", str(args.inner), "--warmup", str(args.warmup)]
+                    harness.run_bounded(argv, 600, "the SPMD program")
+                    times["spmd"].append(harness.median(harness.read_json(path)))
+                continue
+            sync, piped = [], []
+            for block in range(args.blocks):
+                t0 = time.perf_counter()
+                for i in range(args.inner):
+                    learner.update(batches[(block * args.inner + i) % len(batches)])
+                sync.append((time.perf_counter() - t0) / args.inner)
+                t0 = time.perf_counter()
+                handles = [learner.update(batches[(block * args.inner + i) % len(batches)], wait=False)
+                           for i in range(args.inner)]
+                handles[-1].result()
+                piped.append((time.perf_counter() - t0) / args.inner)
+            times["remote"].append(harness.median(sync))
+            times["remote_pipelined"].append(harness.median(piped))
+    transfer = dict(learner.last_transfer)
+    share = batches[0].split(args.batch // RANKS)[0].clone()
+    ref = ray.put(share)
+    transfer["object_store_bytes_per_share"] = ray.experimental.get_object_locations([ref])[ref]["object_size"]
+    learner.close()
+    result = {
+        "settings": vars(args), "machine": harness.machine(), "provenance": harness.provenance(),
+        "seconds_per_update": times, "transfer_per_update": transfer,
+        "remote_over_spmd": {
+            "ratio": harness.paired_ratio(times["remote"], times["spmd"]),
+            "ci": harness.bootstrap_ci(times["remote"], times["spmd"]), "goal": 1.10},
+        "pipelined_updates_per_s_over_spmd": {
+            "ratio": harness.paired_ratio(times["spmd"], times["remote_pipelined"]),
+            "ci": harness.bootstrap_ci(times["spmd"], times["remote_pipelined"]), "goal": 0.95},
+    }
+    print(json.dumps({k: result[k] for k in ("seconds_per_update", "transfer_per_update", "remote_over_spmd",
+                                             "pipelined_updates_per_s_over_spmd")}, indent=1))
+    if args.out:
+        harness.write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
