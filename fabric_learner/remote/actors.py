@@ -67,14 +67,16 @@ class LearnerRank:
 
     # ---- the contract, on this rank -----------------------------------------------------------
 
-    def update(self, share) -> tuple[Any, int, int, float]:
-        """One ``update`` on this rank's share: ``(output, num_updates, skipped_updates, weight)``.
+    def update(self, share) -> tuple[Any, int, int, float, Any]:
+        """One ``update`` on this rank's share: ``(output, num_updates, skipped_updates, weight, written)``.
 
         ``weight`` is what the share's loss averaged over (tokens or samples for torchrl's LLM
         losses, else the share's sample count): the controller averages the ranks' outputs by it.
+        ``written``: the entries the loss added to the share (DQN's ``td_error``), or ``None``.
         """
         self._thread = threading.get_ident()
         learner = self.learner
+        keys = set(share.keys(include_nested=True, leaves_only=True))
         first = learner._accum_step == 0
         before = None if first or learner._window_count is None else learner._window_count
         out = learner.update(share)
@@ -82,7 +84,9 @@ class LearnerRank:
             weight = float(learner._window_count - (0 if before is None else before))
         else:
             weight = float(share.batch_size[0])
-        return out, learner.num_updates, learner.skipped_updates, weight
+        new = [k for k in share.keys(include_nested=True, leaves_only=True) if k not in keys]
+        written = share.select(*new) if new else None
+        return out, learner.num_updates, learner.skipped_updates, weight, written
 
     def get_weights(self):
         self._thread = threading.get_ident()

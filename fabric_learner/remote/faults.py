@@ -17,9 +17,10 @@ from typing import Any
 class LearnerLostError(RuntimeError):
     """A learner rank's process died (``rank`` names it); the group is ended and the learner unusable."""
 
-    def __init__(self, message: str, rank: int) -> None:
+    def __init__(self, message: str, rank: int, seconds: float = 0.0) -> None:
         super().__init__(message)
         self.rank = rank
+        self.seconds = seconds  # from the start of the wait to the death being known
 
 
 class LearnerTimeoutError(TimeoutError):
@@ -71,7 +72,7 @@ def gather(refs: Sequence[Any], what: str, timeout: float | None, where=None, gr
                     f"Learner rank {rank} was lost during {what} (its process died: {_first_line(err)}). The other "
                     "ranks cannot go on without it, so the group was ended; nothing in this process changed. "
                     "Build a new RemoteLearner and load the last checkpoint (learner.load(path)) to continue.",
-                    rank) from err
+                    rank, time.monotonic() - start) from err
         if pending and limit is not None and time.monotonic() >= limit:
             silent = sorted(index[ref] for ref in pending)
             doing = where(silent) if where is not None else {}

@@ -67,6 +67,10 @@ class RemoteLearner(Learner):
             past it the call raises ``LearnerTimeoutError`` naming the silent ranks and the group ends.
         setup_timeout (float): seconds to wait for the resources and for the ranks to start.
         max_in_flight (int): updates ``update(batch, wait=False)`` keeps in flight before it waits.
+        on_lost_rank (str): ``"raise"`` (default): a lost or silent rank ends the group and every later
+            call raises; ``"rebuild"``: the call still raises (``LearnerLostError`` /
+            ``LearnerTimeoutError``, saying what was lost), but a new group is built and loaded from
+            the last checkpoint ``save()`` wrote, and the learner goes on from there.
 
     Raises:
         TypeError, ValueError: a bad argument or a loss that cannot be sent, before anything starts.
@@ -107,6 +111,7 @@ class RemoteLearner(Learner):
         timeout: float = 300.0,
         setup_timeout: float = 300.0,
         max_in_flight: int = 2,
+        on_lost_rank: str = "raise",
     ) -> None:
         nn.Module.__init__(self)
         payload = _payload(loss_module, policy)
@@ -119,6 +124,8 @@ class RemoteLearner(Learner):
         for name, value in (("timeout", timeout), ("setup_timeout", setup_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+        if on_lost_rank not in ("raise", "rebuild"):
+            raise ValueError(f"on_lost_rank must be 'raise' or 'rebuild', got {on_lost_rank!r}.")
         if num_cpus_per_learner < 0 or num_gpus_per_learner < 0:
             raise ValueError("num_cpus_per_learner and num_gpus_per_learner must be >= 0.")
         object.__setattr__(self, "loss_module", loss_module if isinstance(loss_module, nn.Module) else None)
@@ -140,6 +147,8 @@ class RemoteLearner(Learner):
         self._actors: list[Any] = []
         self._group = None
         self._sharded = False
+        self.on_lost_rank = on_lost_rank
+        self._last_save: tuple[str, int] | None = None  # (path, num_updates) of the last save(): where a rebuild starts
         accelerator = "cuda" if num_gpus_per_learner > 0 else "cpu"
         options = {"strategy": strategy, "accelerator": accelerator, "precision": precision,
                    "clip_grad_norm": clip_grad_norm, "grad_accum_steps": grad_accum_steps,
@@ -147,9 +156,10 @@ class RemoteLearner(Learner):
                    # the ranks' collectives wait longer than the controller, which so names a silent rank first
                    "timeout": 2 * float(timeout)}
         sent = _pickled((payload, optimizer, options))
+        self._build = (sent, num_cpus_per_learner, num_gpus_per_learner, setup_timeout)  # kept for a rebuild
         self._embedded = _runtime.join(address)
         try:
-            self._start(sent, num_cpus_per_learner, num_gpus_per_learner, setup_timeout)
+            self._start(*self._build)
         except BaseException:
             self._end_group()
             if self._embedded:
@@ -200,6 +210,8 @@ class RemoteLearner(Learner):
             return gather(refs, what, self.timeout if timeout is None else timeout, self._where, GRACE_S)
         except (LearnerLostError, LearnerTimeoutError) as err:
             self._fail(err)
+            if self.on_lost_rank == "rebuild":
+                self._rebuild(err)
             raise
 
     def _where(self, ranks: list[int]) -> dict[int, str]:
@@ -221,6 +233,28 @@ class RemoteLearner(Learner):
         for handle in self._in_flight:
             handle._error = err
         self._in_flight.clear()
+
+    def _rebuild(self, err: BaseException) -> None:
+        """A new group from the loss as first sent, then the last checkpoint ``save()`` wrote; told in ``err``."""
+        lost = self.num_updates - (self._last_save[1] if self._last_save else 0)
+        try:
+            self._broken = None
+            self._start(*self._build)
+            if self._last_save is not None:
+                self.num_updates = self._call("load", self._last_save[0], what="load() after a rebuild")[0]
+            else:
+                self.num_updates = 0
+        except BaseException as again:  # noqa: BLE001 - the rebuild failed: the group stays ended, both told
+            self._broken = err
+            self._end_group()
+            err.args = (f"{err} Rebuilding the group failed too ({type(again).__name__}: {again}).",)
+            return
+        start = f"the checkpoint {self._last_save[0]}" if self._last_save else "the loss as first sent (nothing saved yet)"
+        err.rebuilt_from = self._last_save[0] if self._last_save else None
+        err.lost_updates = lost
+        err.args = (f"{err} on_lost_rank='rebuild': a new group was built from {start}, at update {self.num_updates}; "
+                    f"the {lost} update(s) since, and this call's, were not kept. The learner is usable: call update() "
+                    "again with the next batch.",)
 
     def _end_group(self) -> None:
         import ray
@@ -265,7 +299,7 @@ class RemoteLearner(Learner):
             The combined loss output (``"grad_norm"`` on step calls), or a ``PendingUpdate``.
         """
         self._check_usable()
-        shares, _ = _shares.split(batch, self.num_learners)
+        shares, groups = _shares.split(batch, self.num_learners)
         while len(self._in_flight) >= self.max_in_flight:
             self._in_flight[0].result()
         self._check_usable()  # an earlier update may have ended the group
@@ -273,6 +307,7 @@ class RemoteLearner(Learner):
 
         refs = [ray.put(share) for share in shares]
         handle = PendingUpdate(self, [a.update.remote(ref) for a, ref in zip(self._actors, refs)])
+        handle._batch = batch if groups is None else None  # contiguous shares: what the loss writes comes back
         handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(int(s.bytes()) for s in shares)}
         self._in_flight.append(handle)
         return handle.result() if wait else handle
@@ -297,7 +332,12 @@ class RemoteLearner(Learner):
             head._result = combine(outputs, [a[3] for a in answers])
             self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]
             head.policy_version = self.num_updates
-            head.transfer["returned_bytes"] = sum(int(o.bytes()) for o in outputs)
+            written = [a[4] for a in answers]
+            head.transfer["returned_bytes"] = sum(int(o.bytes()) for o in outputs) + sum(
+                int(w.bytes()) for w in written if w is not None)
+            if head._batch is not None and all(w is not None for w in written):
+                _write_back(head._batch, written)
+            head._batch = None
             self.last_transfer = head.transfer
             if head is handle:
                 return
@@ -334,7 +374,9 @@ class RemoteLearner(Learner):
         Saves before returning; ``blocking=False`` returns a finished future.
         """
         self._drain()
-        self._call("save", os.path.abspath(os.fspath(path)), what="save()")
+        path = os.path.abspath(os.fspath(path))
+        self._call("save", path, what="save()")
+        self._last_save = (path, self.num_updates)
         if blocking:
             return None
         done: Future = Future()
@@ -411,6 +453,7 @@ class PendingUpdate:
         self._learner, self._refs = learner, refs
         self._result: TensorDictBase | None = None
         self._error: BaseException | None = None
+        self._batch: TensorDictBase | None = None
         self.policy_version: int | None = None
         self.transfer: dict[str, int] = {}
 
@@ -450,6 +493,13 @@ def combine(outputs: list[TensorDictBase], weights: list[float]) -> TensorDictBa
             value = sum(o.get(key).double() * (w / total) for o, w in zip(outputs, weights)).to(value.dtype)
         out.set(key, value)
     return out
+
+
+def _write_back(batch: TensorDictBase, written: list[TensorDictBase]) -> None:
+    """Put what the loss wrote into the ranks' shares (DQN's ``td_error``) into the caller's batch, as one process does."""
+    whole = torch.cat(written, 0)
+    for key in whole.keys(include_nested=True, leaves_only=True):
+        batch.set(key, whole.get(key))
 
 
 def _payload(loss_module: Any, policy: nn.Module | None) -> Any:
