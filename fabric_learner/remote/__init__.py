@@ -3,6 +3,6 @@ actors driven from one process (``RemoteLearner``)."""
 
 from fabric_learner.remote.collectors import RemoteCollectors
 from fabric_learner.remote.faults import LearnerLostError, LearnerTimeoutError
-from fabric_learner.remote.learner import PendingUpdate, RemoteLearner
+from fabric_learner.remote.learner import RemoteLearner
 
-__all__ = ["LearnerLostError", "LearnerTimeoutError", "PendingUpdate", "RemoteCollectors", "RemoteLearner"]
+__all__ = ["LearnerLostError", "LearnerTimeoutError", "RemoteCollectors", "RemoteLearner"]

@@ -15,7 +15,18 @@ from typing import Any
 
 
 class LearnerLostError(RuntimeError):
-    """A learner rank's process died (``rank`` names it); the group is ended and the learner unusable."""
+    """A learner rank's process died (``rank`` names it); the group is ended.
+
+    ``seconds``: how long the call waited before the death was known. With
+    ``RemoteLearner(on_lost_rank="rebuild")`` also ``rebuilt_from`` (the checkpoint the new group
+    loaded, ``None`` for the loss as first sent) and ``lost_updates`` (updates since it, not kept).
+
+    Examples:
+        >>> from fabric_learner import LearnerLostError
+        >>> err = LearnerLostError("Learner rank 1 was lost during update()", rank=1)
+        >>> err.rank, isinstance(err, RuntimeError)
+        (1, True)
+    """
 
     def __init__(self, message: str, rank: int, seconds: float = 0.0) -> None:
         super().__init__(message)
@@ -24,7 +35,14 @@ class LearnerLostError(RuntimeError):
 
 
 class LearnerTimeoutError(TimeoutError):
-    """Ranks did not answer a call in time (``ranks`` names them); the group is ended and the learner unusable."""
+    """Ranks did not answer a call in time (``ranks`` names them, the message says where each was); the group is ended.
+
+    Examples:
+        >>> from fabric_learner import LearnerTimeoutError
+        >>> err = LearnerTimeoutError("update() timed out after 4 s: rank(s) [1] did not answer", ranks=[1])
+        >>> err.ranks, isinstance(err, TimeoutError)
+        ([1], True)
+    """
 
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)

@@ -77,16 +77,25 @@ class RemoteLearner(Learner):
         RuntimeError: the cluster cannot give the group its resources within ``setup_timeout``.
 
     Examples:
+        A script's learner, moved to two Ray actors (this starts a Ray runtime, so it is not run here):
+
         >>> import functools, torch
         >>> from fabric_learner import RemoteLearner
         >>> from fabric_learner.testing import dqn_example
-        >>> loss, net, batch = dqn_example()  # doctest: +SKIP
+        >>> loss, net, batch = dqn_example()
         >>> with RemoteLearner(loss, functools.partial(torch.optim.SGD, lr=0.1), policy=net,
         ...                    strategy="ddp", num_learners=2) as learner:  # doctest: +SKIP
         ...     out = learner.update(batch)                    # each rank trains on 4 of the 8 samples
         ...     weights = learner.get_weights()                # plain tensors in this process
         ...     pending = learner.update(batch, wait=False)    # collect the next batch meanwhile
         ...     out, version = pending.result(), pending.policy_version
+
+        What cannot work on the ranks is refused before anything starts:
+
+        >>> RemoteLearner(loss, torch.optim.SGD(loss.parameters(), lr=0.1))
+        Traceback (most recent call last):
+        ...
+        TypeError: RemoteLearner builds the optimizer on each rank, over that rank's parameters: ...
     """
 
     capabilities = Capabilities(sharded=False, distributed=False)  # as seen from the controller: one process
