@@ -10,7 +10,11 @@ per rank, Adam, clipping at 1.0):
 - ``remote``: ``RemoteLearner(strategy="ddp", num_learners=2)`` driven from this process,
   ``update(batch)`` on the whole batch (split, sent through Ray's object store, combined);
 - ``remote_pipelined``: the same learner with ``update(batch, wait=False)`` (two in flight): the
-  updates per second a controller gets when it does not wait for each one.
+  updates per second a controller gets when it does not wait for each one;
+- ``torchrl_ray`` (``--torchrl``): torchrl 0.14.1's private Ray learner (``learner_backend="ray"``:
+  ``_RayTrainerExecution``, DDP ranks as Ray actors, each sampling its half from a ``RayReplayBuffer``
+  actor), one optimization step per ``step(1)``, against ``remote_sampled``: RemoteLearner fed by
+  a replay buffer in this process (``rb.sample(batch)`` then ``update``), the same loss and batch size.
 
 SPMD launches and remote blocks take turns (``harness.rotation``), so both see the machine's load
 alike; ratios are paired per repetition (``harness.bootstrap_ci``). Also reported: the bytes sent per
@@ -66,6 +70,23 @@ def spmd(args) -> None:
     learner.close()
 
 
+def torchrl_ray(args, data):
+    """torchrl's own Ray learner (private in 0.14.1) over a Ray replay buffer holding ``data``: ``step(i)``."""
+    from torchrl.data import LazyTensorStorage, RayReplayBuffer
+    from torchrl.trainers._ray_execution import _RayTrainerExecution
+
+    loss = common.make_loss(args.workload)[0]
+    rb = RayReplayBuffer(storage=LazyTensorStorage(data.batch_size[0]), batch_size=args.batch // RANKS)
+    rb.extend(data)
+    execution = _RayTrainerExecution(
+        loss_module=loss, optimizer=torch.optim.Adam(loss.parameters(), lr=1e-3), optimization_stepper=None,
+        target_net_updater=None, replay_buffer=rb, global_batch_size=args.batch, seed=0, clip_grad_norm=True,
+        clip_norm=common.CLIP, update_replay_priority=False,
+        options={"world_size": RANKS, "resources_per_rank": {"num_cpus": 1, "num_gpus": 0}})
+    execution.start()
+    return execution, rb
+
+
 def _batches(args):
     return common.make_batches(args.workload, count=4, n=args.batch)
 
@@ -79,6 +100,7 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="2 repetitions of 3 blocks")
+    parser.add_argument("--torchrl", action="store_true", help="also time torchrl's private Ray learner")
     parser.add_argument("--out")
     parser.add_argument("--spmd-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -91,14 +113,42 @@ def main() -> None:
 
     from fabric_learner import RemoteLearner
 
+    # logical CPUs for scheduling only (the contenders take turns on the machine's cores)
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     batches = _batches(args)
     learner = RemoteLearner(common.make_loss(args.workload)[0], optimizer(), strategy="ddp", num_learners=RANKS,
                             clip_grad_norm=common.CLIP, max_in_flight=2)
     for i in range(args.warmup):
         learner.update(batches[i % len(batches)])
     times: dict[str, list[float]] = {"spmd": [], "remote": [], "remote_pipelined": []}
+    names = ["spmd", "remote"]
+    if args.torchrl:
+        from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+        data = torch.cat(batches)
+        execution, ray_rb = torchrl_ray(args, data)
+        local_rb = ReplayBuffer(storage=LazyTensorStorage(data.batch_size[0]), batch_size=args.batch)
+        local_rb.extend(data)
+        for _ in range(args.warmup):
+            execution.step(1)
+        names.append("torchrl")
+        times.update(torchrl_ray=[], remote_sampled=[])
     for rep in range(args.reps):
-        for name in harness.rotation(rep, ["spmd", "remote"]):
+        for name in harness.rotation(rep, names):
+            if name == "torchrl":
+                theirs, ours = [], []
+                for _ in range(args.blocks):
+                    t0 = time.perf_counter()
+                    for _ in range(args.inner):
+                        execution.step(1)
+                    theirs.append((time.perf_counter() - t0) / args.inner)
+                    t0 = time.perf_counter()
+                    for _ in range(args.inner):
+                        learner.update(local_rb.sample())
+                    ours.append((time.perf_counter() - t0) / args.inner)
+                times["torchrl_ray"].append(harness.median(theirs))
+                times["remote_sampled"].append(harness.median(ours))
+                continue
             if name == "spmd":
                 with harness.scratch_path() as path:
                     argv = [*harness.torchrun(RANKS, os.path.abspath(__file__)), "--spmd-out", path,
@@ -125,6 +175,9 @@ def main() -> None:
     ref = ray.put(share)
     transfer["object_store_bytes_per_share"] = ray.experimental.get_object_locations([ref])[ref]["object_size"]
     learner.close()
+    if args.torchrl:
+        execution.shutdown()
+        ray_rb.close()
     result = {
         "settings": vars(args), "machine": harness.machine(), "provenance": harness.provenance(),
         "seconds_per_update": times, "transfer_per_update": transfer,
@@ -135,8 +188,11 @@ def main() -> None:
             "ratio": harness.paired_ratio(times["spmd"], times["remote_pipelined"]),
             "ci": harness.bootstrap_ci(times["spmd"], times["remote_pipelined"]), "goal": 0.95},
     }
-    print(json.dumps({k: result[k] for k in ("seconds_per_update", "transfer_per_update", "remote_over_spmd",
-                                             "pipelined_updates_per_s_over_spmd")}, indent=1))
+    if args.torchrl:
+        result["remote_over_torchrl_ray"] = {
+            "ratio": harness.paired_ratio(times["remote_sampled"], times["torchrl_ray"]),
+            "ci": harness.bootstrap_ci(times["remote_sampled"], times["torchrl_ray"]), "goal": "< 1 (faster)"}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("settings", "machine", "provenance")}, indent=1))
     if args.out:
         harness.write_json(args.out, result)
 
