@@ -22,6 +22,7 @@ import torch
 from rl_cases import flat_params, make_batch, make_loss
 
 from fabric_learner import LearnerLostError, LearnerTimeoutError, LocalLearner, RemoteLearner, Stage
+from fabric_learner.llm_weights import weight_buckets
 from fabric_learner.remote import _shares
 
 # the ranks rebuild the test's losses and factories from their pickles, by value: these modules are not on their path
@@ -156,7 +157,8 @@ def test_grpo_token_mean_with_unequal_tokens_per_share_equals_one_process(ddp):
     counts = [llm_cases.tokens(s) for s in shares]
     assert counts[0] != counts[1] and sorted(groups[0] + groups[1]) == list(range(8))
     assert max(counts) < 0.6 * sum(counts)  # dealt by tokens: the long samples are not all on one rank
-    local = LocalLearner(*llm_cases.make_loss("token_mean")[:1], llm_cases.SGD)
+    loss, policy = llm_cases.make_loss("token_mean")
+    local = LocalLearner(loss, llm_cases.SGD, policy=policy)
     want = local.update(batch)
     # a factory: each rank builds the model and tokenizer itself
     with remote(lambda: llm_cases.make_loss("token_mean"), llm_cases.SGD, strategy="ddp") as learner:
@@ -164,7 +166,12 @@ def test_grpo_token_mean_with_unequal_tokens_per_share_equals_one_process(ddp):
         for k in ("loss_objective", "grad_norm"):
             torch.testing.assert_close(got[k], want[k], **TOL)  # token-weighted over the shares
         model = assert_ranks_identical(learner)
+        # the generation engine's weights, in buckets, from rank 0 (every rank iterates: a collective under FSDP)
+        buckets = learner.call_on_ranks(lambda rank: list(weight_buckets(rank, bucket_bytes=100_000)))[0]
     assert_close_state(model, {k: v for k, v in local.loss_module.state_dict().items() if k in model})
+    expected = [pair for bucket in weight_buckets(local, bucket_bytes=100_000) for pair in bucket]
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in expected]
+    assert_close_state(dict(pair for bucket in buckets for pair in bucket), dict(expected))
 
 
 def test_token_shares_deal_the_longest_samples_first_to_the_lightest_rank():
