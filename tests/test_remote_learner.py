@@ -24,6 +24,7 @@ from rl_cases import flat_params, make_batch, make_loss
 from fabric_learner import LearnerLostError, LearnerTimeoutError, LocalLearner, RemoteLearner, Stage
 from fabric_learner.llm_weights import weight_buckets
 from fabric_learner.remote import _shares
+from fabric_learner.remote.actors import packed, unpacked
 
 # the ranks rebuild the test's losses and factories from their pickles, by value: these modules are not on their path
 for module in (rl_cases, llm_cases, sys.modules[__name__]):
@@ -172,6 +173,23 @@ def test_grpo_token_mean_with_unequal_tokens_per_share_equals_one_process(ddp):
     expected = [pair for bucket in weight_buckets(local, bucket_bytes=100_000) for pair in bucket]
     assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in expected]
     assert_close_state(dict(pair for bucket in buckets for pair in bucket), dict(expected))
+
+
+def test_shares_cross_as_numpy_arrays_and_come_back_as_the_same_tensordict():
+    from tensordict import lazy_stack
+
+    for case in ("dqn", "ppo", "sac"):
+        batch = make_batch(case, n=8)
+        sent = ray.cloudpickle.loads(ray.cloudpickle.dumps(packed(batch)))
+        assert isinstance(sent, tuple)  # numpy arrays by key, not pickled tensors
+        back = unpacked(sent)
+        assert back.batch_size == batch.batch_size and back["next"].batch_size == batch["next"].batch_size
+        for k, v in batch.items(include_nested=True, leaves_only=True):
+            assert back.get(k).dtype == v.dtype and torch.equal(back.get(k), v), k
+        back.get("observation").add_(1)  # writable, and its own
+        assert not torch.equal(back.get("observation"), batch.get("observation"))
+    odd = [lazy_stack(list(make_batch("dqn", n=4).unbind(0))), make_batch("dqn", n=4).bfloat16()]
+    assert all(packed(td) is td for td in odd)  # what numpy cannot carry travels as it is
 
 
 def test_token_shares_deal_the_longest_samples_first_to_the_lightest_rank():

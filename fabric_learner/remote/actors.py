@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 import torch
+from tensordict import TensorDict, TensorDictBase
 
 
 class LearnerRank:
@@ -76,6 +77,7 @@ class LearnerRank:
         """
         self._thread = threading.get_ident()
         learner = self.learner
+        share = unpacked(share)
         keys = set(share.keys(include_nested=True, leaves_only=True))
         first = learner._accum_step == 0
         before = None if first or learner._window_count is None else learner._window_count
@@ -85,8 +87,8 @@ class LearnerRank:
         else:
             weight = float(share.batch_size[0])
         new = [k for k in share.keys(include_nested=True, leaves_only=True) if k not in keys]
-        written = share.select(*new) if new else None
-        return out, learner.num_updates, learner.skipped_updates, weight, written
+        written = packed(share.select(*new)) if new else None
+        return packed(out), learner.num_updates, learner.skipped_updates, weight, written
 
     def get_weights(self):
         self._thread = threading.get_ident()
@@ -143,3 +145,42 @@ def built(payload: Any) -> tuple[torch.nn.Module, torch.nn.Module | None]:
             raise TypeError(f"The loss factory returned a tuple of {len(made)}; return a loss or (loss, policy).")
         return made
     return made, None
+
+
+_PACKED = "fabric_learner.packed"
+_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool}
+
+
+def packed(td: Any) -> Any:
+    """A plain CPU TensorDict as numpy arrays by key, else ``td`` as it is.
+
+    Why: pickling a torch tensor costs about 0.4 ms here (its storage goes through torch's own
+    reducer), a numpy array about 0.015 ms, so a batch of ten entries crosses a process boundary
+    several milliseconds faster this way. Only when :func:`unpacked` rebuilds the very same
+    TensorDict: every nested TensorDict with the root's batch size, tensors of a numpy dtype on the
+    CPU, nothing else; lazy stacks, GPU tensors, bfloat16 and the rest travel as they are.
+    """
+    if type(td) is not TensorDict or td.device is not None:
+        return td
+    arrays = {}
+    for key, value in td.items(include_nested=True):
+        if isinstance(value, TensorDictBase):
+            if type(value) is not TensorDict or value.batch_size != td.batch_size:
+                return td
+            continue
+        if (not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor or value.device.type != "cpu"
+                or value.dtype not in _NUMPY_DTYPES):
+            return td
+        arrays[key] = value.detach().numpy()
+    return (_PACKED, arrays, tuple(td.batch_size))
+
+
+def unpacked(obj: Any) -> Any:
+    """What :func:`packed` made, as the TensorDict it was (tensors of their own: Ray's arrays are read-only)."""
+    if not (isinstance(obj, tuple) and len(obj) == 3 and obj[0] == _PACKED):
+        return obj
+    td = TensorDict(batch_size=obj[2])
+    for key, array in obj[1].items():
+        td.set(key, torch.from_numpy(array.copy()))
+    return td

@@ -21,6 +21,7 @@ from torch import nn
 
 from fabric_learner.learner import Capabilities, Learner
 from fabric_learner.remote import _runtime, _shares
+from fabric_learner.remote.actors import packed, unpacked
 from fabric_learner.remote.faults import LearnerLostError, LearnerTimeoutError, gather
 
 GRACE_S = 10.0  # after one rank raised, how long the others may take to answer before the group counts as stuck
@@ -314,7 +315,7 @@ class RemoteLearner(Learner):
         self._check_usable()  # an earlier update may have ended the group
         import ray
 
-        refs = [ray.put(share) for share in shares]
+        refs = [ray.put(packed(share)) for share in shares]
         handle = PendingUpdate(self, [a.update.remote(ref) for a, ref in zip(self._actors, refs)])
         handle._batch = batch if groups is None else None  # contiguous shares: what the loss writes comes back
         handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(int(s.bytes()) for s in shares)}
@@ -337,11 +338,11 @@ class RemoteLearner(Learner):
                 head._error = err
                 raise
             self._in_flight.popleft()
-            outputs = [a[0] for a in answers]
+            outputs = [unpacked(a[0]) for a in answers]
             head._result = combine(outputs, [a[3] for a in answers])
             self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]
             head.policy_version = self.num_updates
-            written = [a[4] for a in answers]
+            written = [unpacked(a[4]) for a in answers]
             head.transfer["returned_bytes"] = sum(int(o.bytes()) for o in outputs) + sum(
                 int(w.bytes()) for w in written if w is not None)
             if head._batch is not None and all(w is not None for w in written):
