@@ -171,8 +171,10 @@ def main() -> None:
             times["remote"].append(harness.median(sync))
             times["remote_pipelined"].append(harness.median(piped))
     transfer = dict(learner.last_transfer)
+    from fabric_learner.remote.actors import packed
+
     share = batches[0].split(args.batch // RANKS)[0].clone()
-    ref = ray.put(share)
+    ref = ray.put(packed(share))  # as update() puts it
     transfer["object_store_bytes_per_share"] = ray.experimental.get_object_locations([ref])[ref]["object_size"]
     learner.close()
     if args.torchrl:
