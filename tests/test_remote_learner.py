@@ -271,6 +271,10 @@ def test_a_loss_that_cannot_be_sent_is_refused_naming_the_factory_to_use(ddp):
         remote(loss)
     with pytest.raises(TypeError, match="not an instance"):
         remote(make_loss("dqn")[0], torch.optim.SGD(make_loss("dqn")[0].parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+        remote(make_loss("dqn")[0], on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="No stage trains"):  # the stages are checked against the loss here
+        remote(make_loss("sac")[0], None, stages=SAC_STAGES[:1])
 
 
 # ---- faults ---------------------------------------------------------------------------------------------

@@ -134,6 +134,7 @@ class RemoteLearner(Learner):
         for name, value in (("timeout", timeout), ("setup_timeout", setup_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+        _check_step_options(loss_module, optimizer, clip_grad_norm, on_nonfinite, stages)
         if on_lost_rank not in ("raise", "rebuild"):
             raise ValueError(f"on_lost_rank must be 'raise' or 'rebuild', got {on_lost_rank!r}.")
         if num_cpus_per_learner < 0 or num_gpus_per_learner < 0:
@@ -539,6 +540,24 @@ def _pickled(sent: Any) -> bytes:
             f"({type(err).__name__}: {err}). Nothing was started. Pass a factory instead of the object, e.g. "
             "RemoteLearner(lambda: make_loss(), ...), returning the loss or (loss, policy): each rank calls it to build "
             "its own.") from err
+
+
+def _check_step_options(loss_module, optimizer, clip_grad_norm, on_nonfinite, stages) -> None:
+    """What every rank would refuse, refused here first: before a runtime or an actor starts."""
+    from fabric_learner._stages import check_stages
+    from fabric_learner.learner import NONFINITE_MODES
+
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+        raise ValueError(f"clip_grad_norm must be a positive number or None (no clipping), got {clip_grad_norm!r}.")
+    if on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}.")
+    if stages is not None:
+        if optimizer is not None:
+            raise ValueError("With stages=, each Stage builds its own optimizer; pass optimizer=None.")
+        if clip_grad_norm is not None:
+            raise ValueError("With stages=, give each Stage its own clip_grad_norm.")
+        if isinstance(loss_module, nn.Module):
+            check_stages(stages, loss_module.named_parameters(), loss_module)
 
 
 def _check_optimizer(optimizer: Any) -> None:
