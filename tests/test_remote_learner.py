@@ -224,6 +224,27 @@ def test_updates_in_flight_come_back_in_order_tagged_with_the_policy_version_the
     assert_close_state(rank_models(fsdp)[0], ppo.loss_module.state_dict())
 
 
+def test_a_one_process_torchrl_trainer_drives_it_and_its_collector_acts_with_the_new_weights(ddp):
+    from torchrl.collectors import Collector
+    from torchrl.envs import GymEnv
+
+    from fabric_learner import Trainer
+    from fabric_learner.testing import ddpg_example
+    from fabric_learner.weights import collector_policy
+
+    loss, actor, _ = ddpg_example()  # DDPG on linear networks shaped for Pendulum-v1
+    start = actor.module.weight.detach().clone()
+    with remote(loss, policy=actor) as learner:
+        collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=8, total_frames=24,
+                              auto_register_policy_transforms=False)
+        Trainer(learner=learner, collector=collector, total_frames=24, optim_steps_per_batch=1,
+                progress_bar=False).train()
+        assert learner.num_updates == 3  # one update per batch of 8 frames, 4 on each rank
+        acting = collector_policy(collector).module.weight
+        assert not torch.equal(acting, start) and torch.equal(acting, learner.get_weights()["module", "weight"])
+        collector.shutdown()
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------
 
 

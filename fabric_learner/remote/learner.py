@@ -403,10 +403,11 @@ class RemoteLearner(Learner):
         """Saves complete before ``save`` returns: nothing to wait for."""
 
     def serve(self, module: nn.Module) -> bool:
-        """Modules in this process are not trained here: refresh them from :meth:`get_weights` instead."""
-        raise NotImplementedError(
-            "RemoteLearner trains on its ranks; a module in this process keeps its weights until you load them: "
-            "TensorDict.from_module(module) ... weights.to_module(module) with learner.get_weights().")
+        """``False``: no module in this process is trained here; load :meth:`get_weights` into it instead.
+
+        (``fabric_learner.weights.publish_to_collector`` does, for a collector's policy.)
+        """
+        return False
 
     def call_on_ranks(self, fn, *args) -> list[Any]:
         """``fn(rank_learner, *args)`` on every rank (each a ``FabricLearner``), answers in rank order.
