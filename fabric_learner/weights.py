@@ -73,8 +73,10 @@ def shares_policy_memory(learner, collector) -> bool:
         (True, False)
         >>> same.shutdown(); copied.shutdown()
     """
+    from fabric_learner.remote.learner import RemoteLearner
+
     policy = collector_policy(collector)
-    if policy is None:
+    if policy is None or isinstance(learner, RemoteLearner):  # trained elsewhere: this process holds copies
         return False
     theirs = [p for p in policy.parameters() if p.numel()]
     if not theirs:

@@ -41,6 +41,10 @@ LONGEST_FIRST[1:1] = ["test_remote.py"]
 LONGEST_FIRST.insert(LONGEST_FIRST.index("test_trainer_envs.py"), "test_gpu_tier.py")
 
 
+# added 2026-12-06 (#57): RemoteLearner's module, one Ray runtime and eight small groups, ~200 s under load
+LONGEST_FIRST[2:2] = ["test_remote_learner.py"]
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: order kept within

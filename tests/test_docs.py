@@ -31,8 +31,9 @@ def test_no_page_cites_files_its_readers_do_not_have(page):
 
 
 def test_the_readme_stays_a_newcomers_page():
-    # 10,500 until the quick start became a script that runs as written (#39): about 700 bytes more
-    assert os.path.getsize(os.path.join(ROOT, "README.md")) <= 11_500
+    # 10,500 until the quick start became a script that runs as written (#39): about 700 bytes more;
+    # #57 links RemoteLearner's page from the documentation list: about 100 more
+    assert os.path.getsize(os.path.join(ROOT, "README.md")) <= 11_600
 
 
 def _readme_blocks():

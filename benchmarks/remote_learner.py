@@ -1,0 +1,203 @@
+"""RemoteLearner against the same strategy and ranks run as an SPMD program, on the same batches.
+
+    OMP_NUM_THREADS=1 python benchmarks/remote_learner.py --quick --out remote_learner.json
+
+Contenders, each on the global batches of ``common.make_batches`` (PPO, 2 ranks, gloo, CPU, one thread
+per rank, Adam, clipping at 1.0):
+- ``spmd``: ``FabricLearner(strategy="ddp")`` under torchrun, every rank updating on its half of
+  each global batch (what a script that becomes an SPMD program runs); per-update wall time of rank 0,
+  with a barrier around each timed block;
+- ``remote``: ``RemoteLearner(strategy="ddp", num_learners=2)`` driven from this process,
+  ``update(batch)`` on the whole batch (split, sent through Ray's object store, combined);
+- ``remote_pipelined``: the same learner with ``update(batch, wait=False)`` (two in flight): the
+  updates per second a controller gets when it does not wait for each one;
+- ``torchrl_ray`` (``--torchrl``): torchrl 0.14.1's private Ray learner (``learner_backend="ray"``:
+  ``_RayTrainerExecution``, DDP ranks as Ray actors, each sampling its half from a ``RayReplayBuffer``
+  actor), one optimization step per ``step(1)``, against ``remote_sampled``: RemoteLearner fed by
+  a replay buffer in this process (``rb.sample(batch)`` then ``update``), the same loss and batch size.
+
+SPMD launches and remote blocks take turns (``harness.rotation``), so both see the machine's load
+alike; ratios are paired per repetition (``harness.bootstrap_ci``). Also reported: the bytes sent per
+update (the shares) against the batch's own size, and the size Ray's object store holds for a share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RL_WARNINGS", "False")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common
+import harness
+import torch
+
+RANKS = 2
+
+
+def optimizer():
+    return functools.partial(torch.optim.Adam, lr=1e-3)
+
+
+def spmd(args) -> None:
+    """One torchrun rank: time ``inner``-update blocks of FabricLearner(strategy="ddp") on its halves."""
+    from fabric_learner import FabricLearner
+
+    harness.set_one_thread()
+    learner = FabricLearner(common.make_loss(args.workload)[0], optimizer(), strategy="ddp", accelerator="cpu",
+                            clip_grad_norm=common.CLIP)
+    rank = learner.global_rank
+    batches = [b.split(b.batch_size[0] // RANKS)[rank].clone() for b in _batches(args)]
+    barrier = torch.distributed.barrier
+    for i in range(args.warmup):
+        learner.update(batches[i % len(batches)])
+    samples = []
+    for block in range(args.blocks):
+        barrier()
+        t0 = time.perf_counter()
+        for i in range(args.inner):
+            learner.update(batches[(block * args.inner + i) % len(batches)])
+        barrier()
+        samples.append((time.perf_counter() - t0) / args.inner)
+    if rank == 0:
+        harness.write_json(args.spmd_out, samples)
+    learner.close()
+
+
+def torchrl_ray(args, data):
+    """torchrl's own Ray learner (private in 0.14.1) over a Ray replay buffer holding ``data``: ``step(i)``."""
+    from torchrl.data import LazyTensorStorage, RayReplayBuffer
+    from torchrl.trainers._ray_execution import _RayTrainerExecution
+
+    loss = common.make_loss(args.workload)[0]
+    rb = RayReplayBuffer(storage=LazyTensorStorage(data.batch_size[0]), batch_size=args.batch // RANKS)
+    rb.extend(data)
+    execution = _RayTrainerExecution(
+        loss_module=loss, optimizer=torch.optim.Adam(loss.parameters(), lr=1e-3), optimization_stepper=None,
+        target_net_updater=None, replay_buffer=rb, global_batch_size=args.batch, seed=0, clip_grad_norm=True,
+        clip_norm=common.CLIP, update_replay_priority=False,
+        options={"world_size": RANKS, "resources_per_rank": {"num_cpus": 1, "num_gpus": 0}})
+    execution.start()
+    return execution, rb
+
+
+def _batches(args):
+    return common.make_batches(args.workload, count=4, n=args.batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="ppo", choices=["ppo", "dqn"])
+    parser.add_argument("--batch", type=int, default=512, help="global batch (each rank gets batch / 2)")
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="2 repetitions of 3 blocks")
+    parser.add_argument("--torchrl", action="store_true", help="also time torchrl's private Ray learner")
+    parser.add_argument("--out")
+    parser.add_argument("--spmd-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.spmd_out:
+        return spmd(args)
+    if args.quick:
+        args.reps, args.blocks = 2, 3
+    harness.set_one_thread()
+    import ray
+
+    from fabric_learner import RemoteLearner
+
+    # logical CPUs for scheduling only (the contenders take turns on the machine's cores)
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    batches = _batches(args)
+    learner = RemoteLearner(common.make_loss(args.workload)[0], optimizer(), strategy="ddp", num_learners=RANKS,
+                            clip_grad_norm=common.CLIP, max_in_flight=2)
+    for i in range(args.warmup):
+        learner.update(batches[i % len(batches)])
+    times: dict[str, list[float]] = {"spmd": [], "remote": [], "remote_pipelined": []}
+    names = ["spmd", "remote"]
+    if args.torchrl:
+        from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+        data = torch.cat(batches)
+        execution, ray_rb = torchrl_ray(args, data)
+        local_rb = ReplayBuffer(storage=LazyTensorStorage(data.batch_size[0]), batch_size=args.batch)
+        local_rb.extend(data)
+        for _ in range(args.warmup):
+            execution.step(1)
+        names.append("torchrl")
+        times.update(torchrl_ray=[], remote_sampled=[])
+    for rep in range(args.reps):
+        for name in harness.rotation(rep, names):
+            if name == "torchrl":
+                theirs, ours = [], []
+                for _ in range(args.blocks):
+                    t0 = time.perf_counter()
+                    for _ in range(args.inner):
+                        execution.step(1)
+                    theirs.append((time.perf_counter() - t0) / args.inner)
+                    t0 = time.perf_counter()
+                    for _ in range(args.inner):
+                        learner.update(local_rb.sample())
+                    ours.append((time.perf_counter() - t0) / args.inner)
+                times["torchrl_ray"].append(harness.median(theirs))
+                times["remote_sampled"].append(harness.median(ours))
+                continue
+            if name == "spmd":
+                with harness.scratch_path() as path:
+                    argv = [*harness.torchrun(RANKS, os.path.abspath(__file__)), "--spmd-out", path,
+                            "--workload", args.workload, "--batch", str(args.batch), "--blocks", str(args.blocks),
+                            "--inner", str(args.inner), "--warmup", str(args.warmup)]
+                    harness.run_bounded(argv, 600, "the SPMD program")
+                    times["spmd"].append(harness.median(harness.read_json(path)))
+                continue
+            sync, piped = [], []
+            for block in range(args.blocks):
+                t0 = time.perf_counter()
+                for i in range(args.inner):
+                    learner.update(batches[(block * args.inner + i) % len(batches)])
+                sync.append((time.perf_counter() - t0) / args.inner)
+                t0 = time.perf_counter()
+                handles = [learner.update(batches[(block * args.inner + i) % len(batches)], wait=False)
+                           for i in range(args.inner)]
+                handles[-1].result()
+                piped.append((time.perf_counter() - t0) / args.inner)
+            times["remote"].append(harness.median(sync))
+            times["remote_pipelined"].append(harness.median(piped))
+    transfer = dict(learner.last_transfer)
+    from fabric_learner.remote.actors import packed
+
+    share = batches[0].split(args.batch // RANKS)[0].clone()
+    ref = ray.put(packed(share))  # as update() puts it
+    transfer["object_store_bytes_per_share"] = ray.experimental.get_object_locations([ref])[ref]["object_size"]
+    learner.close()
+    if args.torchrl:
+        execution.shutdown()
+        ray_rb.close()
+    result = {
+        "settings": vars(args), "machine": harness.machine(), "provenance": harness.provenance(),
+        "seconds_per_update": times, "transfer_per_update": transfer,
+        "remote_over_spmd": {
+            "ratio": harness.paired_ratio(times["remote"], times["spmd"]),
+            "ci": harness.bootstrap_ci(times["remote"], times["spmd"]), "goal": 1.10},
+        "pipelined_updates_per_s_over_spmd": {
+            "ratio": harness.paired_ratio(times["spmd"], times["remote_pipelined"]),
+            "ci": harness.bootstrap_ci(times["spmd"], times["remote_pipelined"]), "goal": 0.95},
+    }
+    if args.torchrl:
+        result["remote_over_torchrl_ray"] = {
+            "ratio": harness.paired_ratio(times["remote_sampled"], times["torchrl_ray"]),
+            "ci": harness.bootstrap_ci(times["remote_sampled"], times["torchrl_ray"]), "goal": "< 1 (faster)"}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("settings", "machine", "provenance")}, indent=1))
+    if args.out:
+        harness.write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

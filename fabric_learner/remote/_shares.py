@@ -1,0 +1,83 @@
+"""How ``RemoteLearner`` cuts one global batch into one share per rank.
+
+A plain TensorDict is cut into equal, contiguous shares: the ranks' averaged gradients then equal
+one process's on the whole batch for any loss that means over its samples. A lazy stack of samples
+of different lengths (a language model's batch) is dealt by token count instead: torchrl's LLM losses
+are normalised by the window's token count over all ranks (``fabric_learner.llm``), so shares may
+hold different numbers of samples, and balancing tokens balances the ranks' work.
+
+``balanced_shares`` is the one function to swap for a shared implementation (a token-budget
+batching module) once one exists: it takes per-sample costs and returns index lists.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase, lazy_stack
+
+TOKEN_MASKS = (("masks", "all_attention_mask"), ("masks", "all_assistant_mask"))
+
+
+def split(batch: TensorDictBase, ranks: int) -> tuple[list[TensorDictBase], list[list[int]] | None]:
+    """``ranks`` shares of ``batch``, each a standalone copy (it pickles only its own data).
+
+    Returns the shares and, for balanced lazy stacks, the sample indices each share holds
+    (``None`` for contiguous equal shares). Raises ``ValueError`` (nothing sent) when a plain batch
+    does not divide evenly or holds fewer samples than ranks.
+    """
+    if not isinstance(batch, TensorDictBase):
+        raise TypeError(f"update() takes a TensorDict batch, got {type(batch).__name__}.")
+    if batch.batch_dims == 0:
+        raise ValueError("update() needs a batch with a leading batch dimension to split over the ranks; got batch_size [].")
+    n = batch.batch_size[0]
+    if n < ranks:
+        raise ValueError(f"The batch holds {n} samples for {ranks} learner ranks: every rank needs at least one. "
+                         "Nothing was sent. Give a larger batch or fewer num_learners.")
+    if isinstance(batch, LazyStackedTensorDict) and batch.stack_dim == 0 and _ragged(batch):
+        groups = balanced_shares(sample_tokens(batch), ranks)
+        return [lazy_stack([batch.tensordicts[i] for i in g]).clone() for g in groups], groups
+    if n % ranks:
+        raise ValueError(
+            f"The batch's {n} samples do not split into {ranks} equal shares, and unequal shares would weigh the "
+            "samples of the smaller ones more than one process does. Nothing was sent. Give a batch size divisible "
+            f"by num_learners={ranks}.")
+    return [share.clone() for share in batch.split(n // ranks)], None
+
+
+def _ragged(batch: LazyStackedTensorDict) -> bool:
+    """Whether the stacked samples differ in shape somewhere (a padded batch would not)."""
+    try:
+        batch.get(TOKEN_MASKS[0])
+    except (RuntimeError, KeyError, ValueError):
+        return True
+    return False
+
+
+def sample_tokens(batch: LazyStackedTensorDict) -> list[int]:
+    """Each sample's token count: its attention (or assistant) mask's sum, else its largest entry's size."""
+    for key in TOKEN_MASKS:
+        try:
+            masks = batch.get(key, as_list=True)
+        except (KeyError, RuntimeError):
+            continue
+        return [int(m.sum()) for m in masks]
+    return [max((t.numel() for t in td.values(True, True) if isinstance(t, torch.Tensor)), default=1)
+            for td in batch.tensordicts]
+
+
+def balanced_shares(costs: list[int], ranks: int) -> list[list[int]]:
+    """Sample indices per rank: longest first, each to the rank with the fewest tokens so far.
+
+    The greedy rule (LPT) keeps the heaviest share within 4/3 of the best possible; every rank gets
+    at least one sample. Indices within a share keep the batch's order.
+    """
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    groups: list[list[int]] = [[] for _ in range(ranks)]
+    heap = [(0, r) for r in range(ranks)]
+    for i in order:
+        load, r = heapq.heappop(heap)
+        groups[r].append(i)
+        heapq.heappush(heap, (load + max(costs[i], 1), r))
+    return [sorted(g) for g in groups]

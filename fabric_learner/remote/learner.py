@@ -1,0 +1,581 @@
+"""RemoteLearner: the Learner contract from one process, the update run by a group of Ray actors.
+
+The controller (the script's process) splits each global batch into one share per rank, puts each
+share into Ray's object store once, and sends each rank the reference to its own share; the ranks
+(``remote.actors``) run a ``FabricLearner`` each, in one process group, and the controller combines
+their outputs into what ``LocalLearner.update`` on the whole batch returns. Faults end the group
+with a named error (``remote.faults``); the controller's own state never changes on a failed call.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from fabric_learner.learner import Capabilities, Learner
+from fabric_learner.remote import _runtime, _shares
+from fabric_learner.remote.actors import packed, unpacked
+from fabric_learner.remote.faults import LearnerLostError, LearnerTimeoutError, gather
+
+GRACE_S = 10.0  # after one rank raised, how long the others may take to answer before the group counts as stuck
+
+
+class RemoteLearner(Learner):
+    """The Learner contract in this process, each update run by ``num_learners`` Ray actors.
+
+    Every rank is a Ray actor running a ``FabricLearner`` with ``strategy`` (``"ddp"``, ``"fsdp"``,
+    or a strategy object such as a ``ModelParallelStrategy`` with its ``parallelize_fn``) in one
+    process group (gloo on CPU, NCCL on GPU). ``update(batch)`` splits the batch into one share per
+    rank (equal shares of a TensorDict; lazy stacks of samples of different lengths dealt by token
+    count) and returns what ``LocalLearner.update`` on the whole batch returns: the ranks' loss
+    entries averaged (by the tokens or samples each averaged over, for torchrl's LLM losses), and
+    ``"grad_norm"`` on calls that step the optimizer.
+
+    With no ``address`` and no Ray runtime running, a local runtime is started (no dashboard, the
+    machine's CPUs) and shut down when the last learner using it closes; ``address=`` joins an
+    existing cluster, and a runtime the script started with ``ray.init`` is used as it is.
+
+    The loss travels to the ranks by pickling (``cloudpickle``); one that cannot (it holds a lock,
+    an open file, a CUDA context...) is refused here, before anything starts: pass a factory
+    instead, a function returning the loss (or ``(loss, policy)``) called on each rank. The
+    optimizer is a factory ``f(params)`` (an instance holds this process's parameters) or ``None``.
+
+    The controller holds no copy of the weights: ``get_weights()`` fetches them (full tensors, also
+    under FSDP), ``state_dict()`` is empty, ``loss_module`` is the object given (untrained) or ``None``.
+
+    Args:
+        loss_module: a torchrl loss (sent to every rank) or a factory returning one or ``(loss, policy)``.
+        optimizer: ``None`` (Adam) or a factory ``f(params) -> Optimizer``.
+
+    Keyword Args:
+        policy (nn.Module, optional): with a loss object, the module of it that acts; ``get_weights``
+            is laid out as ``TensorDict.from_module(policy)``.
+        strategy: as ``FabricLearner``: ``"ddp"`` (default), ``"fsdp"`` or a strategy object.
+        num_learners (int): ranks (actors) in the group; the batch size must divide by it.
+        num_cpus_per_learner (float), num_gpus_per_learner (float): Ray resources of each actor;
+            with GPUs the ranks train on their GPU.
+        precision: as ``FabricLearner``.
+        clip_grad_norm, grad_accum_steps, on_nonfinite, compile, stages: as ``LocalLearner``.
+        address (str, optional): a Ray cluster to join (``"auto"``, ``"ray://host:10001"``, ...).
+        timeout (float): seconds a call may wait for the ranks (and each collective among them);
+            past it the call raises ``LearnerTimeoutError`` naming the silent ranks and the group ends.
+        setup_timeout (float): seconds to wait for the resources and for the ranks to start.
+        max_in_flight (int): updates ``update(batch, wait=False)`` keeps in flight before it waits.
+        on_lost_rank (str): ``"raise"`` (default): a lost or silent rank ends the group and every later
+            call raises; ``"rebuild"``: the call still raises (``LearnerLostError`` /
+            ``LearnerTimeoutError``, saying what was lost), but a new group is built and loaded from
+            the last checkpoint ``save()`` wrote, and the learner goes on from there.
+
+    Raises:
+        TypeError, ValueError: a bad argument or a loss that cannot be sent, before anything starts.
+        RuntimeError: the cluster cannot give the group its resources within ``setup_timeout``.
+
+    Examples:
+        A script's learner, moved to two Ray actors (this starts a Ray runtime, so it is not run here):
+
+        >>> import functools, torch
+        >>> from fabric_learner import RemoteLearner
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()
+        >>> with RemoteLearner(loss, functools.partial(torch.optim.SGD, lr=0.1), policy=net,
+        ...                    strategy="ddp", num_learners=2) as learner:  # doctest: +SKIP
+        ...     out = learner.update(batch)                    # each rank trains on 4 of the 8 samples
+        ...     weights = learner.get_weights()                # plain tensors in this process
+        ...     pending = learner.update(batch, wait=False)    # collect the next batch meanwhile
+        ...     out, version = pending.result(), pending.policy_version
+
+        What cannot work on the ranks is refused before anything starts:
+
+        >>> RemoteLearner(loss, torch.optim.SGD(loss.parameters(), lr=0.1))
+        Traceback (most recent call last):
+        ...
+        TypeError: RemoteLearner builds the optimizer on each rank, over that rank's parameters: ...
+    """
+
+    capabilities = Capabilities(sharded=False, distributed=False)  # as seen from the controller: one process
+
+    def __init__(
+        self,
+        loss_module: Any,
+        optimizer: Any = None,
+        *,
+        policy: nn.Module | None = None,
+        strategy: Any = "ddp",
+        num_learners: int = 2,
+        num_cpus_per_learner: float = 1,
+        num_gpus_per_learner: float = 0,
+        precision: Any = "32-true",
+        clip_grad_norm: float | None = None,
+        grad_accum_steps: int = 1,
+        on_nonfinite: str = "raise",
+        compile: bool = False,
+        stages: Sequence[Any] | None = None,
+        address: str | None = None,
+        timeout: float = 300.0,
+        setup_timeout: float = 300.0,
+        max_in_flight: int = 2,
+        on_lost_rank: str = "raise",
+    ) -> None:
+        nn.Module.__init__(self)
+        payload = _payload(loss_module, policy)
+        _check_optimizer(optimizer)
+        for name, value in (("num_learners", num_learners), ("max_in_flight", max_in_flight)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be an integer >= 1, got {grad_accum_steps!r}.")
+        for name, value in (("timeout", timeout), ("setup_timeout", setup_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+        _check_step_options(loss_module, optimizer, clip_grad_norm, on_nonfinite, stages)
+        if on_lost_rank not in ("raise", "rebuild"):
+            raise ValueError(f"on_lost_rank must be 'raise' or 'rebuild', got {on_lost_rank!r}.")
+        if num_cpus_per_learner < 0 or num_gpus_per_learner < 0:
+            raise ValueError("num_cpus_per_learner and num_gpus_per_learner must be >= 0.")
+        object.__setattr__(self, "loss_module", loss_module if isinstance(loss_module, nn.Module) else None)
+        object.__setattr__(self, "policy", policy)
+        self.num_learners = num_learners
+        self.grad_accum_steps = grad_accum_steps
+        self.clip_grad_norm = clip_grad_norm
+        self.on_nonfinite = on_nonfinite
+        self.stages = tuple(stages or ())
+        self.optimizer = None
+        self.num_updates = 0
+        self.skipped_updates = 0
+        self.timeout = float(timeout)
+        self.max_in_flight = max_in_flight
+        self.last_transfer: dict[str, int] = {}
+        self._in_flight: collections.deque[PendingUpdate] = collections.deque()
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._actors: list[Any] = []
+        self._group = None
+        self._sharded = False
+        self.on_lost_rank = on_lost_rank
+        self._last_save: tuple[str, int] | None = None  # (path, num_updates) of the last save(): where a rebuild starts
+        accelerator = "cuda" if num_gpus_per_learner > 0 else "cpu"
+        options = {"strategy": strategy, "accelerator": accelerator, "precision": precision,
+                   "clip_grad_norm": clip_grad_norm, "grad_accum_steps": grad_accum_steps,
+                   "on_nonfinite": on_nonfinite, "compile": compile, "stages": stages,
+                   # the ranks' collectives wait longer than the controller, which so names a silent rank first
+                   "timeout": 2 * float(timeout)}
+        sent = _pickled((payload, optimizer, options))
+        self._build = (sent, num_cpus_per_learner, num_gpus_per_learner, setup_timeout)  # kept for a rebuild
+        self._embedded = _runtime.join(address)
+        try:
+            self._start(*self._build)
+        except BaseException:
+            self._end_group()
+            if self._embedded:
+                _runtime.leave()
+            self._closed = True
+            raise
+
+    # ---- the group ------------------------------------------------------------------------------
+
+    def _start(self, sent: bytes, cpus, gpus, setup_timeout) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from fabric_learner.remote.actors import LearnerRank
+
+        sent = ray.put(sent)
+        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        self._group = placement_group([bundle] * self.num_learners, strategy="PACK")
+        ready, _ = ray.wait([self._group.ready()], timeout=setup_timeout)
+        if not ready:
+            free = ray.available_resources()
+            raise RuntimeError(
+                f"The Ray cluster could not give {self.num_learners} learner ranks {bundle} each within "
+                f"{setup_timeout:g} s (free now: {free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU). Nothing was "
+                "started. Lower num_cpus_per_learner / num_gpus_per_learner or num_learners, close other learners, "
+                "or add nodes.")
+        remote_rank = _actor_class(ray, LearnerRank)
+        self._actors = [
+            remote_rank.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=
+                                PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=r))
+            .remote(r, self.num_learners)
+            for r in range(self.num_learners)]
+        address, port = gather([self._actors[0].rendezvous.remote()], "starting rank 0", setup_timeout)[0]
+        infos = self._call("setup", sent, address, port, what="building the ranks", timeout=setup_timeout)
+        self._sharded = bool(infos[0]["sharded"])
+        self.pids = [info["pid"] for info in infos]
+
+    def _call(self, method: str, *args, what: str | None = None, ranks=None, timeout=None) -> list[Any]:
+        """``method(*args)`` on the given ranks (default: all), their answers in rank order; faults end the group."""
+        self._check_usable()
+        actors = self._actors if ranks is None else [self._actors[r] for r in ranks]
+        refs = [getattr(a, method).remote(*args) for a in actors]
+        return self._gather(refs, what or f"{method}()", timeout)
+
+    def _gather(self, refs, what: str, timeout=None) -> list[Any]:
+        try:
+            return gather(refs, what, self.timeout if timeout is None else timeout, self._where, GRACE_S)
+        except (LearnerLostError, LearnerTimeoutError) as err:
+            self._fail(err)
+            if self.on_lost_rank == "rebuild":
+                self._rebuild(err)
+            raise
+
+    def _where(self, ranks: list[int]) -> dict[int, str]:
+        import ray
+
+        refs = {r: self._actors[r].where.remote() for r in ranks}
+        out = {}
+        for r, ref in refs.items():
+            try:
+                out[r] = "busy in " + ray.get(ref, timeout=5)
+            except Exception as err:  # noqa: BLE001 - a rank that cannot even say where it is
+                out[r] = f"no answer ({type(err).__name__})"
+        return out
+
+    def _fail(self, err: BaseException) -> None:
+        """A lost or silent rank: end the group; every later call raises this error's story."""
+        self._broken = err
+        self._end_group()
+        for handle in self._in_flight:
+            handle._error = err
+        self._in_flight.clear()
+
+    def _rebuild(self, err: BaseException) -> None:
+        """A new group from the loss as first sent, then the last checkpoint ``save()`` wrote; told in ``err``."""
+        lost = self.num_updates - (self._last_save[1] if self._last_save else 0)
+        try:
+            self._broken = None
+            self._start(*self._build)
+            if self._last_save is not None:
+                self.num_updates = self._call("load", self._last_save[0], what="load() after a rebuild")[0]
+            else:
+                self.num_updates = 0
+        except BaseException as again:  # noqa: BLE001 - the rebuild failed: the group stays ended, both told
+            self._broken = err
+            self._end_group()
+            err.args = (f"{err} Rebuilding the group failed too ({type(again).__name__}: {again}).",)
+            return
+        start = f"the checkpoint {self._last_save[0]}" if self._last_save else "the loss as first sent (nothing saved yet)"
+        err.rebuilt_from = self._last_save[0] if self._last_save else None
+        err.lost_updates = lost
+        err.args = (f"{err} on_lost_rank='rebuild': a new group was built from {start}, at update {self.num_updates}; "
+                    f"the {lost} update(s) since, and this call's, were not kept. The learner is usable: call update() "
+                    "again with the next batch.",)
+
+    def _end_group(self) -> None:
+        import ray
+
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - an actor already gone
+                pass
+        self._actors = []
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._group)
+            except Exception:  # noqa: BLE001 - the runtime may already be down
+                pass
+            self._group = None
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"This RemoteLearner's group was ended by an earlier fault ({self._broken}). Build a "
+                               "new RemoteLearner and load the last checkpoint to continue.") from self._broken
+        if self._closed:
+            raise RuntimeError("This RemoteLearner is closed; build a new one to keep training.")
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def update(self, batch: TensorDictBase, *, wait: bool = True):
+        """One update on the whole ``batch``, split over the ranks; see ``Learner.update``.
+
+        Args:
+            batch (TensorDictBase): the global batch; a plain TensorDict's size must divide by
+                ``num_learners``; a lazy stack of samples of different lengths is dealt by tokens.
+
+        Keyword Args:
+            wait (bool): ``False`` returns a :class:`PendingUpdate` at once (after waiting for the
+                oldest one if ``max_in_flight`` are pending): the ranks train while this process
+                goes on. Updates run in the order they were asked for.
+
+        Returns:
+            The combined loss output (``"grad_norm"`` on step calls), or a ``PendingUpdate``.
+        """
+        self._check_usable()
+        shares, groups = _shares.split(batch, self.num_learners)
+        while len(self._in_flight) >= self.max_in_flight:
+            self._in_flight[0].result()
+        self._check_usable()  # an earlier update may have ended the group
+        import ray
+
+        refs = [ray.put(packed(share)) for share in shares]
+        handle = PendingUpdate(self, [a.update.remote(ref) for a, ref in zip(self._actors, refs)])
+        handle._batch = batch if groups is None else None  # contiguous shares: what the loss writes comes back
+        handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(int(s.bytes()) for s in shares)}
+        self._in_flight.append(handle)
+        return handle.result() if wait else handle
+
+    def _collect(self, handle: PendingUpdate) -> None:
+        """Wait for ``handle`` and every earlier update, in order, applying their counters here.
+
+        The first of them to fail raises here, whichever handle was asked for: an update's error is
+        never left unseen behind a later one (the handles keep theirs for their own ``result()``).
+        """
+        while self._in_flight:
+            head = self._in_flight[0]
+            try:
+                answers = self._gather(head._refs, "update()")
+            except BaseException as err:
+                if self._in_flight and self._in_flight[0] is head:
+                    self._in_flight.popleft()
+                head._error = err
+                raise
+            self._in_flight.popleft()
+            outputs = [unpacked(a[0]) for a in answers]
+            head._result = combine(outputs, [a[3] for a in answers])
+            self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]
+            head.policy_version = self.num_updates
+            written = [unpacked(a[4]) for a in answers]
+            head.transfer["returned_bytes"] = sum(int(o.bytes()) for o in outputs) + sum(
+                int(w.bytes()) for w in written if w is not None)
+            if head._batch is not None and all(w is not None for w in written):
+                _write_back(head._batch, written)
+            head._batch = None
+            self.last_transfer = head.transfer
+            if head is handle:
+                return
+
+    def _drain(self) -> None:
+        while self._in_flight:
+            self._in_flight[-1].result()
+
+    # ---- weights and checkpoints ----------------------------------------------------------------
+
+    def get_weights(self, *, cpu_offload: bool = True) -> TensorDictBase:
+        """The trained weights as plain tensors in this process (gathered from the shards under FSDP)."""
+        self._drain()
+        ranks = None if self._sharded else [0]
+        return self._call("get_weights", what="get_weights()", ranks=ranks)[0]  # CPU tensors either way
+
+    def checkpoint(self) -> dict[str, Any]:
+        """See ``Learner.checkpoint``: the group's state (full tensors), in this process."""
+        self._drain()
+        return self._call("checkpoint", what="checkpoint()")[0]
+
+    def load_checkpoint(self, checkpoint) -> None:
+        """See ``Learner.load_checkpoint``: sent once through the object store, loaded by every rank."""
+        import ray
+
+        self._drain()
+        ref = ray.put(checkpoint)
+        self.num_updates = self._call("load_checkpoint", ref, what="load_checkpoint()")[0]
+
+    def save(self, path, blocking: bool = True) -> Future | None:
+        """Every rank writes its part (a file under DDP, a DCP folder under FSDP): the formats any learner loads.
+
+        ``path`` must be reachable by every rank (a shared filesystem on a multi-node cluster).
+        Saves before returning; ``blocking=False`` returns a finished future.
+        """
+        self._drain()
+        path = os.path.abspath(os.fspath(path))
+        self._call("save", path, what="save()")
+        self._last_save = (path, self.num_updates)
+        if blocking:
+            return None
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def load(self, path) -> None:
+        """Every rank loads ``path`` (written by any learner, any strategy or world size)."""
+        self._drain()
+        self.num_updates = self._call("load", os.path.abspath(os.fspath(path)), what="load()")[0]
+
+    def wait_for_save(self, timeout: float | None = None) -> None:
+        """Saves complete before ``save`` returns: nothing to wait for."""
+
+    def serve(self, module: nn.Module) -> bool:
+        """``False``: no module in this process is trained here; load :meth:`get_weights` into it instead.
+
+        (``fabric_learner.weights.publish_to_collector`` does, for a collector's policy.)
+        """
+        return False
+
+    def call_on_ranks(self, fn, *args) -> list[Any]:
+        """``fn(rank_learner, *args)`` on every rank (each a ``FabricLearner``), answers in rank order.
+
+        For inspection and tools; ``fn`` must be picklable and must not change the learner's state.
+        """
+        self._drain()
+        return self._call("call", fn, *args, what="call_on_ranks()")
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End the group (every rank closes its learner, then the actors end); idempotent.
+
+        The embedded runtime shuts down with the last learner using it.
+        """
+        if self._closed:
+            return
+        try:
+            if self._broken is None and self._actors:
+                try:
+                    self._drain()
+                finally:
+                    if self._broken is None and self._actors:
+                        self._call("close", what="close()")
+        finally:
+            self._closed = True
+            self._end_group()
+            if self._embedded:
+                _runtime.leave()
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.close()
+            return
+        self._closed = True  # an error is on its way up: end the actors without waiting for them
+        self._end_group()
+        if self._embedded:
+            _runtime.leave()
+
+    @property
+    def world_size(self) -> int:
+        return 1  # the controller is one process; num_learners is the group's size
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The fault that ended the group, or ``None``."""
+        return self._broken
+
+
+class PendingUpdate:
+    """An update in flight: ``result()`` waits for it; ``policy_version`` is the update count it produced."""
+
+    def __init__(self, learner: RemoteLearner, refs: list[Any]) -> None:
+        self._learner, self._refs = learner, refs
+        self._result: TensorDictBase | None = None
+        self._error: BaseException | None = None
+        self._batch: TensorDictBase | None = None
+        self.policy_version: int | None = None
+        self.transfer: dict[str, int] = {}
+
+    def done(self) -> bool:
+        """Whether ``result()`` would return (or raise) without waiting."""
+        if self._result is not None or self._error is not None:
+            return True
+        import ray
+
+        ready, _ = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
+        return len(ready) == len(self._refs)
+
+    def result(self) -> TensorDictBase:
+        """The combined output (as ``update(batch)`` returns it); raises what the update raised."""
+        if self._result is None and self._error is None:
+            self._learner._collect(self)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def combine(outputs: list[TensorDictBase], weights: list[float]) -> TensorDictBase:
+    """The ranks' outputs as one process's on the whole batch.
+
+    Floating entries are averaged with ``weights`` (the samples or tokens each rank's loss averaged
+    over); ``grad_norm*`` entries, equal on every rank after the gradient sync, and any other entry
+    are rank 0's.
+    """
+    total = sum(weights)
+    first = outputs[0]
+    out = TensorDict({}, batch_size=first.batch_size)
+    for key in first.keys(include_nested=True, leaves_only=True):
+        value = first.get(key)
+        name = key if isinstance(key, str) else key[-1]
+        if (isinstance(value, torch.Tensor) and value.is_floating_point() and not name.startswith("grad_norm")
+                and all(o.get(key).shape == value.shape for o in outputs)):
+            value = sum(o.get(key).double() * (w / total) for o, w in zip(outputs, weights)).to(value.dtype)
+        out.set(key, value)
+    return out
+
+
+def _write_back(batch: TensorDictBase, written: list[TensorDictBase]) -> None:
+    """Put what the loss wrote into the ranks' shares (DQN's ``td_error``) into the caller's batch, as one process does."""
+    whole = torch.cat(written, 0)
+    for key in whole.keys(include_nested=True, leaves_only=True):
+        batch.set(key, whole.get(key))
+
+
+def _payload(loss_module: Any, policy: nn.Module | None) -> Any:
+    """What the ranks build the loss from: ``(loss, policy)`` or a factory."""
+    if isinstance(loss_module, nn.Module):
+        if policy is not None and not isinstance(policy, nn.Module):
+            raise TypeError(f"policy must be an nn.Module or None, got {type(policy).__name__}.")
+        return loss_module, policy  # pickled together: the policy stays the loss's own module on the ranks
+    if callable(loss_module):
+        if policy is not None:
+            raise ValueError("With a loss factory, return (loss, policy) from it instead of passing policy=: the "
+                             "policy must be the module of the loss built on each rank.")
+        return loss_module
+    raise TypeError(f"loss_module must be a torchrl loss (an nn.Module) or a factory returning one, got "
+                    f"{type(loss_module).__name__}.")
+
+
+def _pickled(sent: Any) -> bytes:
+    """What the ranks build from, pickled once here: a loss that cannot travel is refused before anything starts."""
+    from ray import cloudpickle
+
+    try:
+        return cloudpickle.dumps(sent)
+    except Exception as err:  # any pickling failure: named with the fix
+        raise TypeError(
+            f"The loss (or its policy, the optimizer factory, stages or strategy) cannot be sent to the learner ranks "
+            f"({type(err).__name__}: {err}). Nothing was started. Pass a factory instead of the object, e.g. "
+            "RemoteLearner(lambda: make_loss(), ...), returning the loss or (loss, policy): each rank calls it to build "
+            "its own.") from err
+
+
+def _check_step_options(loss_module, optimizer, clip_grad_norm, on_nonfinite, stages) -> None:
+    """What every rank would refuse, refused here first: before a runtime or an actor starts."""
+    from fabric_learner._stages import check_stages
+    from fabric_learner.learner import NONFINITE_MODES
+
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+        raise ValueError(f"clip_grad_norm must be a positive number or None (no clipping), got {clip_grad_norm!r}.")
+    if on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}.")
+    if stages is not None:
+        if optimizer is not None:
+            raise ValueError("With stages=, each Stage builds its own optimizer; pass optimizer=None.")
+        if clip_grad_norm is not None:
+            raise ValueError("With stages=, give each Stage its own clip_grad_norm.")
+        if isinstance(loss_module, nn.Module):
+            check_stages(stages, loss_module.named_parameters(), loss_module)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "RemoteLearner builds the optimizer on each rank, over that rank's parameters: pass a factory "
+            "f(params) -> Optimizer (e.g. functools.partial(torch.optim.Adam, lr=3e-4)) or None, not an instance "
+            "(it holds this process's parameters). Nothing was started.")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(f"optimizer must be None or a callable params -> Optimizer, got {type(optimizer).__name__}.")
+
+
+def _actor_class(ray, rank_class):
+    """``rank_class`` as a Ray actor whose ``where()`` answers while another call runs."""
+    class _Rank(rank_class):
+        @ray.method(concurrency_group="control")
+        def where(self) -> str:
+            return rank_class.where(self)
+
+    return ray.remote(concurrency_groups={"control": 1})(_Rank)

@@ -1,0 +1,368 @@
+"""RemoteLearner: the Learner contract from one process, each update run by two Ray actors (gloo, CPU).
+
+The oracle is LocalLearner on the whole batch (SGD, so a gradient-scale error shows). One Ray
+runtime serves the module: the first learner starts it (embedded) and the last one to close ends
+it; the learners are built once per module and checked many times.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+
+import llm_cases
+import pytest
+import ray
+import rl_cases
+import torch
+from rl_cases import flat_params, make_batch, make_loss
+
+from fabric_learner import LearnerLostError, LearnerTimeoutError, LocalLearner, RemoteLearner, Stage
+from fabric_learner.llm_weights import weight_buckets
+from fabric_learner.remote import _shares
+from fabric_learner.remote.actors import packed, unpacked
+
+# the ranks rebuild the test's losses and factories from their pickles, by value: these modules are not on their path
+for module in (rl_cases, llm_cases, sys.modules[__name__]):
+    ray.cloudpickle.register_pickle_by_value(module)
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+SMALL = {"num_learners": 2, "num_cpus_per_learner": 0.25, "timeout": 60}  # 2 ranks; 8 fit the 2-CPU runtime
+
+
+def remote(loss, optimizer=SGD, **kwargs):
+    return RemoteLearner(loss, optimizer, **{**SMALL, **kwargs})
+
+
+def rank_models(learner):
+    """Each rank's full model state (a collective under FSDP: every rank is called)."""
+    return learner.call_on_ranks(lambda rank: {k: v.detach().clone() for k, v in rank.checkpoint()["model"].items()})
+
+
+def assert_ranks_identical(learner):
+    first, *others = rank_models(learner)
+    for other in others:
+        assert first.keys() == other.keys()
+        for k, v in first.items():
+            assert torch.equal(v, other[k]), k
+    return first
+
+
+def assert_close_state(got, want):
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, **TOL, msg=k)
+
+
+@pytest.fixture(scope="module")
+def ddp():
+    """DQN under DDP; the first learner of the module, so it starts the embedded runtime."""
+    assert not ray.is_initialized()
+    loss, policy = make_loss("dqn")
+    learner = remote(loss, policy=policy, strategy="ddp", max_in_flight=2)
+    assert ray.is_initialized()
+    yield learner
+    learner.close()
+    assert not ray.is_initialized(), "the embedded runtime must end with the last learner using it"
+
+
+@pytest.fixture(scope="module")
+def fsdp(ddp):
+    """PPO under FSDP with two micro-batches per optimizer step."""
+    learner = remote(make_loss("ppo")[0], strategy="fsdp", grad_accum_steps=2)
+    yield learner
+    learner.close()
+
+
+def local_dqn():
+    loss, policy = make_loss("dqn")
+    return LocalLearner(loss, SGD, policy=policy)
+
+
+# ---- the step equals one process --------------------------------------------------------------
+
+
+def test_dqn_under_ddp_equals_one_process_on_the_whole_batch_and_the_ranks_are_bit_identical(ddp):
+    local = local_dqn()
+    for step in range(3):
+        batch = make_batch("dqn", n=16, seed=100 + step)
+        mine, theirs = batch.clone(), batch.clone()
+        got, want = ddp.update(mine), local.update(theirs)
+        assert sorted(got.keys()) == sorted(want.keys()) == ["grad_norm", "loss"]
+        for k in want.keys():
+            torch.testing.assert_close(got[k], want[k], **TOL)
+        torch.testing.assert_close(mine["td_error"], theirs["td_error"], **TOL)  # written into the caller's batch
+    assert ddp.num_updates == local.num_updates == 3
+    model = assert_ranks_identical(ddp)
+    assert_close_state(model, local.loss_module.state_dict())
+    weights = ddp.get_weights()  # the policy's layout, plain tensors here
+    for k, v in local.get_weights().items(include_nested=True, leaves_only=True):
+        assert type(weights.get(k)) is torch.Tensor
+        torch.testing.assert_close(weights.get(k), v, **TOL)
+    # each rank received its own share, not the batch: the bytes sent are the batch's own
+    assert ddp.last_transfer["sent_bytes"] == ddp.last_transfer["batch_bytes"] == batch.bytes()
+
+
+def test_ppo_under_fsdp_with_accumulation_equals_one_process_and_weights_arrive_whole(fsdp):
+    loss, policy = make_loss("ppo")
+    local = LocalLearner(loss, SGD, grad_accum_steps=2)
+    for step in range(2):
+        batch = make_batch("ppo", n=32, seed=200 + step)
+        for micro in batch.split(16):
+            got, want = fsdp.update(micro.clone()), local.update(micro.clone())
+            assert ("grad_norm" in got.keys()) == ("grad_norm" in want.keys())
+            for k in want.keys():
+                if k.startswith("loss") or k == "grad_norm":
+                    torch.testing.assert_close(got[k], want[k], **TOL)
+    assert fsdp.num_updates == 2
+    model = assert_ranks_identical(fsdp)
+    assert_close_state(model, local.loss_module.state_dict())
+    weights = fsdp.get_weights()  # gathered from the shards: every parameter whole
+    for k, v in local.get_weights().items(include_nested=True, leaves_only=True):
+        assert type(weights.get(k)) is torch.Tensor and weights.get(k).shape == v.shape
+        torch.testing.assert_close(weights.get(k), v, **TOL)
+
+
+SAC_STAGES = [Stage("critic", "qvalue_network_params", SGD, loss="loss_qvalue"),
+              Stage("actor", "actor_network_params", SGD, loss="loss_actor"),
+              Stage("alpha", "log_alpha", SGD, loss="loss_alpha")]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sac_with_stages_keeps_the_ranks_bit_identical_and_steps_every_stage(ddp, strategy):
+    """SAC samples actions, so its ranks draw other numbers than one process: the ranks must agree, every
+    stage must step as in one process, and the weights must move."""
+    with remote(make_loss("sac")[0], None, stages=SAC_STAGES, strategy=strategy) as learner:
+        start = flat_params(make_loss("sac")[0])
+        local = LocalLearner(make_loss("sac")[0], stages=SAC_STAGES)
+        for step in range(2):
+            torch.manual_seed(step)
+            got = learner.update(make_batch("sac", n=16, seed=300 + step))
+            want = local.update(make_batch("sac", n=16, seed=300 + step))
+            assert sorted(got.keys()) == sorted(want.keys())
+        model = assert_ranks_identical(learner)
+        assert learner.num_updates == 2
+        moved = [k for k, v in start.items() if not torch.equal(model[k], v)]
+        assert any(k.startswith("qvalue") for k in moved) and any(k.startswith("actor") for k in moved)
+        assert "log_alpha" in moved
+
+
+def test_grpo_token_mean_with_unequal_tokens_per_share_equals_one_process(ddp):
+    _, policy = llm_cases.make_loss("token_mean")
+    batch = llm_cases.whole(llm_cases.pieces(policy))
+    shares, groups = _shares.split(batch, 2)
+    counts = [llm_cases.tokens(s) for s in shares]
+    assert counts[0] != counts[1] and sorted(groups[0] + groups[1]) == list(range(8))
+    assert max(counts) < 0.6 * sum(counts)  # dealt by tokens: the long samples are not all on one rank
+    loss, policy = llm_cases.make_loss("token_mean")
+    local = LocalLearner(loss, llm_cases.SGD, policy=policy)
+    want = local.update(batch)
+    # a factory: each rank builds the model and tokenizer itself
+    with remote(lambda: llm_cases.make_loss("token_mean"), llm_cases.SGD, strategy="ddp") as learner:
+        got = learner.update(batch)
+        for k in ("loss_objective", "grad_norm"):
+            torch.testing.assert_close(got[k], want[k], **TOL)  # token-weighted over the shares
+        model = assert_ranks_identical(learner)
+        # the generation engine's weights, in buckets, from rank 0 (every rank iterates: a collective under FSDP)
+        buckets = learner.call_on_ranks(lambda rank: list(weight_buckets(rank, bucket_bytes=100_000)))[0]
+    assert_close_state(model, {k: v for k, v in local.loss_module.state_dict().items() if k in model})
+    expected = [pair for bucket in weight_buckets(local, bucket_bytes=100_000) for pair in bucket]
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in expected]
+    assert_close_state(dict(pair for bucket in buckets for pair in bucket), dict(expected))
+
+
+def test_shares_cross_as_numpy_arrays_and_come_back_as_the_same_tensordict():
+    from tensordict import lazy_stack
+
+    for case in ("dqn", "ppo", "sac"):
+        batch = make_batch(case, n=8)
+        sent = ray.cloudpickle.loads(ray.cloudpickle.dumps(packed(batch)))
+        assert isinstance(sent, tuple)  # numpy arrays by key, not pickled tensors
+        back = unpacked(sent)
+        assert back.batch_size == batch.batch_size and back["next"].batch_size == batch["next"].batch_size
+        for k, v in batch.items(include_nested=True, leaves_only=True):
+            assert back.get(k).dtype == v.dtype and torch.equal(back.get(k), v), k
+        back.get("observation").add_(1)  # writable, and its own
+        assert not torch.equal(back.get("observation"), batch.get("observation"))
+    odd = [lazy_stack(list(make_batch("dqn", n=4).unbind(0))), make_batch("dqn", n=4).bfloat16()]
+    assert all(packed(td) is td for td in odd)  # what numpy cannot carry travels as it is
+
+
+def test_token_shares_deal_the_longest_samples_first_to_the_lightest_rank():
+    assert _shares.balanced_shares([9, 1, 1, 8, 2, 3], 2) == [[0, 1, 4], [2, 3, 5]]  # 12 tokens each
+    assert _shares.balanced_shares([5, 5, 5], 3) == [[0], [1], [2]]
+
+
+# ---- asynchronous updates, two learners side by side --------------------------------------------
+
+
+def test_updates_in_flight_come_back_in_order_tagged_with_the_policy_version_they_produced(ddp, fsdp):
+    """Two learners on one runtime, both with updates in flight at once, each equal to its own reference."""
+    local = local_dqn()
+    local.load_checkpoint(ddp.checkpoint())
+    start = ddp.num_updates
+    ppo = LocalLearner(make_loss("ppo")[0], SGD, grad_accum_steps=2)
+    ppo.load_checkpoint(fsdp.checkpoint())
+    batches = [make_batch("dqn", n=16, seed=400 + s) for s in range(3)]
+    ppo_batches = [make_batch("ppo", n=16, seed=500 + s) for s in range(2)]
+    handles = [ddp.update(b, wait=False) for b in batches[:2]]
+    ppo_handles = [fsdp.update(b, wait=False) for b in ppo_batches]
+    assert len(ddp._in_flight) == 2
+    handles.append(ddp.update(batches[2], wait=False))  # max_in_flight=2: waited for the oldest first
+    outs = [h.result() for h in handles]
+    assert [h.policy_version for h in handles] == [start + 1, start + 2, start + 3]
+    for out, batch in zip(outs, batches):
+        torch.testing.assert_close(out["loss"], local.update(batch)["loss"], **TOL)
+    for handle, batch in zip(ppo_handles, ppo_batches):
+        want = ppo.update(batch)
+        torch.testing.assert_close(handle.result()["loss_objective"], want["loss_objective"], **TOL)
+    assert_close_state(rank_models(ddp)[0], local.loss_module.state_dict())
+    assert_close_state(rank_models(fsdp)[0], ppo.loss_module.state_dict())
+
+
+def test_a_one_process_torchrl_trainer_drives_it_and_its_collector_acts_with_the_new_weights(ddp):
+    from torchrl.collectors import Collector
+    from torchrl.envs import GymEnv
+
+    from fabric_learner import Trainer
+    from fabric_learner.testing import ddpg_example
+    from fabric_learner.weights import collector_policy
+
+    loss, actor, _ = ddpg_example()  # DDPG on linear networks shaped for Pendulum-v1
+    start = actor.module.weight.detach().clone()
+    with remote(loss, policy=actor) as learner:
+        collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=8, total_frames=24,
+                              auto_register_policy_transforms=False)
+        Trainer(learner=learner, collector=collector, total_frames=24, optim_steps_per_batch=1,
+                progress_bar=False).train()
+        assert learner.num_updates == 3  # one update per batch of 8 frames, 4 on each rank
+        acting = collector_policy(collector).module.weight
+        assert not torch.equal(acting, start) and torch.equal(acting, learner.get_weights()["module", "weight"])
+        collector.shutdown()
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+
+
+def test_a_remote_checkpoint_loads_into_a_local_learner_and_back(ddp, fsdp, tmp_path):
+    ddp.save(tmp_path / "ddp.pt")
+    local = local_dqn()
+    local.load(tmp_path / "ddp.pt")
+    assert local.num_updates == ddp.num_updates
+    assert_close_state(local.loss_module.state_dict(), rank_models(ddp)[0])
+    fsdp.save(tmp_path / "fsdp")  # a DCP folder, each rank writing its shards
+    ppo = LocalLearner(make_loss("ppo", seed=3)[0], SGD)
+    ppo.load(tmp_path / "fsdp")
+    assert_close_state(ppo.loss_module.state_dict(), rank_models(fsdp)[0])
+    # and back: a local learner's file into the remote group, through the object store too
+    fresh = local_dqn()
+    fresh.update(make_batch("dqn", n=16, seed=9))
+    fresh.save(tmp_path / "local.pt")
+    ddp.load(tmp_path / "local.pt")
+    assert ddp.num_updates == 1
+    assert_close_state(rank_models(ddp)[1], fresh.loss_module.state_dict())
+    ddp.load_checkpoint(local.checkpoint())
+    assert ddp.num_updates == local.num_updates
+    assert_close_state(rank_models(ddp)[1], local.loss_module.state_dict())
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_are_refused_before_anything_changes_and_the_group_stays_usable(ddp):
+    before, updates = rank_models(ddp)[0], ddp.num_updates
+    with pytest.raises(ValueError, match="do not split into 2 equal shares"):
+        ddp.update(make_batch("dqn", n=15))
+    with pytest.raises(KeyError, match="Learner rank 0.*lacks these keys"):
+        ddp.update(make_batch("dqn", n=16).exclude("action"))
+    assert ddp.num_updates == updates and ddp.broken is None
+    assert_close_state(rank_models(ddp)[0], before)
+    ddp.update(make_batch("dqn", n=16))  # still usable
+    assert ddp.num_updates == updates + 1
+
+
+def test_a_loss_that_cannot_be_sent_is_refused_naming_the_factory_to_use(ddp):
+    loss, _ = make_loss("dqn")
+    loss.lock = threading.Lock()
+    with pytest.raises(TypeError, match="cannot be sent.*Pass a factory"):
+        remote(loss)
+    with pytest.raises(TypeError, match="not an instance"):
+        remote(make_loss("dqn")[0], torch.optim.SGD(make_loss("dqn")[0].parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+        remote(make_loss("dqn")[0], on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="No stage trains"):  # the stages are checked against the loss here
+        remote(make_loss("sac")[0], None, stages=SAC_STAGES[:1])
+
+
+# ---- faults ---------------------------------------------------------------------------------------------
+
+
+class SlowOnRankOne(torch.nn.Module):
+    """DQN's loss; on rank 1, a batch holding ``"stall"`` makes its forward sleep for a minute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loss = make_loss("dqn")[0]
+        self.loss.make_value_estimator()  # its state complete from the start, as a checkpoint holds it
+
+    def forward(self, td):
+        if "stall" in td.keys() and os.environ.get("NODE_RANK") == "1":
+            time.sleep(60)
+        return self.loss(td.exclude("stall"))
+
+
+def stalling_batch():
+    batch = make_batch("dqn", n=16, seed=7)
+    batch["stall"] = torch.zeros(16)
+    return batch
+
+
+def test_a_killed_rank_fails_the_update_within_seconds_naming_it_and_the_group_restarts_from_the_last_save(
+        ddp, tmp_path):
+    with remote(SlowOnRankOne(), on_lost_rank="rebuild") as learner:
+        restarts_from_the_last_save(learner, tmp_path)
+
+
+def restarts_from_the_last_save(learner, tmp_path):
+    local = LocalLearner(SlowOnRankOne(), SGD)
+    for step in range(2):
+        batch = make_batch("dqn", n=16, seed=600 + step)
+        learner.update(batch.clone())
+        local.update(batch.clone())
+    learner.save(tmp_path / "last.pt")
+    learner.update(make_batch("dqn", n=16, seed=9))  # after the save: lost with the group
+    batch = stalling_batch()
+    kept, pids = batch.clone(), list(learner.pids)
+    pending = learner.update(batch, wait=False)
+    time.sleep(1.0)
+    os.kill(pids[1], signal.SIGKILL)  # mid-update: rank 0 waits for it in a collective
+    with pytest.raises(LearnerLostError, match="rank 1 was lost.*1 update\\(s\\) since") as err:
+        pending.result()
+    assert err.value.seconds < 10 and err.value.rank == 1
+    assert err.value.rebuilt_from == str(tmp_path / "last.pt") and err.value.lost_updates == 1
+    assert learner.num_updates == 2 and (batch == kept).all()  # back at the save; the caller's batch untouched
+    assert set(learner.pids).isdisjoint(pids)  # a new group
+    batch = make_batch("dqn", n=16, seed=10)
+    torch.testing.assert_close(learner.update(batch.clone())["loss"], local.update(batch.clone())["loss"], **TOL)
+    assert_close_state(assert_ranks_identical(learner), local.loss_module.state_dict())
+
+
+def test_a_hanging_rank_hits_the_timeout_with_an_error_naming_it_and_where_it_is(ddp):
+    with remote(SlowOnRankOne(), timeout=4) as learner:
+        times_out_naming_the_silent_rank(learner)
+
+
+def times_out_naming_the_silent_rank(learner):
+    learner.update(make_batch("dqn", n=16))
+    start = time.monotonic()
+    with pytest.raises(LearnerTimeoutError, match="timed out after 4 s") as err:
+        learner.update(stalling_batch())
+    assert time.monotonic() - start < 20
+    assert 1 in err.value.ranks and "rank 1: busy in forward" in str(err.value)  # the stalled rank, in its loss
+    assert learner.num_updates == 1 and learner.broken is err.value
+    with pytest.raises(RuntimeError, match="ended by an earlier fault"):
+        learner.update(make_batch("dqn", n=16))
