@@ -39,8 +39,9 @@ LONGEST_FIRST[9:9] = ["test_llm_weights.py", "test_llm_fsdp.py", "test_llm.py", 
 LONGEST_FIRST[1:1] = ["test_remote.py"]
 # added 2026-12-06 (#56): the GPU tier's dry run, one interpreter, ~35 s beside other runs
 LONGEST_FIRST.insert(LONGEST_FIRST.index("test_trainer_envs.py"), "test_gpu_tier.py")
-
-
+# added 2026-12-06 (#55, #58): docs/llm.md on 2 FSDP ranks (one launch, ~60 s), the token-budget tests (~40 s)
+LONGEST_FIRST.insert(LONGEST_FIRST.index("test_trainer_envs.py"), "test_llm_docs.py")
+LONGEST_FIRST.insert(LONGEST_FIRST.index("test_from_torchrl.py"), "test_llm_batching.py")
 # added 2026-12-06 (#57): RemoteLearner's module, one Ray runtime and eight small groups, ~200 s under load
 LONGEST_FIRST[2:2] = ["test_remote_learner.py"]
 

@@ -84,7 +84,7 @@ def ran(tmp_path_factory):
 
 def test_the_page_has_a_block_for_each_step_it_describes():
     online, offline = page_blocks()
-    assert len(online) == 3 and len(offline) == 1, (len(online), len(offline))
+    assert len(online) == 4 and len(offline) == 1, (len(online), len(offline))
     assert "policy=policy" in online[0] and 'strategy="fsdp"' in online[0] and "devices=2" in online[0]
 
 
@@ -95,7 +95,7 @@ def test_the_page_trains_on_two_sharded_ranks_and_feeds_each_rank_generator_the_
     assert proc.leftovers == 0
     initial = tiny_causal_lm(tokenizer=tiny_tokenizer()).state_dict()
     for res in ranks:
-        assert res["sharded"] and res["num_updates"] == 1  # 4 micro-batches, grad_accum_steps=4: one optimizer step
+        assert res["sharded"] and res["num_updates"] == 2  # two update_by_tokens calls: one optimizer step each
         generator, trained = res["generator"], {k.removeprefix("model."): v for k, v in res["trained"].items()}
         assert generator.keys() == initial.keys()
         moved = [k for k in generator if not torch.equal(generator[k], initial[k])]
