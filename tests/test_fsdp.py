@@ -197,6 +197,29 @@ def test_a_file_with_a_scalar_parameter_loads_into_fsdp_and_the_folder_it_then_w
     assert_equal_states(b.checkpoint()["model"], a.checkpoint()["model"])
 
 
+def test_an_optimizer_without_state_loads_into_fsdp_from_a_file_and_from_its_own_folder(tmp_path):
+    """Plain SGD keeps no per-parameter state: a load into an FSDP learner takes the weights and the
+    groups' settings (torch's full-state loader, given no state, cannot tell the device and used to fail)."""
+    from fabric_learner import FabricLearner
+
+    sgd = functools.partial(torch.optim.SGD, lr=0.05)
+    local = LocalLearner(make_loss("dqn")[0], sgd)
+    local.update(make_batch("dqn", n=16, seed=1))
+    local.save(tmp_path / "local.pt")
+    a = FabricLearner(make_loss("dqn", seed=4)[0], functools.partial(torch.optim.SGD, lr=0.5), accelerator="cpu",
+                      strategy="fsdp", devices=1)
+    a.load(tmp_path / "local.pt")
+    assert_equal_states(a.checkpoint()["model"], local.checkpoint()["model"])
+    assert a.checkpoint()["optimizer"]["param_groups"][0]["lr"] == 0.05
+    a.update(make_batch("dqn", n=16, seed=2))
+    local.update(make_batch("dqn", n=16, seed=2))
+    assert_equal_states(a.checkpoint()["model"], local.checkpoint()["model"], atol=1e-6)
+    a.save(tmp_path / "folder")
+    b = FabricLearner(make_loss("dqn", seed=5)[0], sgd, accelerator="cpu", strategy="fsdp", devices=1)
+    b.load(tmp_path / "folder")
+    assert_equal_states(b.checkpoint()["model"], a.checkpoint()["model"])
+
+
 def test_sharded_resume_equals_uninterrupted_run(fsdp):
     for rank in fsdp["ranks"]:
         res = rank["resume"]

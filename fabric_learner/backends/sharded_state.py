@@ -115,6 +115,12 @@ def load_optimizer_state(owner: ShardedLoss, raw, state, param_names: list[str])
             and v.numel() == math.prod(shapes[f]) else v
             for f, v in fields.items()
         }
+    if not moments:
+        # an optimizer without per-parameter state (plain SGD): torch's full-state loader finds no tensor
+        # to place and refuses ("Expected device to be set"); the groups' settings are all there is to load
+        for live_group, saved in zip(raw.param_groups, state["param_groups"]):
+            live_group.update({k: v for k, v in saved.items() if k != "params"})
+        return
     groups = [dict(g, params=[owner.fqn(param_names[i]) for i in g["params"]]) for g in state["param_groups"]]
     set_optimizer_state_dict(owner, raw, {"state": moments, "param_groups": groups}, options=_FULL)
 
