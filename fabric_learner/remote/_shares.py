@@ -6,13 +6,11 @@ of different lengths (a language model's batch) is dealt by token count instead:
 are normalised by the window's token count over all ranks (``fabric_learner.llm``), so shares may
 hold different numbers of samples, and balancing tokens balances the ranks' work.
 
-``balanced_shares`` is the one function to swap for a shared implementation (a token-budget
-batching module) once one exists: it takes per-sample costs and returns index lists.
+The partition is the token-budget batching's own (``fabric_learner.llm.balanced_shares``): the
+controller deals a global batch as the SPMD ranks deal theirs.
 """
 
 from __future__ import annotations
-
-import heapq
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase, lazy_stack
@@ -68,16 +66,8 @@ def sample_tokens(batch: LazyStackedTensorDict) -> list[int]:
 
 
 def balanced_shares(costs: list[int], ranks: int) -> list[list[int]]:
-    """Sample indices per rank: longest first, each to the rank with the fewest tokens so far.
+    """Sample indices per rank, balanced by tokens (``fabric_learner.llm.balanced_shares``); a sample
+    of no tokens counts as one, so that with at least as many samples as ranks every rank gets one."""
+    from fabric_learner.llm.batching import balanced_shares as by_tokens
 
-    The greedy rule (LPT) keeps the heaviest share within 4/3 of the best possible; every rank gets
-    at least one sample. Indices within a share keep the batch's order.
-    """
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
-    groups: list[list[int]] = [[] for _ in range(ranks)]
-    heap = [(0, r) for r in range(ranks)]
-    for i in order:
-        load, r = heapq.heappop(heap)
-        groups[r].append(i)
-        heapq.heappush(heap, (load + max(costs[i], 1), r))
-    return [sorted(g) for g in groups]
+    return by_tokens([max(c, 1) for c in costs], ranks)
