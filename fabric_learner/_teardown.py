@@ -144,9 +144,6 @@ def _wait_for_children(timeout: float = DEFAULT_TIMEOUT.total_seconds()) -> int:
     return own[0] if own else (128 - codes[0] if codes else 0)
 
 
-#: how long a failing rank 0 waits for the ranks it launched to end by themselves before killing them
-CHILD_EXIT_WAIT_S = 2.0
-
 #: how long rank 0 is given to end by itself (its own traceback, its wait for the others) once a rank it
 #: launched has failed, before it ends the run
 CHILD_FAILURE_GRACE_S = 10.0
@@ -182,12 +179,8 @@ def _die(code: int) -> None:
     if not _dying.acquire(blocking=False):  # another thread is already ending this process
         while True:
             time.sleep(1.0)
-    deadline = time.monotonic() + CHILD_EXIT_WAIT_S  # a child failing too ends by itself, its traceback whole
     for rank, proc in enumerate(_launched_children(), start=1):
-        try:
-            status = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: still running
-            status = None
+        status = proc.poll()
         if status is None:
             proc.kill()
             print(f"fabric_learner: rank {rank} was still running and was killed", file=sys.stderr, flush=True)
