@@ -22,7 +22,7 @@ import torch
 from rl_cases import flat_params, make_batch, make_loss
 
 from fabric_learner import LearnerLostError, LearnerTimeoutError, LocalLearner, RemoteLearner, Stage
-from fabric_learner.llm_weights import weight_buckets
+from fabric_learner.llm import weight_buckets
 from fabric_learner.remote import _shares
 from fabric_learner.remote.actors import packed, unpacked
 
