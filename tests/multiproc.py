@@ -129,21 +129,21 @@ def _end_zygote(proc, folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def two_at_a_time(cases: list, start) -> dict:
-    """``{case: start(case)}`` with two runs at a time (they overlap their start-up); a run that
-    timed out is kept as its AssertionError, for :func:`finished` to raise in that case's test."""
+def side_by_side(cases: list, start, at_once: int = 2) -> dict:
+    """``{case: start(case)}`` with ``at_once`` runs at a time (they overlap their start-up and their
+    waits); a run that raised is kept as its exception, for :func:`finished` to raise in that case's test."""
     def one(case):
         try:
             return start(case)
-        except AssertionError as hang:
-            return hang
+        except Exception as failure:  # noqa: BLE001 (any failure is that case's own, raised in its test)
+            return failure
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
         return dict(zip(cases, pool.map(one, cases)))
 
 
-def finished(result: Finished | AssertionError) -> Finished:
-    if isinstance(result, AssertionError):
+def finished(result):
+    if isinstance(result, Exception):
         raise result
     return result
 

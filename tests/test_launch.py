@@ -16,7 +16,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from multiproc import WORKERS, elastic_exit_codes, fabric_run, finished, python, run, torchrun, two_at_a_time
+from multiproc import WORKERS, elastic_exit_codes, fabric_run, finished, python, run, side_by_side, torchrun
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
 # (first learner's strategy, timeout=None, the script closes its learners). `make test`: two runs
@@ -100,7 +100,7 @@ def failing_runs():
         cmd, env = command(mode, "ddp")
         return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env)
 
-    return two_at_a_time(FAILING, one)
+    return side_by_side(FAILING, one)
 
 
 def test_a_rank_that_fails_while_rank_0_computes_ends_the_run_with_status_1_naming_it():

@@ -236,35 +236,41 @@ OUT_OF_STEP = [
 ]
 
 
-# rank 0 calls a collective method of the learner (get_weights, under DDP checkpoint) while rank 1 ...
+# rank 0 calls a collective method of the learner (get_weights, under DDP checkpoint) while rank 1 ... Which
+# launcher starts the ranks does not matter here, so they are forked from the test zygote ("forked"), their
+# imports done; "loop" fails rank 1 and needs rank 0 to outlive it long enough to say so, which the zygote,
+# ending the others as soon as one fails, would not allow
 OUT_OF_ORDER = [
-    ("mismatch", "fsdp", "python"),  # ... calls save()
-    ("mismatch", "ddp", "python"),
-    ("closed", "fsdp", "python"),  # ... has closed its learner
-    ("closed", "ddp", "python"),
+    ("mismatch", "fsdp", "forked"),  # ... calls save()
+    ("mismatch", "ddp", "forked"),
+    ("closed", "fsdp", "forked"),  # ... has closed its learner
+    ("closed", "ddp", "forked"),
     ("loop", "fsdp", "python"),  # ... calls update()
     ("loop", "ddp", "python"),
-    ("trainer", "fsdp", "python"),  # Trainer.save_checkpoint() on rank 0, the learner's call on rank 1
-    ("trainer", "ddp", "python"),
+    ("trainer", "fsdp", "forked"),  # Trainer.save_checkpoint() on rank 0, the learner's call on rank 1
+    ("trainer", "ddp", "forked"),
 ]
 
 
 @pytest.fixture(scope="module")
 def out_of_step_runs(tmp_path_factory):
-    """Every launch below, two at a time (each waits out a collective timeout); a run that hangs is
-    its own test's failure."""
-    from multiproc import WORKERS, fabric_run, python, run, torchrun, two_at_a_time
+    """Every launch below, three at a time (most of each is waiting out a collective timeout); a run that
+    hangs is its own test's failure."""
+    from multiproc import WORKERS, fabric_run, launch, python, run, side_by_side, torchrun
 
     def one(case):
         scenario, strategy, launcher = case
         script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy,
                   str(tmp_path_factory.mktemp(f"{scenario}-{strategy}"))]
+        if launcher == "forked":
+            return launch(*script, timeout=150)
         # fabric=: the Fabric's own 10 s timeout must hold, not the learner's 1 h (docs/reliability.md)
         how = {"python": python, "torchrun": torchrun}.get(launcher, functools.partial(fabric_run, strategy=strategy))
         # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
         return run(how(*script), timeout=150)
 
-    return two_at_a_time(OUT_OF_STEP + OUT_OF_ORDER, one)
+    # the launches that start interpreters first, so that the forked ones fill their waits
+    return side_by_side(OUT_OF_STEP + sorted(OUT_OF_ORDER, key=lambda case: case[2] == "forked"), one, at_once=3)
 
 
 @pytest.mark.parametrize("scenario,strategy,launcher", OUT_OF_STEP)

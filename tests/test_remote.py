@@ -6,6 +6,7 @@ would be on another host; the learner program is tests/workers/remote_checks.py.
 rank 1 itself (the ranks resume from the checkpoint, the collectors reconnect); 2 ranks under
 ``on_failure="continue"`` that lose collectors killed whole (rank 0 one of its two, rank 1 its only one, which
 comes back later); 2 ranks whose only collector was started with the wrong port (the run ends on both ranks).
+The three run side by side (mostly they wait).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from multiproc import ROOT, WORKERS, env, free_port, launch, run, torchrun
+from multiproc import ROOT, WORKERS, env, finished, free_port, launch, run, side_by_side, torchrun
 
 sys.path.insert(0, WORKERS)
 
@@ -69,8 +70,10 @@ class Collectors:
         wait_until(lambda: all("looking for the learner's directory" in self.log(i) for i in range(len(self.logs))),
                    "the collectors' start", timeout)
 
-    def wait(self, timeout: float = 60) -> list[int]:
-        return [p.wait(timeout) for p in self.procs]
+    def wait(self) -> list[int]:
+        """Each collector's exit status. One that lost the directory before it saw the run end looks for it
+        again for up to its ``--wait`` seconds (then ends with 0, having served): the bound is longer than that."""
+        return [p.wait(self.wait_s + 30) for p in self.procs]
 
     def kill_all(self) -> None:
         for p in self.procs:
@@ -95,6 +98,13 @@ def batch_sizes(path) -> list[int]:
 def rounds(path) -> list[tuple[int, ...]]:
     """A rank's rounds that ran the steps: (updates, replay buffer length, group builds, restarts)."""
     return [tuple(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def rebuilt_rounds(path) -> list[tuple[int, ...]]:
+    """The rounds since the rank rebuilt its collectors' group."""
+    rows = rounds(path)
+    first = next((i for i, row in enumerate(rows) if row[3] == 1), len(rows))
+    return rows[first:]
 
 
 def wait_until(check, what: str, timeout: float = 120) -> None:
@@ -125,9 +135,30 @@ def test_bad_settings_are_refused_before_anything_starts():
 
 
 @pytest.fixture(scope="module")
-def faults(tmp_path_factory):
+def scenarios(tmp_path_factory):
+    """The three runs below side by side: most of each is waiting (on a restart, past a timeout, for a collector),
+    so together they take about as long as the longest; a run that failed is its own tests' failure."""
+    runs = {"faults": run_faults, "lost": run_lost, "wrong_port": run_wrong_port}
+    return side_by_side(list(runs), lambda name: runs[name](tmp_path_factory.mktemp(name)), at_once=3)
+
+
+@pytest.fixture(scope="module")
+def faults(scenarios):
+    return finished(scenarios["faults"])
+
+
+@pytest.fixture(scope="module")
+def lost(scenarios):
+    return finished(scenarios["lost"])
+
+
+@pytest.fixture(scope="module")
+def wrong_port(scenarios):
+    return finished(scenarios["wrong_port"])
+
+
+def run_faults(out):
     """2 DDP ranks under torchrun --max-restarts=1, one collector each: a collector's node, then rank 1, are killed."""
-    out = tmp_path_factory.mktemp("remote_faults")
     port = free_port()
     collectors = Collectors(out, port)
     try:
@@ -178,12 +209,10 @@ def test_what_was_admitted_is_trained_on_and_versions_respect_the_lag(faults):
     assert faults["ranks"][0]["collected_frames"] > int(lines[-1].split()[0])
 
 
-@pytest.fixture(scope="module")
-def lost(tmp_path_factory):
+def run_lost(out):
     """2 DDP ranks under "continue", max_restarts=1, timeout_s=15; 3 collectors (2 for rank 0, 1 for rank 1). One of
     rank 0's and rank 1's only one are killed whole; once rank 1 has rebuilt its group, the test waits past timeout_s
     and starts a new collector for rank 1, which stops the run after 3 batches from it."""
-    out = tmp_path_factory.mktemp("remote_continue")
     port = free_port()
     collectors = Collectors(out, port, n=3, wait=20)  # rank 0 may end before a collector sees it did: 20 s later
     try:
@@ -196,11 +225,15 @@ def lost(tmp_path_factory):
             for victim in killed:
                 os.killpg(collectors.procs[victim].pid, signal.SIGKILL)  # supervisor and node: nobody restarts it
             wait_until(lambda: any(row[3] for row in rounds(out / "rounds_rank1")), "rank 1's rebuild")
-            time.sleep(SETTINGS["continue"]["timeout_s"] + 5)  # a wait counted as a restart would end the run here
+            # past timeout_s (a wait counted as a restart would end the run here), and 5 rounds on the replay buffer
+            # alone, however slowly a loaded host runs them
+            past = time.monotonic() + SETTINGS["continue"]["timeout_s"] + 5
+            wait_until(lambda: time.monotonic() > past and len(rebuilt_rounds(out / "rounds_rank1")) >= 5,
+                       "rank 1's rounds on its replay buffer", timeout=180)
             collectors.add("--learner-rank", "1")
             proc = done.result()
             (out / "launch.log").write_text(proc.stdout)
-        codes = {i: collectors.procs[i].wait(60) for i in range(4) if i not in killed}
+        codes = {i: collectors.procs[i].wait(collectors.wait_s + 30) for i in range(4) if i not in killed}
     finally:
         collectors.kill_all()
     return {"proc": proc, "out": out, "port": port, "codes": codes, "logs": [collectors.log(i) for i in range(4)],
@@ -245,7 +278,8 @@ def test_a_rank_without_collectors_says_it_waits_naming_the_address_until_one_co
     assert said(out, 1, f"collectors at {address}: 1 of 1 delivering"), out[-6000:]
 
 
-def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_address(tmp_path):
+def run_wrong_port(tmp_path):
+    """2 DDP ranks, timeout_s=12: rank 0's collector connects, rank 1's was started with the wrong port."""
     port, wrong = free_port(), free_port()
     collectors = Collectors(tmp_path, port, n=0, wait=15)
     collectors.add("--learner-rank", "0", wait=60)  # rank 0 has its collector
@@ -256,6 +290,11 @@ def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_a
         code = collectors.procs[1].wait(60)
     finally:
         collectors.kill_all()
+    return {"proc": proc, "port": port, "wrong": wrong, "code": code, "log": collectors.log(1)}
+
+
+def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_address(wrong_port):
+    proc, port, wrong, code = (wrong_port[k] for k in ("proc", "port", "wrong", "code"))
     out, address = proc.stdout, f"127.0.0.1:{port}"
     assert proc.returncode == 1 and proc.leftovers == 0, out[-6000:]
     timeout_s = SETTINGS["wrongport"]["timeout_s"]
@@ -269,4 +308,4 @@ def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_a
     assert said(out, 0, f"ending the run on every rank. Learner rank 0: the run ends because learner rank 1 reports: "
                         f"{never}"), out[-6000:]
     assert "RuntimeError: Learner rank" in out and "rebuilding" not in out
-    assert code == 1 and f"no directory at 127.0.0.1:{wrong} for 15 s: ending (check that --connect" in collectors.log(1)
+    assert code == 1 and f"no directory at 127.0.0.1:{wrong} for 15 s: ending (check that --connect" in wrong_port["log"]
