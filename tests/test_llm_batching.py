@@ -91,11 +91,15 @@ def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(words):
     padded_out = as_tensordict(loss(batch.copy()))
     params = list(policy.model.parameters())
     padded_grads = torch.autograd.grad(total_loss(padded_out), params)
+    tokens = batch.get(("tokens", "full"), as_padded_tensor=True, padding_side="left")
+    mask = batch.get(("masks", "all_attention_mask"), as_padded_tensor=True, padding_side="left")
     with torch.no_grad():
         padded_lp = policy(batch.copy()).get(("log_probs", "full"), as_list=True)
-    pack_sequences(policy)
+        padded_logits = policy.model(tokens, mask).logits[mask.bool()]
+    pack_sequences(policy)  # the wrapper takes log-probs on the rows; the model called alone returns padded logits
     with torch.no_grad():
         packed_lp = policy(batch.copy()).get(("log_probs", "full"), as_list=True)
+        torch.testing.assert_close(policy.model(tokens, mask).logits[mask.bool()], padded_logits, atol=1e-5, rtol=1e-5)
     packed_out = as_tensordict(loss(batch.copy()))
     packed_grads = torch.autograd.grad(total_loss(packed_out), params)
     for a, b in zip(packed_lp, padded_lp):
