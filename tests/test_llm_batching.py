@@ -85,8 +85,9 @@ def test_shares_balanced_by_tokens_stay_within_the_longest_sample_of_the_mean():
         assert max(loads) / mean < 1.02, (seed, loads)  # measured on this law: within 2 % of the mean
 
 
-@pytest.mark.parametrize("words", [(2, 30, 5, 17), (40, 2, 3, 2)])  # rows with tails; one full row, no tail
-def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(words):
+@pytest.mark.parametrize("words,hooked", [((2, 30, 5, 17), "wrapper"),  # rows with tails
+                                          ((40, 2, 3, 2), "model")])  # one full row, no tail; the model passed
+def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(words, hooked):
     loss, policy, batch = grpo_example(reply_words=words)
     padded_out = as_tensordict(loss(batch.copy()))
     params = list(policy.model.parameters())
@@ -96,7 +97,7 @@ def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(words):
     with torch.no_grad():
         padded_lp = policy(batch.copy()).get(("log_probs", "full"), as_list=True)
         padded_logits = policy.model(tokens, mask).logits[mask.bool()]
-    pack_sequences(policy)  # the wrapper takes log-probs on the rows; the model called alone returns padded logits
+    assert pack_sequences(policy if hooked == "wrapper" else policy.model) is policy.model
     with torch.no_grad():
         packed_lp = policy(batch.copy()).get(("log_probs", "full"), as_list=True)
         torch.testing.assert_close(policy.model(tokens, mask).logits[mask.bool()], padded_logits, atol=1e-5, rtol=1e-5)

@@ -5,10 +5,8 @@ torchrl's ``TransformersWrapper`` hands the model a padded batch (``input_ids``,
 wide (:func:`packed_rows`), each holding several samples' tokens back to back (best fit, longest first), with
 ``position_ids`` restarting at 0 for each sample and no attention mask:
 transformers then builds a block-diagonal causal mask from the positions (``masking_utils``: the
-packed-sequence format, read only without a cache). The wrapper's log-probs are taken on the rows'
-logits and put in its padded layout (``[batch, longest]``); the model called by anything else returns
-its logits in the padded layout. Log-probs, loss and gradients equal the padded forward's (tested
-within 1e-5, fp32).
+packed-sequence format, read only without a cache), and the logits are put back in the padded layout
+the wrapper reads. Log-probs, loss and gradients equal the padded forward's (tested within 1e-5, fp32).
 
 Which attention implementations honour the restarting positions was checked, not assumed
 (transformers 5.25, CPU, Qwen2): ``"eager"`` and ``"sdpa"`` do (log-probs equal to a per-sample
@@ -19,7 +17,6 @@ causal, and its log-probs differ from the padded forward's (by several nats on t
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -34,7 +31,6 @@ CROSSOVER = 1024.0  # attention_crossover's answer for a config that does not gi
 #: the attention implementations that honour packed rows, by device type (others are refused by name)
 PACKING_ATTENTION = {"cpu": ("eager", "sdpa"), "cuda": ("eager", "sdpa")}
 _LAYOUT = "_fabric_learner_packed_layout"  # the padded layout of the call in flight, for the output hook
-_WRAPPER_FORWARD = "_model_forward_with_padded_sequences"  # TransformersWrapper's padded forward (log-probs from it)
 
 
 def pack_sequences(policy: nn.Module) -> nn.Module:
@@ -43,11 +39,10 @@ def pack_sequences(policy: nn.Module) -> nn.Module:
     ``policy`` is torchrl's ``TransformersWrapper`` (its ``.model`` is hooked) or the transformers
     model itself. Only calls with a 2-D attention mask and no cache are packed (the learner's and the
     reference's forwards); generation runs as before. Parameters and their names do not change, so
-    sharding, checkpoints and weights by name are unaffected. Given the wrapper, its log-probs are
-    taken on the packed rows' logits (:func:`_log_probs_on_rows`), so its ``[batch, longest,
-    vocabulary]`` logits, their log-softmax and gradient are never built (packed micro-batches
-    hold many samples, and those grow with samples x longest, not with the tokens); the model
-    alone returns its logits in that padded layout, as a caller of the model reads them.
+    sharding, checkpoints and weights by name are unaffected. Memory: the logits are returned in the
+    padded layout (``[batch, longest, vocabulary]``), as the wrapper and torchrl's losses read them
+    (GRPO's ``"rlhf"`` masking builds its distribution from them), so they grow with a micro-batch's
+    samples x longest, not with its tokens.
 
     Raises:
         ValueError: an attention implementation that does not honour packed rows on the model's
@@ -65,7 +60,7 @@ def pack_sequences(policy: nn.Module) -> nn.Module:
         >>> max(float((a - b).abs().max()) for a, b in zip(packed, padded)) < 1e-5
         True
     """
-    model = getattr(policy, "model", policy)
+    model = policy if hasattr(policy, "config") else getattr(policy, "model", None)  # a causal LM has .model too
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"pack_sequences takes torchrl's TransformersWrapper or a transformers model, got "
                         f"{type(policy).__name__}.")
@@ -82,38 +77,7 @@ def pack_sequences(policy: nn.Module) -> nn.Module:
         model.register_forward_pre_hook(_pack, with_kwargs=True)
         model.register_forward_hook(_unpack, with_kwargs=True)
         object.__setattr__(model, PACKED, attention_crossover(model.config))  # truthy: packs
-    if model is not policy and hasattr(type(policy), _WRAPPER_FORWARD):  # torchrl's TransformersWrapper
-        object.__setattr__(policy, _WRAPPER_FORWARD, functools.partial(_log_probs_on_rows, policy))
     return model
-
-
-def _log_probs_on_rows(policy, tokens: torch.Tensor, mask: torch.Tensor, *, pad_val=None, logits_only: bool = False,
-                       **kwargs):
-    """The wrapper's padded forward (``_model_forward_with_padded_sequences``) with the log-probs taken on the rows.
-
-    Returns what the wrapper's own returns, ``(log_probs [batch, longest], logits)``: the same
-    log-probs (0 at pads and at each sample's first token, as the wrapper sets them), from the
-    packed rows' logits directly, so no ``[batch, longest, vocabulary]`` tensor is built; the
-    logits are ``None`` (the wrapper reads them only for ``get_dist``, which, like ``logits_only``,
-    runs the wrapper's own path, still packed by the model's hook).
-    """
-    own = getattr(type(policy), _WRAPPER_FORWARD)
-    if logits_only or getattr(policy, "_in_get_dist_call", False) or mask is None or mask.dim() != 2 \
-            or any(k in kwargs for k in ("position_ids", "past_key_values", "inputs_embeds")):
-        return own(policy, tokens, mask, pad_val=pad_val, logits_only=logits_only, **kwargs)
-    model = policy.model
-    ids, positions, keep, source = _packed_inputs(tokens, mask, getattr(model, PACKED))
-    kwargs.update(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False)
-    logits = model(**kwargs).logits.flatten(0, 1)
-    lengths = keep.sum(-1)
-    first = torch.cumsum(lengths, 0) - lengths  # each sample's first token, in the order of source
-    later = torch.ones(len(source), dtype=torch.bool, device=source.device)
-    later[first] = False
-    later = later.nonzero().squeeze(-1)
-    # a token's log-prob is read from the logits of the token before it, in the same sample's row
-    taken = -nn.functional.cross_entropy(logits[source[later] - 1], tokens[keep][later], reduction="none")
-    log_probs = taken.new_zeros(len(source)).index_put((later,), taken)
-    return taken.new_zeros(keep.shape).index_put((keep,), log_probs), None
 
 
 def _pack(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
@@ -131,35 +95,23 @@ def _pack(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
     if (input_ids is None or mask is None or mask.dim() != 2 or kwargs.get("position_ids") is not None
             or kwargs.get("past_key_values") is not None or kwargs.get("inputs_embeds") is not None):
         return None  # generation, or a call that sets its own positions: as it is
-    ids, positions, keep, source = _packed_inputs(input_ids, mask, getattr(model, PACKED))
-    model.__dict__[_LAYOUT] = (keep, source)
-    packed = {k: v for k, v in kwargs.items() if k not in names}
-    packed.update(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False)
-    return (), packed
-
-
-def _packed_inputs(input_ids: torch.Tensor, mask: torch.Tensor, crossover: float):
-    """A padded batch as packed rows (:func:`packed_rows`): ``(ids, position_ids, keep, source)``.
-
-    ``keep`` is the padded batch's mask of real tokens, ``source`` each real token's index in the
-    flattened rows, in the padded layout's order. Positions restart at 0 for each sample, and a
-    row's unused tail is a block of its own whose logits are dropped.
-    """
     keep = mask.bool()
     lengths = keep.sum(-1).tolist()
-    width, place, rows = packed_rows(lengths, crossover)
-    device = input_ids.device
+    width, place, rows = packed_rows(lengths, getattr(model, PACKED))
     ids = input_ids.new_zeros(len(rows), width)
-    positions = torch.arange(width, device=device).repeat(len(rows), 1)
-    source = []
+    positions = torch.arange(width, device=input_ids.device).repeat(len(rows), 1)
+    source = []  # for each real token, in the padded layout's order: its index in the packed rows
     for i, n in enumerate(lengths):
         row, start = place[i]
         ids[row, start:start + n] = input_ids[i][keep[i]]
-        positions[row, start:start + n] = torch.arange(n, device=device)
-        source.append(row * width + start + torch.arange(n, device=device))
+        positions[row, start:start + n] = torch.arange(n, device=input_ids.device)
+        source.append(row * width + start + torch.arange(n, device=input_ids.device))
     for row, used in enumerate(rows):  # the tail: positions restart, a block of its own
-        positions[row, used:] = torch.arange(width - used, device=device)
-    return ids, positions, keep, torch.cat(source)
+        positions[row, used:] = torch.arange(width - used, device=input_ids.device)
+    model.__dict__[_LAYOUT] = (keep, torch.cat(source))
+    packed = {k: v for k, v in kwargs.items() if k not in names}
+    packed.update(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False)
+    return (), packed
 
 
 def packed_rows(lengths: list[int], crossover: float = CROSSOVER) -> tuple[int, dict[int, tuple[int, int]], list[int]]:
