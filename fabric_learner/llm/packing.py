@@ -125,6 +125,14 @@ def packed_rows(lengths: list[int], crossover: float = CROSSOVER) -> tuple[int, 
     ``micro_batches(..., packed=True)`` planned (those rows at the longest sample's width are among
     the candidates, and a wider layout of no more cost has fewer tokens), so a micro-batch's forward
     stays within ``max_tokens``; the last micro-batch's rows shrink to what it holds.
+
+    Examples:
+        >>> from fabric_learner.llm.packing import packed_rows
+        >>> width, starts, used = packed_rows([100, 300, 200])  # two full rows: no tail
+        >>> width, used, starts[0]
+        (300, [300, 300], (1, 200))
+        >>> packed_rows([212, 9, 7])[::2]  # one row is cheaper than two rows of 212
+        (228, [228])
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     ordered = [lengths[i] for i in order]
@@ -153,6 +161,13 @@ def attention_crossover(config) -> float:
     3 x hidden x intermediate``, and attention over a row of width ``w`` multiplies ``2 x heads x
     head_dim x w`` (scores and values; the mask is dense). :data:`CROSSOVER` for a config without
     these sizes.
+
+    Examples:
+        >>> from transformers import Qwen2Config
+        >>> from fabric_learner.llm.packing import attention_crossover
+        >>> attention_crossover(Qwen2Config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        ...                                 num_key_value_heads=2))
+        1152.0
     """
     hidden = getattr(config, "hidden_size", None)
     heads = getattr(config, "num_attention_heads", None)
