@@ -48,10 +48,12 @@ Four parts, each its own ``torchrun`` launches (``--parts``):
    sample count), ``balanced`` (``share_of_rank`` by tokens, then ``update_by_tokens``), ``packed`` (the
    same with ``pack_sequences``). ``max_tokens`` is the fixed contender's largest possible micro-batch
    (4 x the longest sample). Reported per contender: the pad fraction (1 - real tokens / tokens the
-   forwards ran on, counting padding and the empty work of a rank with fewer micro-batches), tokens/s
+   forwards ran on, counting padding, packed rows' unused tails and the empty work of a rank with fewer
+   micro-batches), tokens/s
    (every token of the global batch over the step's wall time; ratio to ``fixed`` as the median of
    paired ratios, ``harness.interleaved``), a step's peak resident memory over the resident size before
-   it (``VmHWM`` reset through ``/proc/self/clear_refs``; worst rank), the slowest rank's tokens over
+   it (``VmHWM`` reset through ``/proc/self/clear_refs`` after ``malloc_trim``; the median of 3 rotated
+   rounds; worst rank), the slowest rank's tokens over
    the mean, and a check that the four take the same step (pre-clip gradient norms). Goals: pad at
    most 15% (budget) and 3% (packed); tokens/s at least 1.5x fixed; peak memory not above fixed's.
 
@@ -377,6 +379,7 @@ def capped_worker(kind: str, mode: Mode, strategy: str, cap_copies: float, out: 
 CUTS = ("fixed", "budget", "balanced", "packed")
 PAD_GOAL = {"budget": 0.15, "balanced": 0.15, "packed": 0.03}
 SPEEDUP_GOAL = 1.5  # tokens/s over the fixed-size micro-batches'
+MEMORY_ROUNDS = 3  # measured steps per contender for the peak memory (median)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,7 +428,8 @@ def shares(kind: str, batch, rank: int):
     return batch[rank * half:(rank + 1) * half]
 
 
-def processed_tokens(kind: str, share_lengths: list[list[int]], cut: Cut, max_tokens: int) -> list[int]:
+def processed_tokens(kind: str, share_lengths: list[list[int]], cut: Cut, max_tokens: int,
+                     crossover: float) -> list[int]:
     """The tokens each rank's forward runs on in one step: padded (or packed) micro-batches, plus the empty
     work of a rank with fewer micro-batches (its shortest sample, once per missing micro-batch)."""
     from fabric_learner.llm.batching import _groups
@@ -436,17 +440,18 @@ def processed_tokens(kind: str, share_lengths: list[list[int]], cut: Cut, max_to
             groups = [list(range(i, min(i + cut.fixed, len(lengths)))) for i in range(0, len(lengths), cut.fixed)]
         else:
             groups = _groups(lengths, max_tokens, kind == "packed")
-        sizes.append([_packed_size([lengths[i] for i in g]) if kind == "packed" else len(g) * max(lengths[i] for i in g)
-                      for g in groups])
+        sizes.append([_packed_size([lengths[i] for i in g], crossover) if kind == "packed"
+                      else len(g) * max(lengths[i] for i in g) for g in groups])
     most = max(len(s) for s in sizes)
     return [sum(s) + (most - len(s)) * min(lengths) for s, lengths in zip(sizes, share_lengths)]
 
 
-def _packed_size(lengths: list[int]) -> int:
-    """The tokens a packed micro-batch's forward runs on: its rows times their width (``packed_rows``)."""
+def _packed_size(lengths: list[int], crossover: float) -> int:
+    """The tokens a packed micro-batch's forward runs on: its rows times their width (``packed_rows``, with the
+    model's ``attention_crossover``, as the model's hook lays them out)."""
     from fabric_learner.llm.packing import packed_rows
 
-    width, _, rows = packed_rows(lengths)
+    width, _, rows = packed_rows(lengths, crossover)
     return len(rows) * width
 
 
@@ -492,12 +497,22 @@ def _reset_peak() -> None:
         f.write("5")
 
 
+def _trim_heap() -> None:
+    """Hand the heap's free memory back to the system (glibc ``malloc_trim``; nothing elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
 def batching_worker(cut: Cut, out: str) -> None:
     import gc
 
     import torch.distributed as dist
 
     from fabric_learner.llm import sample_lengths
+    from fabric_learner.llm.packing import attention_crossover
     from fabric_learner.testing import grpo_batch
 
     harness.set_one_thread()
@@ -508,23 +523,30 @@ def batching_worker(cut: Cut, out: str) -> None:
     max_tokens = max(max_tokens_for(x, cut) for x in lengths)
     per_kind = {kind: [shares(kind, b, rank) for b in batches] for kind in CUTS}
     built = {kind: CutSteps(kind, cut, max_tokens) for kind in CUTS}  # the first starts the process group
-    # peak memory of one step over the resident size before it, each contender in turn after a warm-up step
-    peak = {}
+    # peak memory of one step over the resident size before it, each contender in turn after a warm-up step, in
+    # MEMORY_ROUNDS rotated rounds (the median kept); the heap's free memory is handed back first (malloc_trim), so
+    # that a step is not measured small for reusing what an earlier step freed
+    rounds = {kind: [] for kind in CUTS}
     for kind in CUTS:
         built[kind].update(per_kind[kind][0])
-    for kind in CUTS:
-        gc.collect()
-        dist.barrier()
-        _reset_peak()
-        before = harness.status_mib("VmRSS")
-        built[kind].update(per_kind[kind][1 % cut.steps])
-        peak[kind] = harness.status_mib("VmHWM") - before
+    for r in range(MEMORY_ROUNDS):
+        for kind in harness.rotation(r, CUTS):
+            gc.collect()
+            _trim_heap()
+            dist.barrier()
+            _reset_peak()
+            before = harness.status_mib("VmRSS")
+            built[kind].update(per_kind[kind][1 % cut.steps])
+            rounds[kind].append(harness.status_mib("VmHWM") - before)
+    peak = {kind: statistics.median(v) for kind, v in rounds.items()}
     contenders = {kind: (lambda i, k=kind: built[k].update(per_kind[k][i % cut.steps])) for kind in CUTS}
     samples = harness.interleaved(contenders, reps=cut.reps, inner=1, warmup=cut.warmup, sync=dist.barrier)
     norms = {kind: _floats(built[kind].norms) for kind in CUTS}
     shares_lengths = {kind: [sample_lengths(s) for s in per_kind[kind]] for kind in CUTS}
-    harness.write_gathered(out, {"rank": rank, "samples_s": samples, "peak_step_mib": peak, "grad_norms": norms,
+    harness.write_gathered(out, {"rank": rank, "samples_s": samples, "peak_step_mib": peak,
+                                 "peak_step_mib_rounds": rounds, "grad_norms": norms,
                                  "lengths": lengths, "share_lengths": shares_lengths, "max_tokens": max_tokens,
+                                 "crossover": attention_crossover(policy.model.config),
                                  "n_params": n_params(cut.hidden, cut.layers)})
     for kind in CUTS:
         built[kind].close()
@@ -546,7 +568,7 @@ def part_batching(args, mode: Mode) -> dict:
     rows = {}
     for kind in CUTS:
         per_step = [[r["share_lengths"][kind][s] for r in ranks] for s in range(steps)]
-        processed = [processed_tokens(kind, share, cut, max_tokens) for share in per_step]
+        processed = [processed_tokens(kind, share, cut, max_tokens, r0["crossover"]) for share in per_step]
         rank_tokens = [[sum(x) for x in share] for share in per_step]
         times = r0["samples_s"][kind]
         rep_tokens = [sum(r0["lengths"][(cut.warmup + i) % steps]) for i in range(len(times))]

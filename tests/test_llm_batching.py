@@ -14,6 +14,7 @@ from tensordict import TensorDict, lazy_stack
 from fabric_learner import LocalLearner
 from fabric_learner._loss import as_tensordict, total_loss
 from fabric_learner.llm import balanced_shares, micro_batches, pack_sequences, sample_lengths, update_by_tokens
+from fabric_learner.llm.packing import packed_rows
 from fabric_learner.testing import dqn_example, grpo_example
 
 
@@ -34,13 +35,34 @@ def test_micro_batches_stay_within_the_budget_and_hold_every_sample_once(packed)
     lengths = long_tailed(64, seed=0)
     samples = samples_of(lengths)
     parts = micro_batches(samples, 1024, packed=packed)
-    sizes = [sum(sample_lengths(p)) if packed else len(p) * max(sample_lengths(p)) for p in parts]
+    sizes = [_rows_size(sample_lengths(p)) if packed else len(p) * max(sample_lengths(p)) for p in parts]
     assert max(sizes) <= 1024
     assert sorted(n for p in parts for n in sample_lengths(p)) == sorted(lengths)
     assert all(any(s is t for t in samples.tensordicts) for p in parts for s in p.tensordicts)  # no copies
     assert len(parts) < len(lengths) // 2  # samples share micro-batches: the count follows the data
     padded = sum(sizes)
     assert 1 - sum(lengths) / padded < (0.03 if packed else 0.15), (packed, 1 - sum(lengths) / padded)
+
+
+def _rows_size(lengths: list[int], crossover: float = 1024.0) -> int:
+    """The tokens a packed forward runs on: its rows times their width, as the model's hook lays them out."""
+    width, _, rows = packed_rows(lengths, crossover)
+    return len(rows) * width
+
+
+@pytest.mark.parametrize("crossover", [64.0, 1024.0, 1e6])
+def test_packed_rows_stay_within_the_budget_whatever_the_attention_cost(crossover):
+    # the rows micro_batches plans are among packed_rows' candidates, so the forward never runs on more
+    # tokens; a sample of exactly the budget is a micro-batch of one full row
+    for lengths, budget in [(long_tailed(64, seed=3), 1024), ([512, 7, 512, 300, 9, 212], 512), ([5, 5, 5], 15)]:
+        parts = micro_batches(samples_of(lengths), budget, packed=True)
+        sizes = [_rows_size(sample_lengths(p), crossover) for p in parts]
+        assert max(sizes) <= budget, (lengths, sizes)
+        assert sorted(n for p in parts for n in sample_lengths(p)) == sorted(lengths)
+    # rows as wide as the longest sample left: 300 fills its micro-batch's one row, 212 opens two rows of 212
+    assert [sample_lengths(p) for p in micro_batches(samples_of([512, 7, 512, 300, 9, 212]), 512, packed=True)] \
+        == [[512], [512], [300], [212, 9, 7]]
+    assert _rows_size([212, 9, 7], crossover) == 228  # the last micro-batch: one row trimmed to what it holds
 
 
 def test_a_sample_longer_than_the_budget_is_refused_with_the_budget_to_use():
@@ -63,16 +85,22 @@ def test_shares_balanced_by_tokens_stay_within_the_longest_sample_of_the_mean():
         assert max(loads) / mean < 1.02, (seed, loads)  # measured on this law: within 2 % of the mean
 
 
-def test_packed_rows_give_the_padded_log_probs_loss_and_gradients():
-    loss, policy, batch = grpo_example(reply_words=(2, 30, 5, 17))
+@pytest.mark.parametrize("words,hooked", [((2, 30, 5, 17), "wrapper"),  # rows with tails
+                                          ((40, 2, 3, 2), "model")])  # one full row, no tail; the model passed
+def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(words, hooked):
+    loss, policy, batch = grpo_example(reply_words=words)
     padded_out = as_tensordict(loss(batch.copy()))
     params = list(policy.model.parameters())
     padded_grads = torch.autograd.grad(total_loss(padded_out), params)
+    tokens = batch.get(("tokens", "full"), as_padded_tensor=True, padding_side="left")
+    mask = batch.get(("masks", "all_attention_mask"), as_padded_tensor=True, padding_side="left")
     with torch.no_grad():
         padded_lp = policy(batch.copy()).get(("log_probs", "full"), as_list=True)
-    pack_sequences(policy)
+        padded_logits = policy.model(tokens, mask).logits[mask.bool()]
+    assert pack_sequences(policy if hooked == "wrapper" else policy.model) is policy.model
     with torch.no_grad():
         packed_lp = policy(batch.copy()).get(("log_probs", "full"), as_list=True)
+        torch.testing.assert_close(policy.model(tokens, mask).logits[mask.bool()], padded_logits, atol=1e-5, rtol=1e-5)
     packed_out = as_tensordict(loss(batch.copy()))
     packed_grads = torch.autograd.grad(total_loss(packed_out), params)
     for a, b in zip(packed_lp, padded_lp):

@@ -3,7 +3,7 @@
 RL batches of language-model samples are long-tailed: most replies are short, a few long. Cut into
 micro-batches of a fixed number of samples, each padded to its longest sample, most of the compute
 runs on pad tokens. Here a window's samples are sorted by length and cut so that each micro-batch's
-padded size (samples x longest, or with packing the sum of lengths) stays within ``max_tokens``; the
+padded size (samples x longest, or with packing its rows x their width) stays within ``max_tokens``; the
 number of micro-batches then follows the data. The step stays exact whatever the cut: the learner
 backpropagates each micro-batch's token (or sample) sum and divides by the window's total over the
 ranks (``counts.py``).
@@ -61,8 +61,10 @@ def micro_batches(samples: TensorDictBase, max_tokens: int, *, packed: bool = Fa
     Padded, a micro-batch's size is its sample count times its longest sample: the samples are
     sorted by length and cut into runs within the budget, the cut that minimises the pad tokens
     plus one average sample per micro-batch (what one more forward and backward costs).
-    ``packed`` (several samples in one row, see :func:`pack_sequences`), its size is the sum of its
-    lengths: first fit, longest first. Every sample lands in exactly one micro-batch (a lazy stack
+    ``packed`` (several samples in one row, see :func:`pack_sequences`), its size is its rows times
+    their width: rows as wide as the longest sample left, as many as ``max_tokens`` holds, filled
+    best fit, longest first, the packed forward's own rows (the last micro-batch's trimmed to what
+    it holds). Every sample lands in exactly one micro-batch (a lazy stack
     of the samples themselves, not copies).
 
     Args:
@@ -70,7 +72,7 @@ def micro_batches(samples: TensorDictBase, max_tokens: int, *, packed: bool = Fa
         max_tokens (int): the largest size of one micro-batch, in tokens.
 
     Keyword Args:
-        packed (bool): size micro-batches as packed rows (sum of lengths) instead of padded ones.
+        packed (bool): size micro-batches as packed rows (rows x width) instead of padded ones.
         key: the mask whose sum is a sample's length.
 
     Raises:
@@ -107,20 +109,20 @@ def _groups(lengths: list[int], max_tokens: int, packed: bool) -> list[list[int]
     Padded: the samples sorted longest first and cut into runs (a run's size is its sample count
     times its first sample's length), the cut of least cost found by dynamic programming, a
     micro-batch costing its padded size plus one average sample (the fixed cost of one more forward
-    and backward, and under FSDP of gathering the weights again). Packed: first fit, longest first
-    (no padding to trade).
+    and backward, and under FSDP of gathering the weights again). Packed: rows as wide as the
+    longest sample left, as many as ``max_tokens`` holds, filled best fit longest first
+    (:func:`fill_rows`); the samples that fit make the micro-batch, the rest go on to the next.
+    ``packed_rows`` finds these rows (or cheaper ones, never more tokens) for the micro-batch's
+    lengths alone, so its forward stays within ``max_tokens`` too.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     if packed:
-        groups, sizes = [], []
-        for i in order:
-            room = next((g for g, size in enumerate(sizes) if size + lengths[i] <= max_tokens), None)
-            if room is None:
-                groups.append([i])
-                sizes.append(lengths[i])
-            else:
-                groups[room].append(i)
-                sizes[room] += lengths[i]
+        groups = []
+        while order:  # one micro-batch: rows as wide as the longest sample left, as many as the budget holds
+            width = lengths[order[0]]
+            rows, _ = fill_rows([lengths[i] for i in order], width, max_rows=max_tokens // width)
+            groups.append([i for i, row in zip(order, rows) if row is not None])
+            order = [i for i, row in zip(order, rows) if row is None]
         return groups
     sorted_lengths = [lengths[i] for i in order]
     overhead = sum(lengths) / len(lengths)  # what one more micro-batch costs: one average sample
@@ -138,6 +140,26 @@ def _groups(lengths: list[int], max_tokens: int, packed: bool) -> list[list[int]
         groups.append(order[cut[j]:j])
         j = cut[j]
     return groups[::-1]
+
+
+def fill_rows(lengths: Sequence[int], width: int, max_rows: int | None = None) -> tuple[list[int | None], list[int]]:
+    """Best fit in the given order: each length into the fullest row it fits, else a new row.
+
+    Returns each length's row (``None``: no room within ``max_rows`` rows) and each row's used width.
+    Rows open in order, so with ``max_rows`` the fill of the lengths that found a row is exactly the
+    fill of those lengths alone without it (what lets :func:`packed_rows` find a micro-batch's rows).
+    """
+    used: list[int] = []
+    place: list[int | None] = []
+    for n in lengths:
+        row = max((r for r in range(len(used)) if used[r] + n <= width), key=used.__getitem__, default=None)
+        if row is None and n <= width and (max_rows is None or len(used) < max_rows):
+            row = len(used)
+            used.append(0)
+        if row is not None:
+            used[row] += n
+        place.append(row)
+    return place, used
 
 
 def update_by_tokens(learner, samples: TensorDictBase, max_tokens: int, *, packed: bool = False,
