@@ -21,17 +21,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
-# torch writes TORCHINDUCTOR_CACHE_DIR into os.environ the first time this process compiles; a launch after that
-# would hand it to ranks forked from a zygote that started without it (which refuses it): keep the session's own
-_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+# Libraries write variables into os.environ mid-session: torch TORCHINDUCTOR_CACHE_DIR the first time this process
+# compiles, Ray PYTHONBREAKPOINT when a test starts a runtime. A launch after that would hand them to ranks forked from
+# a zygote that started without them (which refuses them): launches get the session's own values
+_SET_BY_LIBRARIES = {key: os.environ.get(key) for key in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONBREAKPOINT")}
 
 
 def env(**extra):
     e = dict(os.environ)
-    if _INDUCTOR_CACHE is None:
-        e.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        e["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+    for key, value in _SET_BY_LIBRARIES.items():
+        if value is None:
+            e.pop(key, None)
+        else:
+            e[key] = value
     # this checkout first, then what the caller's path held (the GPU machine's --target folder of wheels)
     path = os.pathsep.join(filter(None, [extra.pop("PYTHONPATH", ROOT), os.environ.get("PYTHONPATH")]))
     e.update({"OMP_NUM_THREADS": "1", "RL_WARNINGS": "False", "PYTHONPATH": path, **extra})

@@ -76,7 +76,7 @@ def test_the_dqn_example_trains_with_its_collectors_apart_under_fsdp():
     script = os.path.join(ROOT, "examples", "dqn_replay_ddp.py")
     args = [*SHORT["dqn_replay_ddp.py"], "--frames", "3072", "--strategy", "fsdp", "--collectors", "2",
             "--local-collectors", "--collect-address", f"127.0.0.1:{free_port()}", "--logdir", "", "--no-progress"]
-    proc = run(python(script, *args), timeout=240)
+    proc = launch(script, *args, timeout=240)  # ranks forked, as above; the collectors are commands of their own
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.leftovers == 0
     done = [line for line in proc.stdout.splitlines() if line.startswith("done: 2 rank(s) sharded (FSDP)")]
