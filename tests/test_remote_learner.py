@@ -24,6 +24,7 @@ from rl_cases import flat_params, make_batch, make_loss
 from fabric_learner import LearnerLostError, LearnerTimeoutError, LocalLearner, RemoteLearner, Stage
 from fabric_learner.llm import weight_buckets
 from fabric_learner.remote import _shares
+from fabric_learner.remote import learner as learner_module
 from fabric_learner.remote.actors import packed, unpacked
 
 # the ranks rebuild the test's losses and factories from their pickles, by value: these modules are not on their path
@@ -86,12 +87,16 @@ def local_dqn():
 # ---- the step equals one process --------------------------------------------------------------
 
 
-def test_dqn_under_ddp_equals_one_process_on_the_whole_batch_and_the_ranks_are_bit_identical(ddp):
-    local = local_dqn()
+def test_dqn_under_ddp_equals_one_process_on_the_whole_batch_and_the_ranks_are_bit_identical(ddp, monkeypatch):
+    local, inline = local_dqn(), learner_module.INLINE_BYTES
     for step in range(3):
         batch = make_batch("dqn", n=16, seed=100 + step)
         mine, theirs = batch.clone(), batch.clone()
+        # small shares ride inside the call; step 1's go through the object store (as a large batch's do)
+        monkeypatch.setattr(learner_module, "INLINE_BYTES", -1 if step == 1 else inline)
         got, want = ddp.update(mine), local.update(theirs)
+        stored = ddp.last_transfer["object_store_bytes"]
+        assert (stored, ddp.last_transfer["inline_bytes"]) == ((batch.bytes(), 0) if step == 1 else (0, batch.bytes()))
         assert sorted(got.keys()) == sorted(want.keys()) == ["grad_norm", "loss"]
         for k in want.keys():
             torch.testing.assert_close(got[k], want[k], **TOL)

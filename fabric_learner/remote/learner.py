@@ -1,10 +1,11 @@
 """RemoteLearner: the Learner contract from one process, the update run by a group of Ray actors.
 
-The controller (the script's process) splits each global batch into one share per rank, puts each
-share into Ray's object store once, and sends each rank the reference to its own share; the ranks
-(``remote.actors``) run a ``FabricLearner`` each, in one process group, and the controller combines
-their outputs into what ``LocalLearner.update`` on the whole batch returns. Faults end the group
-with a named error (``remote.faults``); the controller's own state never changes on a failed call.
+The controller (the script's process) splits each global batch into one share per rank and sends
+each rank its own share only: inside the actor call when it is small, else through Ray's object
+store once, by reference; the ranks (``remote.actors``) run a ``FabricLearner`` each, in one
+process group, and the controller combines their outputs into what ``LocalLearner.update`` on the
+whole batch returns. Faults end the group with a named error (``remote.faults``); the controller's
+own state never changes on a failed call.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from fabric_learner.remote import _runtime, _shares
 from fabric_learner.remote.actors import packed, unpacked
 from fabric_learner.remote.faults import LearnerLostError, LearnerTimeoutError, gather
 
+# shares of at most this many tensor bytes are passed inside the actor call; larger ones through the object store.
+# Under Ray's own limit for inlined arguments (max_direct_call_object_size, 100 KiB by default), with room for the
+# share's keys and pickle framing, so that Ray never moves a share this learner counted as inline.
+INLINE_BYTES = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024)) - 8 * 1024
 GRACE_S = 10.0  # after one rank raised, how long the others may take to answer before the group counts as stuck
 
 
@@ -316,10 +321,15 @@ class RemoteLearner(Learner):
         self._check_usable()  # an earlier update may have ended the group
         import ray
 
-        refs = [ray.put(packed(share)) for share in shares]
-        handle = PendingUpdate(self, [a.update.remote(ref) for a, ref in zip(self._actors, refs)])
+        sizes = [int(share.bytes()) for share in shares]
+        # a small share rides inside the call (Ray inlines it into the task), a large one goes through the
+        # object store once: ray.put of a small share costs about 1.5 ms here against 0.4 ms inline
+        args = [packed(share) if size <= INLINE_BYTES else ray.put(packed(share)) for share, size in zip(shares, sizes)]
+        handle = PendingUpdate(self, [a.update.remote(arg) for a, arg in zip(self._actors, args)])
         handle._batch = batch if groups is None else None  # contiguous shares: what the loss writes comes back
-        handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(int(s.bytes()) for s in shares)}
+        inline = sum(size for size in sizes if size <= INLINE_BYTES)
+        handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(sizes), "inline_bytes": inline,
+                           "object_store_bytes": sum(sizes) - inline}
         self._in_flight.append(handle)
         return handle.result() if wait else handle
 
