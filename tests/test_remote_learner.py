@@ -250,6 +250,28 @@ def test_a_one_process_torchrl_trainer_drives_it_and_its_collector_acts_with_the
         collector.shutdown()
 
 
+def test_full_parameters_fills_the_loss_here_with_the_group_weights_and_sends_a_target_update_back(ddp, fsdp):
+    """What a value estimator or a target updater in the controller needs (the Trainer's hooks enter this block)."""
+    from torchrl.objectives import SoftUpdate
+
+    ddp.update(make_batch("dqn", n=16, seed=400))
+    with ddp.full_parameters() as loss:
+        assert loss is ddp.loss_module
+        assert_close_state(rank_models(ddp)[0], loss.state_dict())
+        before = {k: v.clone() for k, v in loss.state_dict().items()}
+        SoftUpdate(loss, eps=0.5).step()  # the target network moves halfway to the online one, here
+        here = {k: v.clone() for k, v in loss.state_dict().items()}
+    assert any("target" in k and not torch.equal(here[k], before[k]) for k in here)
+    for model in rank_models(ddp):  # every rank got it
+        assert_close_state(model, here)
+    with fsdp.full_parameters() as loss:  # gathered from the shards
+        assert_close_state(rank_models(fsdp)[0], loss.state_dict())
+    with pytest.raises(ValueError, match="parameters of a sharded group"):
+        with fsdp.full_parameters() as loss:
+            next(loss.parameters()).data.add_(1.0)
+    assert fsdp.broken is None
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------
 
 

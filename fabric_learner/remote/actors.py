@@ -13,6 +13,7 @@ The actor runs its calls one at a time in submission order (Ray's default group,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -113,6 +114,34 @@ class LearnerRank:
         self._thread = threading.get_ident()
         self.learner.load(path)
         return self.learner.num_updates
+
+    def loss_state(self):
+        """Rank 0's whole loss state as CPU tensors (gathered under FSDP: every rank is called), else ``None``."""
+        self._thread = threading.get_ident()
+        learner = self.learner
+        with learner.full_parameters() if learner.capabilities.sharded else contextlib.nullcontext():
+            if self.rank != 0:
+                return None
+            return {k: v.detach().to("cpu", copy=True) for k, v in learner.loss_module.state_dict().items()}
+
+    def load_loss_entries(self, entries: dict) -> None:
+        """Copy ``entries`` (loss state names to tensors) into this rank's loss, all or none."""
+        self._thread = threading.get_ident()
+        learner = self.learner
+        own = learner.loss_module.state_dict(keep_vars=True)
+        unknown = sorted(set(entries) - set(own))
+        if unknown:
+            raise KeyError(f"These entries are not in the ranks' loss state: {unknown}. Nothing was changed.")
+        if learner.capabilities.sharded:
+            params = sorted(k for k in entries if isinstance(own[k], torch.nn.Parameter))
+            if params:
+                raise ValueError(
+                    f"The block changed parameters of a sharded group ({params}): their shards live on the ranks. "
+                    "Nothing was changed. Change only buffers (a target network) inside full_parameters() under "
+                    "FSDP, or use strategy='ddp', or change them on the ranks with call_on_ranks(fn).")
+        with torch.no_grad():
+            for k, v in entries.items():
+                own[k].copy_(v)
 
     def call(self, fn, *args) -> Any:
         """``fn(learner, *args)`` on this rank (tests and tools: e.g. a rank's own parameters)."""

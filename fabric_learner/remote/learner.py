@@ -11,6 +11,7 @@ own state never changes on a failed call.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -411,6 +412,39 @@ class RemoteLearner(Learner):
 
     def wait_for_save(self, timeout: float | None = None) -> None:
         """Saves complete before ``save`` returns: nothing to wait for."""
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Inside the block the loss given here holds the group's current weights; what the block changes in it reaches the ranks.
+
+        For code that runs the loss's networks in this process between updates: a value estimator
+        reading the critic (``LearnerValueEstimator``), a target-network updater (torchrl's
+        ``SoftUpdate`` / ``HardUpdate`` on the loss, which ``fabric_learner.Trainer`` runs in
+        this block). On entering, rank 0's whole loss state (gathered under FSDP) is loaded into
+        ``loss_module``; on leaving, the entries the block changed are copied into every rank's
+        loss, so the ranks stay identical and the next update sees them. Under FSDP only buffers
+        (a target network's) may change: the sharded parameters are the ranks'.
+
+        Raises:
+            ValueError: the learner was built from a factory (there is no loss here to fill), or,
+                on leaving, the block changed a parameter of a sharded group (no rank changes).
+        """
+        if self.loss_module is None:
+            raise ValueError(
+                "full_parameters() fills the loss given to RemoteLearner with the group's weights, but this learner was "
+                "built from a factory, so this process holds no loss. Build it from the loss object (with policy=) to "
+                "run its networks here, or run the code on the ranks with call_on_ranks(fn).")
+        self._drain()
+        loss = self.loss_module
+        state = self._call("loss_state", what="full_parameters()")[0]
+        # the entries both hold: a rank's loss may have built more (its value estimator's gamma, in update)
+        state = {k: v for k, v in state.items() if k in loss.state_dict()}
+        loss.load_state_dict(state, strict=False)
+        yield loss
+        now = loss.state_dict()
+        changed = {k: now[k].detach().clone() for k, v in state.items() if not torch.equal(now[k], v)}
+        if changed:
+            self._call("load_loss_entries", changed, what="full_parameters() (sending the changed entries)")
 
     def serve(self, module: nn.Module) -> bool:
         """``False``: no module in this process is trained here; load :meth:`get_weights` into it instead.
