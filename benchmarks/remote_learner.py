@@ -15,6 +15,11 @@ Contenders, each on the same global batches (2 ranks, gloo, CPU, one thread per 
   Ray's object store; combined);
 - ``remote_stored`` (not for grpo): the same learner with every share sent through the object store
   (``ray.put``), as ``update`` did before small shares rode inside the call: the change, paired;
+- ``spmd_in_actors``: the SPMD program run on the learner's own ranks, in its Ray actors (each rank
+  updates on its own share of each batch, barrier around the block: ``rank_loop``), in blocks that
+  alternate with ``remote``'s: the ratio remote / spmd_in_actors, paired block by block, is the
+  controller's cost on the very same processes and group, with far less of the load's noise than
+  the separate torchrun launches (which also differ by not hosting Ray's threads);
 - ``remote_pipelined``: the same learner with ``update(batch, wait=False)`` (two in flight): the
   updates per second a controller gets when it does not wait for each one;
 - ``torchrl_ray`` (``--torchrl``): torchrl 0.14.1's private Ray learner (``learner_backend="ray"``:
@@ -114,6 +119,23 @@ def spmd(args) -> None:
     learner.close()
 
 
+def rank_loop(rank_learner, shares, order) -> float:
+    """The SPMD program on the learner's own ranks (in its Ray actors): each rank updates on its own
+    share of each batch, with a barrier before and after; seconds per update. What the ranks do when
+    nothing stands between them and their data, on the same processes, group and learner."""
+    import time
+
+    import torch.distributed as dist
+
+    mine = [share[rank_learner.global_rank] for share in shares]
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in order:
+        rank_learner.update(mine[i])
+    dist.barrier()
+    return (time.perf_counter() - t0) / len(order)
+
+
 def torchrl_ray(args, data):
     """torchrl's own Ray learner (private in 0.14.1) over a Ray replay buffer holding ``data``: ``step(i)``."""
     from torchrl.data import LazyTensorStorage, RayReplayBuffer
@@ -181,7 +203,9 @@ def main() -> None:
                             clip_grad_norm=common.CLIP, max_in_flight=2)
     for i in range(args.warmup):
         learner.update(batches[i % len(batches)])
-    times: dict[str, list[float]] = {"spmd": [], "remote": [], "remote_pipelined": []}
+    times: dict[str, list[float]] = {"spmd": [], "remote": [], "remote_pipelined": [], "spmd_in_actors": []}
+    blocks: dict[str, list[float]] = {"remote": [], "spmd_in_actors": [], "remote_pipelined": [], "remote_stored": []}
+    rank_shares = [[share_of(b, r) for r in range(RANKS)] for b in batches]
     stored = args.workload != "grpo"
     if stored:
         times["remote_stored"] = []
@@ -222,27 +246,37 @@ def main() -> None:
                     harness.run_bounded(argv, 600, "the SPMD program")
                     times["spmd"].append(harness.median(harness.read_json(path)))
                 continue
-            sync, piped, through_store = [], [], []
+            sync, piped, through_store, in_actors = [], [], [], []
             for block in range(args.blocks):
-                t0 = time.perf_counter()
-                for i in range(args.inner):
-                    learner.update(batches[(block * args.inner + i) % len(batches)])
-                sync.append((time.perf_counter() - t0) / args.inner)
+                order = [(block * args.inner + i) % len(batches) for i in range(args.inner)]
+                # the remote call and the same ranks' own SPMD loop alternate who goes first, block by block
+                for turn in (("remote", "actors") if block % 2 == 0 else ("actors", "remote")):
+                    if turn == "actors":
+                        in_actors.append(learner.call_on_ranks(rank_loop, rank_shares, order)[0])
+                        continue
+                    t0 = time.perf_counter()
+                    for i in order:
+                        learner.update(batches[i])
+                    sync.append((time.perf_counter() - t0) / args.inner)
                 if stored:
                     inline, remote_module.INLINE_BYTES = remote_module.INLINE_BYTES, -1
                     t0 = time.perf_counter()
-                    for i in range(args.inner):
-                        learner.update(batches[(block * args.inner + i) % len(batches)])
+                    for i in order:
+                        learner.update(batches[i])
                     through_store.append((time.perf_counter() - t0) / args.inner)
                     remote_module.INLINE_BYTES = inline
                 t0 = time.perf_counter()
-                handles = [learner.update(batches[(block * args.inner + i) % len(batches)], wait=False)
-                           for i in range(args.inner)]
+                handles = [learner.update(batches[i], wait=False) for i in order]
                 handles[-1].result()
                 piped.append((time.perf_counter() - t0) / args.inner)
+            blocks["remote"] += sync
+            blocks["spmd_in_actors"] += in_actors
+            blocks["remote_pipelined"] += piped
             times["remote"].append(harness.median(sync))
+            times["spmd_in_actors"].append(harness.median(in_actors))
             times["remote_pipelined"].append(harness.median(piped))
             if stored:
+                blocks["remote_stored"] += through_store
                 times["remote_stored"].append(harness.median(through_store))
     transfer = dict(learner.last_transfer)
     from fabric_learner.remote.actors import packed
@@ -266,6 +300,17 @@ def main() -> None:
         "remote_over_remote_stored": stored and {
             "ratio": harness.paired_ratio(times["remote"], times["remote_stored"]),
             "ci": harness.bootstrap_ci(times["remote"], times["remote_stored"])},
+        "remote_over_spmd_in_actors": {  # paired block by block: the controller's cost on the very same ranks
+            "ratio": harness.paired_ratio(blocks["remote"], blocks["spmd_in_actors"]),
+            "ci": harness.bootstrap_ci(blocks["remote"], blocks["spmd_in_actors"]),
+            "goal": 1.02 if args.workload == "grpo" else 1.10},
+        "remote_stored_over_spmd_in_actors": stored and {
+            "ratio": harness.paired_ratio(blocks["remote_stored"], blocks["spmd_in_actors"]),
+            "ci": harness.bootstrap_ci(blocks["remote_stored"], blocks["spmd_in_actors"])},
+        "pipelined_updates_per_s_over_spmd_in_actors": {
+            "ratio": harness.paired_ratio(blocks["spmd_in_actors"], blocks["remote_pipelined"]),
+            "ci": harness.bootstrap_ci(blocks["spmd_in_actors"], blocks["remote_pipelined"]), "goal": 0.95},
+        "seconds_per_block": blocks,
         "pipelined_updates_per_s_over_spmd": {
             "ratio": harness.paired_ratio(times["spmd"], times["remote_pipelined"]),
             "ci": harness.bootstrap_ci(times["spmd"], times["remote_pipelined"]), "goal": 0.95},
