@@ -20,6 +20,9 @@ Contenders, each on the same global batches (2 ranks, gloo, CPU, one thread per 
   alternate with ``remote``'s: the ratio remote / spmd_in_actors, paired block by block, is the
   controller's cost on the very same processes and group, with far less of the load's noise than
   the separate torchrun launches (which also differ by not hosting Ray's threads);
+- ``remote_ranks_own``: within ``remote``'s own calls, the slower rank's time in ``FabricLearner.update``
+  (``RemoteLearner.last_rank_seconds``): remote / remote_ranks_own is the controller's and Ray's
+  share of the very same updates, whatever the load did to the step itself;
 - ``remote_pipelined``: the same learner with ``update(batch, wait=False)`` (two in flight): the
   updates per second a controller gets when it does not wait for each one;
 - ``torchrl_ray`` (``--torchrl``): torchrl 0.14.1's private Ray learner (``learner_backend="ray"``:
@@ -204,7 +207,8 @@ def main() -> None:
     for i in range(args.warmup):
         learner.update(batches[i % len(batches)])
     times: dict[str, list[float]] = {"spmd": [], "remote": [], "remote_pipelined": [], "spmd_in_actors": []}
-    blocks: dict[str, list[float]] = {"remote": [], "spmd_in_actors": [], "remote_pipelined": [], "remote_stored": []}
+    blocks: dict[str, list[float]] = {"remote": [], "spmd_in_actors": [], "remote_pipelined": [], "remote_stored": [],
+                                      "remote_ranks_own": []}
     rank_shares = [[share_of(b, r) for r in range(RANKS)] for b in batches]
     stored = args.workload != "grpo"
     if stored:
@@ -246,7 +250,7 @@ def main() -> None:
                     harness.run_bounded(argv, 600, "the SPMD program")
                     times["spmd"].append(harness.median(harness.read_json(path)))
                 continue
-            sync, piped, through_store, in_actors = [], [], [], []
+            sync, piped, through_store, in_actors, own = [], [], [], [], []
             for block in range(args.blocks):
                 order = [(block * args.inner + i) % len(batches) for i in range(args.inner)]
                 # the remote call and the same ranks' own SPMD loop alternate who goes first, block by block
@@ -254,10 +258,12 @@ def main() -> None:
                     if turn == "actors":
                         in_actors.append(learner.call_on_ranks(rank_loop, rank_shares, order)[0])
                         continue
-                    t0 = time.perf_counter()
+                    t0, ranks = time.perf_counter(), 0.0
                     for i in order:
                         learner.update(batches[i])
+                        ranks += max(learner.last_rank_seconds)  # the slower rank's own time in this update
                     sync.append((time.perf_counter() - t0) / args.inner)
+                    own.append(ranks / args.inner)
                 if stored:
                     inline, remote_module.INLINE_BYTES = remote_module.INLINE_BYTES, -1
                     t0 = time.perf_counter()
@@ -271,6 +277,7 @@ def main() -> None:
                 piped.append((time.perf_counter() - t0) / args.inner)
             blocks["remote"] += sync
             blocks["spmd_in_actors"] += in_actors
+            blocks["remote_ranks_own"] += own
             blocks["remote_pipelined"] += piped
             times["remote"].append(harness.median(sync))
             times["spmd_in_actors"].append(harness.median(in_actors))
@@ -304,6 +311,9 @@ def main() -> None:
             "ratio": harness.paired_ratio(blocks["remote"], blocks["spmd_in_actors"]),
             "ci": harness.bootstrap_ci(blocks["remote"], blocks["spmd_in_actors"]),
             "goal": 1.02 if args.workload == "grpo" else 1.10},
+        "remote_over_its_ranks_own_time": {  # the same calls: the controller's wall time over the slower rank's update
+            "ratio": harness.paired_ratio(blocks["remote"], blocks["remote_ranks_own"]),
+            "ci": harness.bootstrap_ci(blocks["remote"], blocks["remote_ranks_own"])},
         "remote_stored_over_spmd_in_actors": stored and {
             "ratio": harness.paired_ratio(blocks["remote_stored"], blocks["spmd_in_actors"]),
             "ci": harness.bootstrap_ci(blocks["remote_stored"], blocks["spmd_in_actors"])},

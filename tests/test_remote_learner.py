@@ -110,6 +110,7 @@ def test_dqn_under_ddp_equals_one_process_on_the_whole_batch_and_the_ranks_are_b
         torch.testing.assert_close(weights.get(k), v, **TOL)
     # each rank received its own share, not the batch: the bytes sent are the batch's own
     assert ddp.last_transfer["sent_bytes"] == ddp.last_transfer["batch_bytes"] == batch.bytes()
+    assert len(ddp.last_rank_seconds) == 2 and all(s > 0 for s in ddp.last_rank_seconds)
 
 
 def test_ppo_under_fsdp_with_accumulation_equals_one_process_and_weights_arrive_whole(fsdp):

@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -69,12 +70,13 @@ class LearnerRank:
 
     # ---- the contract, on this rank -----------------------------------------------------------
 
-    def update(self, share) -> tuple[Any, int, int, float, Any]:
-        """One ``update`` on this rank's share: ``(output, num_updates, skipped_updates, weight, written)``.
+    def update(self, share) -> tuple[Any, int, int, float, Any, float]:
+        """One ``update`` on this rank's share: ``(output, num_updates, skipped_updates, weight, written, seconds)``.
 
         ``weight`` is what the share's loss averaged over (tokens or samples for torchrl's LLM
         losses, else the share's sample count): the controller averages the ranks' outputs by it.
         ``written``: the entries the loss added to the share (DQN's ``td_error``), or ``None``.
+        ``seconds``: this rank's wall time in ``FabricLearner.update`` (what an SPMD rank spends on it).
         """
         self._thread = threading.get_ident()
         learner = self.learner
@@ -82,14 +84,16 @@ class LearnerRank:
         keys = set(share.keys(include_nested=True, leaves_only=True))
         first = learner._accum_step == 0
         before = None if first or learner._window_count is None else learner._window_count
+        start = time.perf_counter()
         out = learner.update(share)
+        seconds = time.perf_counter() - start
         if learner._counts is not None and learner._window_count is not None:
             weight = float(learner._window_count - (0 if before is None else before))
         else:
             weight = float(share.batch_size[0])
         new = [k for k in share.keys(include_nested=True, leaves_only=True) if k not in keys]
         written = packed(share.select(*new)) if new else None
-        return packed(out), learner.num_updates, learner.skipped_updates, weight, written
+        return packed(out), learner.num_updates, learner.skipped_updates, weight, written, seconds
 
     def get_weights(self):
         self._thread = threading.get_ident()

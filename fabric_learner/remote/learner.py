@@ -158,6 +158,7 @@ class RemoteLearner(Learner):
         self.timeout = float(timeout)
         self.max_in_flight = max_in_flight
         self.last_transfer: dict[str, int] = {}
+        self.last_rank_seconds: list[float] = []  # each rank's own time in the last collected update
         self._in_flight: collections.deque[PendingUpdate] = collections.deque()
         self._broken: BaseException | None = None
         self._closed = False
@@ -361,6 +362,7 @@ class RemoteLearner(Learner):
                 _write_back(head._batch, written)
             head._batch = None
             self.last_transfer = head.transfer
+            self.last_rank_seconds = [float(a[5]) for a in answers]
             if head is handle:
                 return
 
