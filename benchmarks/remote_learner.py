@@ -23,6 +23,9 @@ Contenders, each on the same global batches (2 ranks, gloo, CPU, one thread per 
 - ``remote_ranks_own``: within ``remote``'s own calls, the slower rank's time in ``FabricLearner.update``
   (``RemoteLearner.last_rank_seconds``): remote / remote_ranks_own is the controller's and Ray's
   share of the very same updates, whatever the load did to the step itself;
+- ``remote_compiled`` (``--compiled``): ``update(batch)``'s same split, rank method and combining
+  through a Ray compiled graph (``ray.dag``, ``experimental_compile``) over the same actors instead of
+  Ray's task path: what that path would give (a measurement; the learner does not use it);
 - ``remote_pipelined``: the same learner with ``update(batch, wait=False)`` (two in flight): the
   updates per second a controller gets when it does not wait for each one;
 - ``torchrl_ray`` (``--torchrl``): torchrl 0.14.1's private Ray learner (``learner_backend="ray"``:
@@ -139,6 +142,29 @@ def rank_loop(rank_learner, shares, order) -> float:
     return (time.perf_counter() - t0) / len(order)
 
 
+def compiled_updater(learner):
+    """``update(batch)`` through a Ray compiled graph over the learner's own actors (``--compiled``): the
+    same split, the same rank method and the same combining, with Ray's task path replaced by its
+    compiled-graph channels. A measurement of what that path would give, not a learner: no fault
+    handling, no write-back, no transfer report. Returns ``(update, teardown)``."""
+    import ray
+    from ray.dag import InputNode, MultiOutputNode
+
+    from fabric_learner.remote import _shares
+    from fabric_learner.remote.actors import packed, unpacked
+    from fabric_learner.remote.learner import combine
+
+    with InputNode() as shares:
+        dag = MultiOutputNode([actor.update.bind(shares[r]) for r, actor in enumerate(learner._actors)])
+    graph = dag.experimental_compile()
+
+    def update(batch):
+        answers = ray.get(graph.execute(*[packed(s) for s in _shares.split(batch, RANKS)[0]]), timeout=600)
+        return combine([unpacked(a[0]) for a in answers], [a[3] for a in answers])
+
+    return update, graph.teardown
+
+
 def torchrl_ray(args, data):
     """torchrl's own Ray learner (private in 0.14.1) over a Ray replay buffer holding ``data``: ``step(i)``."""
     from torchrl.data import LazyTensorStorage, RayReplayBuffer
@@ -180,6 +206,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="2 repetitions of 3 blocks")
     parser.add_argument("--torchrl", action="store_true", help="also time torchrl's private Ray learner")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time update() through a Ray compiled graph over the same actors (a measurement)")
     parser.add_argument("--out")
     parser.add_argument("--spmd-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -206,9 +234,13 @@ def main() -> None:
                             clip_grad_norm=common.CLIP, max_in_flight=2)
     for i in range(args.warmup):
         learner.update(batches[i % len(batches)])
+    if args.compiled:
+        compiled_update, teardown = compiled_updater(learner)
+        for i in range(args.warmup):
+            compiled_update(batches[i % len(batches)])
     times: dict[str, list[float]] = {"spmd": [], "remote": [], "remote_pipelined": [], "spmd_in_actors": []}
     blocks: dict[str, list[float]] = {"remote": [], "spmd_in_actors": [], "remote_pipelined": [], "remote_stored": [],
-                                      "remote_ranks_own": []}
+                                      "remote_ranks_own": [], "remote_compiled": []}
     rank_shares = [[share_of(b, r) for r in range(RANKS)] for b in batches]
     stored = args.workload != "grpo"
     if stored:
@@ -250,7 +282,7 @@ def main() -> None:
                     harness.run_bounded(argv, 600, "the SPMD program")
                     times["spmd"].append(harness.median(harness.read_json(path)))
                 continue
-            sync, piped, through_store, in_actors, own = [], [], [], [], []
+            sync, piped, through_store, in_actors, own, through_graph = [], [], [], [], [], []
             for block in range(args.blocks):
                 order = [(block * args.inner + i) % len(batches) for i in range(args.inner)]
                 # the remote call and the same ranks' own SPMD loop alternate who goes first, block by block
@@ -264,6 +296,11 @@ def main() -> None:
                         ranks += max(learner.last_rank_seconds)  # the slower rank's own time in this update
                     sync.append((time.perf_counter() - t0) / args.inner)
                     own.append(ranks / args.inner)
+                if args.compiled:
+                    t0 = time.perf_counter()
+                    for i in order:
+                        compiled_update(batches[i])
+                    through_graph.append((time.perf_counter() - t0) / args.inner)
                 if stored:
                     inline, remote_module.INLINE_BYTES = remote_module.INLINE_BYTES, -1
                     t0 = time.perf_counter()
@@ -278,6 +315,7 @@ def main() -> None:
             blocks["remote"] += sync
             blocks["spmd_in_actors"] += in_actors
             blocks["remote_ranks_own"] += own
+            blocks["remote_compiled"] += through_graph
             blocks["remote_pipelined"] += piped
             times["remote"].append(harness.median(sync))
             times["spmd_in_actors"].append(harness.median(in_actors))
@@ -290,6 +328,8 @@ def main() -> None:
 
     ref = ray.put(packed(share_of(batches[0], 0)))  # as update() puts a share too large to ride in the call
     transfer["object_store_bytes_per_share_if_stored"] = ray.experimental.get_object_locations([ref])[ref]["object_size"]
+    if args.compiled:
+        teardown()
     learner.close()
     if args.torchrl:
         execution.shutdown()
@@ -314,6 +354,12 @@ def main() -> None:
         "remote_over_its_ranks_own_time": {  # the same calls: the controller's wall time over the slower rank's update
             "ratio": harness.paired_ratio(blocks["remote"], blocks["remote_ranks_own"]),
             "ci": harness.bootstrap_ci(blocks["remote"], blocks["remote_ranks_own"])},
+        "remote_compiled_over_spmd_in_actors": args.compiled and {
+            "ratio": harness.paired_ratio(blocks["remote_compiled"], blocks["spmd_in_actors"]),
+            "ci": harness.bootstrap_ci(blocks["remote_compiled"], blocks["spmd_in_actors"])},
+        "remote_compiled_over_remote": args.compiled and {
+            "ratio": harness.paired_ratio(blocks["remote_compiled"], blocks["remote"]),
+            "ci": harness.bootstrap_ci(blocks["remote_compiled"], blocks["remote"])},
         "remote_stored_over_spmd_in_actors": stored and {
             "ratio": harness.paired_ratio(blocks["remote_stored"], blocks["spmd_in_actors"]),
             "ci": harness.bootstrap_ci(blocks["remote_stored"], blocks["spmd_in_actors"])},
