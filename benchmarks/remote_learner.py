@@ -2,13 +2,30 @@
 
     OMP_NUM_THREADS=1 python benchmarks/remote_learner.py --quick --out remote_learner.json
 
-Contenders, each on the global batches of ``common.make_batches`` (PPO, 2 ranks, gloo, CPU, one thread
-per rank, Adam, clipping at 1.0):
+Contenders, each on the same global batches (2 ranks, gloo, CPU, one thread per rank, clipping at 1.0):
+``--workload ppo`` / ``dqn``: ``common.make_batches``, Adam; ``--workload grpo``: torchrl's ``GRPOLoss``
+(token mean) over a Qwen2-family model built from a config (``fabric_learner.testing.tiny_causal_lm``,
+``--hidden`` / ``--layers``, no download), AdamW, global batches of ``--batch`` chats whose replies have
+12 to 36 words, dealt to the ranks by tokens as ``RemoteLearner`` deals them (``remote._shares.split``):
 - ``spmd``: ``FabricLearner(strategy="ddp")`` under torchrun, every rank updating on its half of
   each global batch (what a script that becomes an SPMD program runs); per-update wall time of rank 0,
   with a barrier around each timed block;
 - ``remote``: ``RemoteLearner(strategy="ddp", num_learners=2)`` driven from this process,
-  ``update(batch)`` on the whole batch (split, sent through Ray's object store, combined);
+  ``update(batch)`` on the whole batch (split; small shares inside the actor call, large ones through
+  Ray's object store; combined);
+- ``remote_stored`` (not for grpo): the same learner with every share sent through the object store
+  (``ray.put``), as ``update`` did before small shares rode inside the call: the change, paired;
+- ``spmd_in_actors``: the SPMD program run on the learner's own ranks, in its Ray actors (each rank
+  updates on its own share of each batch, barrier around the block: ``rank_loop``), in blocks that
+  alternate with ``remote``'s: the ratio remote / spmd_in_actors, paired block by block, is the
+  controller's cost on the very same processes and group, with far less of the load's noise than
+  the separate torchrun launches (which also differ by not hosting Ray's threads);
+- ``remote_ranks_own``: within ``remote``'s own calls, the slower rank's time in ``FabricLearner.update``
+  (``RemoteLearner.last_rank_seconds``): remote / remote_ranks_own is the controller's and Ray's
+  share of the very same updates, whatever the load did to the step itself;
+- ``remote_compiled`` (``--compiled``): ``update(batch)``'s same split, rank method and combining
+  through a Ray compiled graph (``ray.dag``, ``experimental_compile``) over the same actors instead of
+  Ray's task path: what that path would give (a measurement; the learner does not use it);
 - ``remote_pipelined``: the same learner with ``update(batch, wait=False)`` (two in flight): the
   updates per second a controller gets when it does not wait for each one;
 - ``torchrl_ray`` (``--torchrl``): torchrl 0.14.1's private Ray learner (``learner_backend="ray"``:
@@ -41,8 +58,46 @@ import torch
 RANKS = 2
 
 
-def optimizer():
+REPLY_WORDS = (12, 36)  # grpo: each reply's length in words, uniform in [lo, hi)
+
+
+def optimizer(workload: str):
+    if workload == "grpo":
+        return functools.partial(torch.optim.AdamW, lr=1e-5)
     return functools.partial(torch.optim.Adam, lr=1e-3)
+
+
+def grpo_loss(hidden: int, layers: int):
+    """torchrl's ``GRPOLoss`` (token mean) over ``tiny_causal_lm``'s Qwen2 at this size, seed 0's weights."""
+    from torchrl.modules.llm import TransformersWrapper
+    from torchrl.objectives.llm import GRPOLoss
+
+    from fabric_learner.testing import tiny_causal_lm, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    policy = TransformersWrapper(tiny_causal_lm(0, tokenizer=tokenizer, hidden_size=hidden, num_layers=layers),
+                                 tokenizer=tokenizer, input_mode="history", generate=False, return_log_probs=True,
+                                 pad_output=False)
+    return GRPOLoss(policy, masking_strategy="rlhf")
+
+
+def make_loss(args):
+    """The workload's loss: an object for ppo / dqn, for grpo a factory each rank calls (no tokenizer pickled)."""
+    if args.workload == "grpo":
+        return functools.partial(grpo_loss, args.hidden, args.layers)
+    return common.make_loss(args.workload)[0]
+
+
+def built_loss(args):
+    loss = make_loss(args)
+    return loss() if args.workload == "grpo" else loss
+
+
+def share_of(batch, rank: int):
+    """Rank ``rank``'s share of a global batch, exactly as ``RemoteLearner.update`` cuts it."""
+    from fabric_learner.remote import _shares
+
+    return _shares.split(batch, RANKS)[0][rank]
 
 
 def spmd(args) -> None:
@@ -50,10 +105,10 @@ def spmd(args) -> None:
     from fabric_learner import FabricLearner
 
     harness.set_one_thread()
-    learner = FabricLearner(common.make_loss(args.workload)[0], optimizer(), strategy="ddp", accelerator="cpu",
+    learner = FabricLearner(built_loss(args), optimizer(args.workload), strategy=args.strategy, accelerator="cpu",
                             clip_grad_norm=common.CLIP)
     rank = learner.global_rank
-    batches = [b.split(b.batch_size[0] // RANKS)[rank].clone() for b in _batches(args)]
+    batches = [share_of(b, rank) for b in _batches(args)]
     barrier = torch.distributed.barrier
     for i in range(args.warmup):
         learner.update(batches[i % len(batches)])
@@ -68,6 +123,46 @@ def spmd(args) -> None:
     if rank == 0:
         harness.write_json(args.spmd_out, samples)
     learner.close()
+
+
+def rank_loop(rank_learner, shares, order) -> float:
+    """The SPMD program on the learner's own ranks (in its Ray actors): each rank updates on its own
+    share of each batch, with a barrier before and after; seconds per update. What the ranks do when
+    nothing stands between them and their data, on the same processes, group and learner."""
+    import time
+
+    import torch.distributed as dist
+
+    mine = [share[rank_learner.global_rank] for share in shares]
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in order:
+        rank_learner.update(mine[i])
+    dist.barrier()
+    return (time.perf_counter() - t0) / len(order)
+
+
+def compiled_updater(learner):
+    """``update(batch)`` through a Ray compiled graph over the learner's own actors (``--compiled``): the
+    same split, the same rank method and the same combining, with Ray's task path replaced by its
+    compiled-graph channels. A measurement of what that path would give, not a learner: no fault
+    handling, no write-back, no transfer report. Returns ``(update, teardown)``."""
+    import ray
+    from ray.dag import InputNode, MultiOutputNode
+
+    from fabric_learner.remote import _shares
+    from fabric_learner.remote.actors import packed, unpacked
+    from fabric_learner.remote.learner import combine
+
+    with InputNode() as shares:
+        dag = MultiOutputNode([actor.update.bind(shares[r]) for r, actor in enumerate(learner._actors)])
+    graph = dag.experimental_compile()
+
+    def update(batch):
+        answers = ray.get(graph.execute(*[packed(s) for s in _shares.split(batch, RANKS)[0]]), timeout=600)
+        return combine([unpacked(a[0]) for a in answers], [a[3] for a in answers])
+
+    return update, graph.teardown
 
 
 def torchrl_ray(args, data):
@@ -88,39 +183,68 @@ def torchrl_ray(args, data):
 
 
 def _batches(args):
-    return common.make_batches(args.workload, count=4, n=args.batch)
+    if args.workload != "grpo":
+        return common.make_batches(args.workload, count=4, n=args.batch)
+    from fabric_learner.testing import grpo_batch
+
+    policy = built_loss(args).actor_network  # seed 0's weights: the log-probs are the policy's own
+    generator = torch.Generator().manual_seed(1000)
+    return [grpo_batch(policy, torch.randint(*REPLY_WORDS, (args.batch,), generator=generator).tolist(), seed=10 + i)
+            for i in range(2)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="ppo", choices=["ppo", "dqn"])
-    parser.add_argument("--batch", type=int, default=512, help="global batch (each rank gets batch / 2)")
+    parser.add_argument("--workload", default="ppo", choices=["ppo", "dqn", "grpo"])
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"])
+    parser.add_argument("--batch", type=int, help="global batch (each rank gets half): default 512, grpo 8 chats")
+    parser.add_argument("--hidden", type=int, default=512, help="grpo: the model's hidden size")
+    parser.add_argument("--layers", type=int, default=8, help="grpo: the model's decoder layers")
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="2 repetitions of 3 blocks")
     parser.add_argument("--torchrl", action="store_true", help="also time torchrl's private Ray learner")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time update() through a Ray compiled graph over the same actors (a measurement)")
     parser.add_argument("--out")
     parser.add_argument("--spmd-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.spmd_out:
         return spmd(args)
+    if args.batch is None:
+        args.batch = 8 if args.workload == "grpo" else 512
     if args.quick:
         args.reps, args.blocks = 2, 3
+        if args.workload == "grpo":  # steps of about a second: fewer of them
+            args.inner, args.warmup = 2, 2
+    if args.workload == "grpo" and args.torchrl:
+        parser.error("--torchrl times PPO / DQN batches from a replay buffer, not grpo")
     harness.set_one_thread()
     import ray
 
     from fabric_learner import RemoteLearner
+    from fabric_learner.remote import learner as remote_module
 
     # logical CPUs for scheduling only (the contenders take turns on the machine's cores)
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     batches = _batches(args)
-    learner = RemoteLearner(common.make_loss(args.workload)[0], optimizer(), strategy="ddp", num_learners=RANKS,
+    learner = RemoteLearner(make_loss(args), optimizer(args.workload), strategy=args.strategy, num_learners=RANKS,
                             clip_grad_norm=common.CLIP, max_in_flight=2)
     for i in range(args.warmup):
         learner.update(batches[i % len(batches)])
-    times: dict[str, list[float]] = {"spmd": [], "remote": [], "remote_pipelined": []}
+    if args.compiled:
+        compiled_update, teardown = compiled_updater(learner)
+        for i in range(args.warmup):
+            compiled_update(batches[i % len(batches)])
+    times: dict[str, list[float]] = {"spmd": [], "remote": [], "remote_pipelined": [], "spmd_in_actors": []}
+    blocks: dict[str, list[float]] = {"remote": [], "spmd_in_actors": [], "remote_pipelined": [], "remote_stored": [],
+                                      "remote_ranks_own": [], "remote_compiled": []}
+    rank_shares = [[share_of(b, r) for r in range(RANKS)] for b in batches]
+    stored = args.workload != "grpo"
+    if stored:
+        times["remote_stored"] = []
     names = ["spmd", "remote"]
     if args.torchrl:
         from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -153,29 +277,59 @@ def main() -> None:
                 with harness.scratch_path() as path:
                     argv = [*harness.torchrun(RANKS, os.path.abspath(__file__)), "--spmd-out", path,
                             "--workload", args.workload, "--batch", str(args.batch), "--blocks", str(args.blocks),
-                            "--inner", str(args.inner), "--warmup", str(args.warmup)]
+                            "--inner", str(args.inner), "--warmup", str(args.warmup), "--strategy", args.strategy,
+                            "--hidden", str(args.hidden), "--layers", str(args.layers)]
                     harness.run_bounded(argv, 600, "the SPMD program")
                     times["spmd"].append(harness.median(harness.read_json(path)))
                 continue
-            sync, piped = [], []
+            sync, piped, through_store, in_actors, own, through_graph = [], [], [], [], [], []
             for block in range(args.blocks):
+                order = [(block * args.inner + i) % len(batches) for i in range(args.inner)]
+                # the remote call and the same ranks' own SPMD loop alternate who goes first, block by block
+                for turn in (("remote", "actors") if block % 2 == 0 else ("actors", "remote")):
+                    if turn == "actors":
+                        in_actors.append(learner.call_on_ranks(rank_loop, rank_shares, order)[0])
+                        continue
+                    t0, ranks = time.perf_counter(), 0.0
+                    for i in order:
+                        learner.update(batches[i])
+                        ranks += max(learner.last_rank_seconds)  # the slower rank's own time in this update
+                    sync.append((time.perf_counter() - t0) / args.inner)
+                    own.append(ranks / args.inner)
+                if args.compiled:
+                    t0 = time.perf_counter()
+                    for i in order:
+                        compiled_update(batches[i])
+                    through_graph.append((time.perf_counter() - t0) / args.inner)
+                if stored:
+                    inline, remote_module.INLINE_BYTES = remote_module.INLINE_BYTES, -1
+                    t0 = time.perf_counter()
+                    for i in order:
+                        learner.update(batches[i])
+                    through_store.append((time.perf_counter() - t0) / args.inner)
+                    remote_module.INLINE_BYTES = inline
                 t0 = time.perf_counter()
-                for i in range(args.inner):
-                    learner.update(batches[(block * args.inner + i) % len(batches)])
-                sync.append((time.perf_counter() - t0) / args.inner)
-                t0 = time.perf_counter()
-                handles = [learner.update(batches[(block * args.inner + i) % len(batches)], wait=False)
-                           for i in range(args.inner)]
+                handles = [learner.update(batches[i], wait=False) for i in order]
                 handles[-1].result()
                 piped.append((time.perf_counter() - t0) / args.inner)
+            blocks["remote"] += sync
+            blocks["spmd_in_actors"] += in_actors
+            blocks["remote_ranks_own"] += own
+            blocks["remote_compiled"] += through_graph
+            blocks["remote_pipelined"] += piped
             times["remote"].append(harness.median(sync))
+            times["spmd_in_actors"].append(harness.median(in_actors))
             times["remote_pipelined"].append(harness.median(piped))
+            if stored:
+                blocks["remote_stored"] += through_store
+                times["remote_stored"].append(harness.median(through_store))
     transfer = dict(learner.last_transfer)
     from fabric_learner.remote.actors import packed
 
-    share = batches[0].split(args.batch // RANKS)[0].clone()
-    ref = ray.put(packed(share))  # as update() puts it
-    transfer["object_store_bytes_per_share"] = ray.experimental.get_object_locations([ref])[ref]["object_size"]
+    ref = ray.put(packed(share_of(batches[0], 0)))  # as update() puts a share too large to ride in the call
+    transfer["object_store_bytes_per_share_if_stored"] = ray.experimental.get_object_locations([ref])[ref]["object_size"]
+    if args.compiled:
+        teardown()
     learner.close()
     if args.torchrl:
         execution.shutdown()
@@ -185,7 +339,34 @@ def main() -> None:
         "seconds_per_update": times, "transfer_per_update": transfer,
         "remote_over_spmd": {
             "ratio": harness.paired_ratio(times["remote"], times["spmd"]),
-            "ci": harness.bootstrap_ci(times["remote"], times["spmd"]), "goal": 1.10},
+            "ci": harness.bootstrap_ci(times["remote"], times["spmd"]),
+            "goal": 1.02 if args.workload == "grpo" else 1.10},
+        "remote_stored_over_spmd": stored and {
+            "ratio": harness.paired_ratio(times["remote_stored"], times["spmd"]),
+            "ci": harness.bootstrap_ci(times["remote_stored"], times["spmd"])},
+        "remote_over_remote_stored": stored and {
+            "ratio": harness.paired_ratio(times["remote"], times["remote_stored"]),
+            "ci": harness.bootstrap_ci(times["remote"], times["remote_stored"])},
+        "remote_over_spmd_in_actors": {  # paired block by block: the controller's cost on the very same ranks
+            "ratio": harness.paired_ratio(blocks["remote"], blocks["spmd_in_actors"]),
+            "ci": harness.bootstrap_ci(blocks["remote"], blocks["spmd_in_actors"]),
+            "goal": 1.02 if args.workload == "grpo" else 1.10},
+        "remote_over_its_ranks_own_time": {  # the same calls: the controller's wall time over the slower rank's update
+            "ratio": harness.paired_ratio(blocks["remote"], blocks["remote_ranks_own"]),
+            "ci": harness.bootstrap_ci(blocks["remote"], blocks["remote_ranks_own"])},
+        "remote_compiled_over_spmd_in_actors": args.compiled and {
+            "ratio": harness.paired_ratio(blocks["remote_compiled"], blocks["spmd_in_actors"]),
+            "ci": harness.bootstrap_ci(blocks["remote_compiled"], blocks["spmd_in_actors"])},
+        "remote_compiled_over_remote": args.compiled and {
+            "ratio": harness.paired_ratio(blocks["remote_compiled"], blocks["remote"]),
+            "ci": harness.bootstrap_ci(blocks["remote_compiled"], blocks["remote"])},
+        "remote_stored_over_spmd_in_actors": stored and {
+            "ratio": harness.paired_ratio(blocks["remote_stored"], blocks["spmd_in_actors"]),
+            "ci": harness.bootstrap_ci(blocks["remote_stored"], blocks["spmd_in_actors"])},
+        "pipelined_updates_per_s_over_spmd_in_actors": {
+            "ratio": harness.paired_ratio(blocks["spmd_in_actors"], blocks["remote_pipelined"]),
+            "ci": harness.bootstrap_ci(blocks["spmd_in_actors"], blocks["remote_pipelined"]), "goal": 0.95},
+        "seconds_per_block": blocks,
         "pipelined_updates_per_s_over_spmd": {
             "ratio": harness.paired_ratio(times["spmd"], times["remote_pipelined"]),
             "ci": harness.bootstrap_ci(times["spmd"], times["remote_pipelined"]), "goal": 0.95},

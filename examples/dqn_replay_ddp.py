@@ -9,6 +9,7 @@
     python examples/dqn_replay_ddp.py --collectors 2        # collectors apart, on a second command line:
     python -m fabric_learner.collect --connect 127.0.0.1:29710   # twice, on this host or others
     python examples/dqn_replay_ddp.py --collectors 2 --local-collectors   # the same, started by the learner
+    python examples/dqn_replay_ddp.py --remote 2           # one process; the update on 2 Ray actors (RemoteLearner)
 
 Off-policy, every rank running this same program: each rank steps its own cart-poles with an
 epsilon-greedy Q-network, writes the transitions into its *own* prioritized replay buffer,
@@ -28,6 +29,13 @@ With ``--collectors N`` the cart-poles step in N collector processes apart from 
 (``fabric_learner.RemoteCollectors``, on torchrl's distributed collectors): each rank serves its share,
 collects asynchronously (``AsyncCollection``: frames more than ``--max-lag`` updates old are dropped)
 and publishes the epsilon-greedy policy, epsilon included, after every round.
+
+With ``--remote N`` the program runs once, as a single-process torchrl script with one collector
+(``--envs`` x N cart-poles) and one prioritized replay buffer, sampling ``--batch`` x N: each update
+runs on N Ray actors (``fabric_learner.RemoteLearner``, ``--strategy``), DQN's ``td_error`` comes
+back into the sampled batch for the priorities, the ``SoftUpdate`` moves the ranks' target network
+(the Trainer runs it inside ``learner.full_parameters()``), and the collector's Q-network takes the
+group's weights after every batch (epsilon stays this process's).
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from torchrl.modules import MLP, EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, SoftUpdate
 from torchrl.trainers import ReplayBufferTrainer, TrainerHookBase
 
-from fabric_learner import AsyncCollection, FabricLearner, RemoteCollectors, VersionedPolicy
+from fabric_learner import AsyncCollection, FabricLearner, RemoteCollectors, RemoteLearner, VersionedPolicy
 from fabric_learner.cli import DefaultsHelpFormatter, add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import global_mean
 from fabric_learner.replay import prioritized_sampler
@@ -84,6 +92,26 @@ class EpisodeLength(TrainerHookBase):
 
     def register(self, trainer, name="episode_length"):
         trainer.register_op("pre_steps_log", self)
+        trainer.register_module(name, self)
+
+
+class PublishQNetwork(TrainerHookBase):
+    """``--remote``: after each batch the collector's Q-network takes the group's weights (its epsilon stays here)."""
+
+    def __init__(self, learner, qnet):
+        self.learner, self.qnet = learner, qnet
+
+    def __call__(self):
+        self.learner.get_weights().to_module(self.qnet)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        return
+
+    def register(self, trainer, name="publish_q_network"):
+        trainer.register_op("post_steps", self)
         trainer.register_module(name, self)
 
 
@@ -127,12 +155,18 @@ def parse_args(argv=None):
     p.add_argument("--collect-address", default="127.0.0.1:29710", help="HOST:PORT where collectors connect")
     p.add_argument("--local-collectors", action="store_true", help="start the collectors here, as child processes")
     p.add_argument("--max-lag", type=int, default=64, help="with --collectors: oldest policy admitted, in updates")
+    p.add_argument("--remote", type=int, default=0, metavar="N",
+                   help="run once and update on N Ray actors (RemoteLearner, --strategy); 0: every rank runs this program")
     add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)  # plain python: 2 CPU ranks
     return p.parse_args(argv)
 
 
 def build(args, learner_kwargs: dict):
     torch.manual_seed(args.seed)
+    if args.remote:  # one process collects and samples what all the ranks would together
+        if args.collectors:
+            raise SystemExit("--remote runs the collector in this process: leave --collectors out")
+        args.envs, args.batch = args.envs * args.remote, args.batch * args.remote
     env = make_env(args.envs)
     qnet = QValueActor(MLP(in_features=4, out_features=2, num_cells=[128, 128]), in_keys=["observation"],
                        spec=env.action_spec, action_space="one_hot")
@@ -144,8 +178,13 @@ def build(args, learner_kwargs: dict):
     remote = args.collectors > 0
     acting = VersionedPolicy(copy.deepcopy(explore)) if remote else None  # before a sharded learner empties qnet
     # in-process, the collector acts with the loss's own Q-network; apart, the learner publishes explore's weights
-    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=args.lr), policy=explore if remote else qnet,
-                            clip_grad_norm=10.0, **learner_kwargs)
+    optimizer = functools.partial(torch.optim.Adam, lr=args.lr)
+    if args.remote:
+        learner = RemoteLearner(loss, optimizer, policy=qnet, clip_grad_norm=10.0, num_learners=args.remote,
+                                strategy=args.strategy or "ddp", precision=args.precision or "32-true")
+    else:
+        learner = FabricLearner(loss, optimizer, policy=explore if remote else qnet, clip_grad_norm=10.0,
+                                **learner_kwargs)
     egreedy.annealing_num_steps = args.frames // learner.world_size // 3
     if remote:
         collector = RemoteCollectors(functools.partial(make_env, args.envs), acting, frames_per_batch=frames_per_batch,
@@ -165,7 +204,10 @@ def build(args, learner_kwargs: dict):
                       target_net_updater=SoftUpdate(loss, tau=0.01), logger=logger, log_interval=2_000,
                       seed=args.seed, progress_bar=not args.no_progress, save_trainer_file=args.checkpoint,
                       save_trainer_interval=10_000,
-                      async_collection=AsyncCollection(max_policy_lag=args.max_lag) if remote else None)
+                      async_collection=AsyncCollection(max_policy_lag=args.max_lag) if remote else None,
+                      publish_weights=not args.remote)  # --remote: PublishQNetwork, below
+    if args.remote:
+        PublishQNetwork(learner, qnet).register(trainer)
     ReplayBufferTrainer(rb, flatten_tensordicts=True).register(trainer)  # extend, sample, update priorities
     AnnealEpsilon(egreedy, trainer).register(trainer)
     lengths = EpisodeLength(trainer)
@@ -176,7 +218,7 @@ def build(args, learner_kwargs: dict):
 def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
-    learner, trainer, lengths = build(args, launch_kwargs(args))
+    learner, trainer, lengths = build(args, {} if args.remote else launch_kwargs(args))
     if args.resume:
         trainer.load_from_file(args.resume)
     trainer.train()
@@ -184,8 +226,12 @@ def main(argv=None):
         curve = lengths.curve
         first = sum(v for _, v in curve[:5]) / max(len(curve[:5]), 1)
         last = sum(v for _, v in curve[-5:]) / max(len(curve[-5:]), 1)
-        how = "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__
-        print(f"done: {learner.world_size} rank(s) {how}, {learner.num_updates} updates, {trainer.collected_frames} frames, "
+        if args.remote:
+            world, how = args.remote, f"as Ray actors ({args.strategy or 'ddp'}, RemoteLearner)"
+        else:
+            world = learner.world_size
+            how = "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__
+        print(f"done: {world} rank(s) {how}, {learner.num_updates} updates, {trainer.collected_frames} frames, "
               f"episode length {first:.0f} -> {last:.0f} in {time.perf_counter() - start:.0f}s", flush=True)
         if args.collectors:
             print(f"collection: {trainer.async_stats}, rank 0's collectors: {trainer.collector.stats()}", flush=True)

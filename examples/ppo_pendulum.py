@@ -6,6 +6,7 @@
     python examples/ppo_pendulum.py --devices 1           # one process
     python examples/ppo_pendulum.py --strategy fsdp       # FSDP2 (sharded parameters) on 2 CPU ranks
     torchrun --nproc-per-node=2 examples/ppo_pendulum.py --strategy fsdp   # the same options under any launcher
+    python examples/ppo_pendulum.py --remote 2            # one process; the update on 2 Ray actors (RemoteLearner)
 
 Launch options (``--accelerator --strategy --devices --num-nodes --precision``,
 ``fabric_learner.cli``): their defaults (2 CPU ranks, DDP) apply under plain ``python``; under
@@ -19,6 +20,12 @@ GlobalAdvantageNormalization -> learner.update), shows a progress bar on rank 0,
 grad norm, episode return and throughput to TensorBoard (``--logdir``) through Fabric's
 TensorBoardLogger, and prints a summary. The environment is torchrl's own ``PendulumEnv`` (gym's
 Pendulum-v1 dynamics in pure torch) stepping all ``--envs`` pendulums of a rank in one batched call.
+
+With ``--remote N`` the program runs once, as a single-process torchrl script: one collector steps
+the pendulums of all N ranks (``--envs`` x N), minibatches are ``--minibatch`` x N, and each update
+runs on N Ray actors (``fabric_learner.RemoteLearner``, ``--strategy``), which split it; GAE reads
+the group's critic and the collector acts with its actor after every batch. The learner is the one
+line that changes (``pip install 'fabric_learner[ray]'``).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 from torchrl.trainers import TrainerHookBase
 
-from fabric_learner import FabricLearner
+from fabric_learner import FabricLearner, RemoteLearner
 from fabric_learner.cli import DefaultsHelpFormatter, add_launch_arguments, launch_kwargs
 from fabric_learner.onpolicy import (
     EpochPartitionSampler,
@@ -146,6 +153,8 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=None,
                    help="write the learning curve to this PNG (rank 0; needs matplotlib: pip install -e .[bench])")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--remote", type=int, default=0, metavar="N",
+                   help="run once and update on N Ray actors (RemoteLearner, --strategy); 0: every rank runs this program")
     add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)  # plain python: 2 CPU ranks
     return p.parse_args(argv)
 
@@ -153,17 +162,24 @@ def parse_args(argv=None):
 def build(args, learner_kwargs: dict):
     """The learner and the trainer with its hooks; every rank builds the same."""
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    if args.remote:  # one process collects what all the ranks would, in minibatches as large as theirs together
+        args.envs, args.minibatch = args.envs * args.remote, args.minibatch * args.remote
     env = make_env(args.envs)
     actor, critic = make_agent()
     loss = ClipPPOLoss(actor, critic, clip_epsilon=0.2, entropy_coeff=0.0, critic_coeff=0.5, loss_critic_type="l2",
                        normalize_advantage=False)  # advantages are normalised over all ranks by the hook below
     gae = GAE(gamma=args.gamma, lmbda=0.95, value_network=critic, average_gae=False)
     gae.set_keys(reward="scaled_reward")  # learn on rewards scaled to about [-1.6, 0]; log the raw ones
-    learner = FabricLearner(loss, functools.partial(torch.optim.Adam, lr=args.lr), policy=actor, clip_grad_norm=args.clip,
-                            **learner_kwargs)
+    optimizer = functools.partial(torch.optim.Adam, lr=args.lr)
+    if args.remote:
+        learner = RemoteLearner(loss, optimizer, policy=actor, clip_grad_norm=args.clip, num_learners=args.remote,
+                                strategy=args.strategy or "ddp", precision=args.precision or "32-true")
+    else:
+        learner = FabricLearner(loss, optimizer, policy=actor, clip_grad_norm=args.clip, **learner_kwargs)
     frames_per_batch = args.envs * MAX_STEPS
     # The collector runs the very actor the loss trains, under every strategy: DDP shares its
-    # memory; FSDP keeps it (policy=) full and refreshed after every optimizer step.
+    # memory; FSDP keeps it (policy=) full and refreshed after every optimizer step; a RemoteLearner
+    # copies the group's weights into it after every batch.
     collector = Collector(env, actor, frames_per_batch=frames_per_batch, total_frames=-1,
                           auto_register_policy_transforms=False)
     logger = None
@@ -196,14 +212,17 @@ def plot(curve, path, world_size):  # rank 0, after training
 def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
-    learner, trainer, returns = build(args, launch_kwargs(args))
+    learner, trainer, returns = build(args, {} if args.remote else launch_kwargs(args))
     if args.resume:
         trainer.load_from_file(args.resume)
     trainer.train()
     rank, world = learner.global_rank, learner.world_size
     if rank == 0:
         curve = returns.curve
-        how = "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__
+        if args.remote:
+            world, how = args.remote, f"as Ray actors ({args.strategy or 'ddp'}, RemoteLearner)"
+        else:
+            how = "sharded (FSDP)" if learner.capabilities.sharded else type(learner.fabric.strategy).__name__
         print(f"done: {world} rank(s) {how}, {learner.num_updates} updates, {trainer.collected_frames} frames, "
               f"episode return {curve[0][1]:.0f} -> {curve[-1][1]:.0f} in {time.perf_counter() - start:.0f}s", flush=True)
         if args.plot:

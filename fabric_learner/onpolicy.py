@@ -187,7 +187,8 @@ class LearnerValueEstimator(ValueEstimatorHook):
 
     Under a sharded learner the loss's critic holds no whole weights outside ``update``; this
     hook gathers them for the call (a collective: every rank runs it, as every rank runs the
-    same hooks). Unsharded it is the plain call. The estimator's state (e.g. ``GAE``'s
+    same hooks). Under a ``RemoteLearner`` it fetches the group's current weights into the loss
+    given to it (``RemoteLearner.full_parameters``). Otherwise it is the plain call. The estimator's state (e.g. ``GAE``'s
     ``gamma`` and ``lmbda``) is checkpointed with the trainer, as torchrl's hook does.
 
     On several ranks, an estimator that standardises its advantages (``GAE(average_gae=True)``,
@@ -235,8 +236,9 @@ class LearnerValueEstimator(ValueEstimatorHook):
     def __call__(self, batch: TensorDictBase | None) -> TensorDictBase | None:
         if batch is None:
             return batch
-        full = self.learner.full_parameters() if self.learner.capabilities.sharded else contextlib.nullcontext()
-        with full, torch.no_grad(), _global_standardisation(self.value_estimator):
+        from fabric_learner.trainer.hooks import _full_parameters
+
+        with _full_parameters(self.learner), torch.no_grad(), _global_standardisation(self.value_estimator):
             return super().__call__(batch)
 
     def register(self, trainer, name: str = "value_estimator") -> None:

@@ -24,6 +24,7 @@ from rl_cases import flat_params, make_batch, make_loss
 from fabric_learner import LearnerLostError, LearnerTimeoutError, LocalLearner, RemoteLearner, Stage
 from fabric_learner.llm import weight_buckets
 from fabric_learner.remote import _shares
+from fabric_learner.remote import learner as learner_module
 from fabric_learner.remote.actors import packed, unpacked
 
 # the ranks rebuild the test's losses and factories from their pickles, by value: these modules are not on their path
@@ -86,12 +87,16 @@ def local_dqn():
 # ---- the step equals one process --------------------------------------------------------------
 
 
-def test_dqn_under_ddp_equals_one_process_on_the_whole_batch_and_the_ranks_are_bit_identical(ddp):
-    local = local_dqn()
+def test_dqn_under_ddp_equals_one_process_on_the_whole_batch_and_the_ranks_are_bit_identical(ddp, monkeypatch):
+    local, inline = local_dqn(), learner_module.INLINE_BYTES
     for step in range(3):
         batch = make_batch("dqn", n=16, seed=100 + step)
         mine, theirs = batch.clone(), batch.clone()
+        # small shares ride inside the call; step 1's go through the object store (as a large batch's do)
+        monkeypatch.setattr(learner_module, "INLINE_BYTES", -1 if step == 1 else inline)
         got, want = ddp.update(mine), local.update(theirs)
+        stored = ddp.last_transfer["object_store_bytes"]
+        assert (stored, ddp.last_transfer["inline_bytes"]) == ((batch.bytes(), 0) if step == 1 else (0, batch.bytes()))
         assert sorted(got.keys()) == sorted(want.keys()) == ["grad_norm", "loss"]
         for k in want.keys():
             torch.testing.assert_close(got[k], want[k], **TOL)
@@ -105,6 +110,7 @@ def test_dqn_under_ddp_equals_one_process_on_the_whole_batch_and_the_ranks_are_b
         torch.testing.assert_close(weights.get(k), v, **TOL)
     # each rank received its own share, not the batch: the bytes sent are the batch's own
     assert ddp.last_transfer["sent_bytes"] == ddp.last_transfer["batch_bytes"] == batch.bytes()
+    assert len(ddp.last_rank_seconds) == 2 and all(s > 0 for s in ddp.last_rank_seconds)
 
 
 def test_ppo_under_fsdp_with_accumulation_equals_one_process_and_weights_arrive_whole(fsdp):
@@ -243,6 +249,28 @@ def test_a_one_process_torchrl_trainer_drives_it_and_its_collector_acts_with_the
         acting = collector_policy(collector).module.weight
         assert not torch.equal(acting, start) and torch.equal(acting, learner.get_weights()["module", "weight"])
         collector.shutdown()
+
+
+def test_full_parameters_fills_the_loss_here_with_the_group_weights_and_sends_a_target_update_back(ddp, fsdp):
+    """What a value estimator or a target updater in the controller needs (the Trainer's hooks enter this block)."""
+    from torchrl.objectives import SoftUpdate
+
+    ddp.update(make_batch("dqn", n=16, seed=400))
+    with ddp.full_parameters() as loss:
+        assert loss is ddp.loss_module
+        assert_close_state(rank_models(ddp)[0], loss.state_dict())
+        before = {k: v.clone() for k, v in loss.state_dict().items()}
+        SoftUpdate(loss, eps=0.5).step()  # the target network moves halfway to the online one, here
+        here = {k: v.clone() for k, v in loss.state_dict().items()}
+    assert any("target" in k and not torch.equal(here[k], before[k]) for k in here)
+    for model in rank_models(ddp):  # every rank got it
+        assert_close_state(model, here)
+    with fsdp.full_parameters() as loss:  # gathered from the shards
+        assert_close_state(rank_models(fsdp)[0], loss.state_dict())
+    with pytest.raises(ValueError, match="parameters of a sharded group"):
+        with fsdp.full_parameters() as loss:
+            next(loss.parameters()).data.add_(1.0)
+    assert fsdp.broken is None
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

@@ -13,10 +13,12 @@ The actor runs its calls one at a time in submission order (Ray's default group,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -68,12 +70,13 @@ class LearnerRank:
 
     # ---- the contract, on this rank -----------------------------------------------------------
 
-    def update(self, share) -> tuple[Any, int, int, float, Any]:
-        """One ``update`` on this rank's share: ``(output, num_updates, skipped_updates, weight, written)``.
+    def update(self, share) -> tuple[Any, int, int, float, Any, float]:
+        """One ``update`` on this rank's share: ``(output, num_updates, skipped_updates, weight, written, seconds)``.
 
         ``weight`` is what the share's loss averaged over (tokens or samples for torchrl's LLM
         losses, else the share's sample count): the controller averages the ranks' outputs by it.
         ``written``: the entries the loss added to the share (DQN's ``td_error``), or ``None``.
+        ``seconds``: this rank's wall time in ``FabricLearner.update`` (what an SPMD rank spends on it).
         """
         self._thread = threading.get_ident()
         learner = self.learner
@@ -81,14 +84,16 @@ class LearnerRank:
         keys = set(share.keys(include_nested=True, leaves_only=True))
         first = learner._accum_step == 0
         before = None if first or learner._window_count is None else learner._window_count
+        start = time.perf_counter()
         out = learner.update(share)
+        seconds = time.perf_counter() - start
         if learner._counts is not None and learner._window_count is not None:
             weight = float(learner._window_count - (0 if before is None else before))
         else:
             weight = float(share.batch_size[0])
         new = [k for k in share.keys(include_nested=True, leaves_only=True) if k not in keys]
         written = packed(share.select(*new)) if new else None
-        return packed(out), learner.num_updates, learner.skipped_updates, weight, written
+        return packed(out), learner.num_updates, learner.skipped_updates, weight, written, seconds
 
     def get_weights(self):
         self._thread = threading.get_ident()
@@ -113,6 +118,34 @@ class LearnerRank:
         self._thread = threading.get_ident()
         self.learner.load(path)
         return self.learner.num_updates
+
+    def loss_state(self):
+        """Rank 0's whole loss state as CPU tensors (gathered under FSDP: every rank is called), else ``None``."""
+        self._thread = threading.get_ident()
+        learner = self.learner
+        with learner.full_parameters() if learner.capabilities.sharded else contextlib.nullcontext():
+            if self.rank != 0:
+                return None
+            return {k: v.detach().to("cpu", copy=True) for k, v in learner.loss_module.state_dict().items()}
+
+    def load_loss_entries(self, entries: dict) -> None:
+        """Copy ``entries`` (loss state names to tensors) into this rank's loss, all or none."""
+        self._thread = threading.get_ident()
+        learner = self.learner
+        own = learner.loss_module.state_dict(keep_vars=True)
+        unknown = sorted(set(entries) - set(own))
+        if unknown:
+            raise KeyError(f"These entries are not in the ranks' loss state: {unknown}. Nothing was changed.")
+        if learner.capabilities.sharded:
+            params = sorted(k for k in entries if isinstance(own[k], torch.nn.Parameter))
+            if params:
+                raise ValueError(
+                    f"The block changed parameters of a sharded group ({params}): their shards live on the ranks. "
+                    "Nothing was changed. Change only buffers (a target network) inside full_parameters() under "
+                    "FSDP, or use strategy='ddp', or change them on the ranks with call_on_ranks(fn).")
+        with torch.no_grad():
+            for k, v in entries.items():
+                own[k].copy_(v)
 
     def call(self, fn, *args) -> Any:
         """``fn(learner, *args)`` on this rank (tests and tools: e.g. a rank's own parameters)."""

@@ -1,15 +1,17 @@
 """RemoteLearner: the Learner contract from one process, the update run by a group of Ray actors.
 
-The controller (the script's process) splits each global batch into one share per rank, puts each
-share into Ray's object store once, and sends each rank the reference to its own share; the ranks
-(``remote.actors``) run a ``FabricLearner`` each, in one process group, and the controller combines
-their outputs into what ``LocalLearner.update`` on the whole batch returns. Faults end the group
-with a named error (``remote.faults``); the controller's own state never changes on a failed call.
+The controller (the script's process) splits each global batch into one share per rank and sends
+each rank its own share only: inside the actor call when it is small, else through Ray's object
+store once, by reference; the ranks (``remote.actors``) run a ``FabricLearner`` each, in one
+process group, and the controller combines their outputs into what ``LocalLearner.update`` on the
+whole batch returns. Faults end the group with a named error (``remote.faults``); the controller's
+own state never changes on a failed call.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -24,6 +26,10 @@ from fabric_learner.remote import _runtime, _shares
 from fabric_learner.remote.actors import packed, unpacked
 from fabric_learner.remote.faults import LearnerLostError, LearnerTimeoutError, gather
 
+# shares of at most this many tensor bytes are passed inside the actor call; larger ones through the object store.
+# Under Ray's own limit for inlined arguments (max_direct_call_object_size, 100 KiB by default), with room for the
+# share's keys and pickle framing, so that Ray never moves a share this learner counted as inline.
+INLINE_BYTES = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024)) - 8 * 1024
 GRACE_S = 10.0  # after one rank raised, how long the others may take to answer before the group counts as stuck
 
 
@@ -152,6 +158,7 @@ class RemoteLearner(Learner):
         self.timeout = float(timeout)
         self.max_in_flight = max_in_flight
         self.last_transfer: dict[str, int] = {}
+        self.last_rank_seconds: list[float] = []  # each rank's own time in the last collected update
         self._in_flight: collections.deque[PendingUpdate] = collections.deque()
         self._broken: BaseException | None = None
         self._closed = False
@@ -316,10 +323,15 @@ class RemoteLearner(Learner):
         self._check_usable()  # an earlier update may have ended the group
         import ray
 
-        refs = [ray.put(packed(share)) for share in shares]
-        handle = PendingUpdate(self, [a.update.remote(ref) for a, ref in zip(self._actors, refs)])
+        sizes = [int(share.bytes()) for share in shares]
+        # a small share rides inside the call (Ray inlines it into the task), a large one goes through the
+        # object store once: ray.put of a small share cost about 1.8 ms here against 0.4 ms inline
+        args = [packed(share) if size <= INLINE_BYTES else ray.put(packed(share)) for share, size in zip(shares, sizes)]
+        handle = PendingUpdate(self, [a.update.remote(arg) for a, arg in zip(self._actors, args)])
         handle._batch = batch if groups is None else None  # contiguous shares: what the loss writes comes back
-        handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(int(s.bytes()) for s in shares)}
+        inline = sum(size for size in sizes if size <= INLINE_BYTES)
+        handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(sizes), "inline_bytes": inline,
+                           "object_store_bytes": sum(sizes) - inline}
         self._in_flight.append(handle)
         return handle.result() if wait else handle
 
@@ -350,6 +362,7 @@ class RemoteLearner(Learner):
                 _write_back(head._batch, written)
             head._batch = None
             self.last_transfer = head.transfer
+            self.last_rank_seconds = [float(a[5]) for a in answers]
             if head is handle:
                 return
 
@@ -401,6 +414,39 @@ class RemoteLearner(Learner):
 
     def wait_for_save(self, timeout: float | None = None) -> None:
         """Saves complete before ``save`` returns: nothing to wait for."""
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Inside the block the loss given here holds the group's current weights; what the block changes in it reaches the ranks.
+
+        For code that runs the loss's networks in this process between updates: a value estimator
+        reading the critic (``LearnerValueEstimator``), a target-network updater (torchrl's
+        ``SoftUpdate`` / ``HardUpdate`` on the loss, which ``fabric_learner.Trainer`` runs in
+        this block). On entering, rank 0's whole loss state (gathered under FSDP) is loaded into
+        ``loss_module``; on leaving, the entries the block changed are copied into every rank's
+        loss, so the ranks stay identical and the next update sees them. Under FSDP only buffers
+        (a target network's) may change: the sharded parameters are the ranks'.
+
+        Raises:
+            ValueError: the learner was built from a factory (there is no loss here to fill), or,
+                on leaving, the block changed a parameter of a sharded group (no rank changes).
+        """
+        if self.loss_module is None:
+            raise ValueError(
+                "full_parameters() fills the loss given to RemoteLearner with the group's weights, but this learner was "
+                "built from a factory, so this process holds no loss. Build it from the loss object (with policy=) to "
+                "run its networks here, or run the code on the ranks with call_on_ranks(fn).")
+        self._drain()
+        loss = self.loss_module
+        state = self._call("loss_state", what="full_parameters()")[0]
+        # the entries both hold: a rank's loss may have built more (its value estimator's gamma, in update)
+        state = {k: v for k, v in state.items() if k in loss.state_dict()}
+        loss.load_state_dict(state, strict=False)
+        yield loss
+        now = loss.state_dict()
+        changed = {k: now[k].detach().clone() for k, v in state.items() if not torch.equal(now[k], v)}
+        if changed:
+            self._call("load_loss_entries", changed, what="full_parameters() (sending the changed entries)")
 
     def serve(self, module: nn.Module) -> bool:
         """``False``: no module in this process is trained here; load :meth:`get_weights` into it instead.

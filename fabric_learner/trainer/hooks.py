@@ -110,10 +110,18 @@ class _TargetNetUpdate(TrainerHookBase):
 
 
 def _full_parameters(learner):
-    """Inside the block the loss's modules hold the full weights (a collective when sharded)."""
-    if not learner.capabilities.sharded:
+    """Inside the block the loss's modules hold the full weights (a collective when sharded; for a
+    ``RemoteLearner`` the group's weights, and what the block changes goes back to its ranks)."""
+    if not learner.capabilities.sharded and not trains_elsewhere(learner):
         return contextlib.nullcontext()
     return learner.full_parameters()
+
+
+def trains_elsewhere(learner) -> bool:
+    """Whether the loss's modules in this process are a copy the learner does not train (``RemoteLearner``)."""
+    from fabric_learner.remote.learner import RemoteLearner
+
+    return isinstance(learner, RemoteLearner)
 
 
 
