@@ -258,10 +258,12 @@ def out_of_step_runs(tmp_path_factory):
     hangs is its own test's failure."""
     from multiproc import WORKERS, fabric_run, launch, python, run, side_by_side, torchrun
 
+    cases = OUT_OF_STEP + sorted(OUT_OF_ORDER, key=lambda case: case[2] == "forked")
+    folders = {case: tmp_path_factory.mktemp(f"{case[0]}-{case[1]}") for case in cases}  # the factory is not thread-safe
+
     def one(case):
         scenario, strategy, launcher = case
-        script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy,
-                  str(tmp_path_factory.mktemp(f"{scenario}-{strategy}"))]
+        script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy, str(folders[case])]
         if launcher == "forked":
             return launch(*script, timeout=150)
         # fabric=: the Fabric's own 10 s timeout must hold, not the learner's 1 h (docs/reliability.md)
@@ -270,7 +272,7 @@ def out_of_step_runs(tmp_path_factory):
         return run(how(*script), timeout=150)
 
     # the launches that start interpreters first, so that the forked ones fill their waits
-    return side_by_side(OUT_OF_STEP + sorted(OUT_OF_ORDER, key=lambda case: case[2] == "forked"), one, at_once=3)
+    return side_by_side(cases, one, at_once=3)
 
 
 @pytest.mark.parametrize("scenario,strategy,launcher", OUT_OF_STEP)

@@ -139,7 +139,8 @@ def scenarios(tmp_path_factory):
     """The three runs below side by side: most of each is waiting (on a restart, past a timeout, for a collector),
     so together they take about as long as the longest; a run that failed is its own tests' failure."""
     runs = {"faults": run_faults, "lost": run_lost, "wrong_port": run_wrong_port}
-    return side_by_side(list(runs), lambda name: runs[name](tmp_path_factory.mktemp(name)), at_once=3)
+    folders = {name: tmp_path_factory.mktemp(name) for name in runs}  # here: the factory is not thread-safe
+    return side_by_side(list(runs), lambda name: runs[name](folders[name]), at_once=3)
 
 
 @pytest.fixture(scope="module")
