@@ -72,8 +72,20 @@ def run(cmd, timeout=300, **extra) -> Finished:
         raise AssertionError(f"{cmd} did not finish within {timeout}s:\n{out[-4000:]}") from None
     result = Finished(cmd, proc.returncode, out, None)
     result.seconds = time.monotonic() - start
-    result.leftovers = kill_tagged(tag)
+    result.leftovers = kill_tagged(tag) + out.count(LEFT_RUNNING)  # the latter: by ranks a relay ran
     return result
+
+
+RELAY = os.path.join(ROOT, "tests", "zygote_rank.py")
+LEFT_RUNNING = "zygote: left running after the launch"
+
+
+def forked_ranks() -> dict:
+    """The variables that let a launcher's ranks be forked from this session's zygote: the launcher
+    starts ``RELAY SCRIPT ARGS`` (tests/zygote_rank.py) as its rank instead of ``SCRIPT ARGS``. For
+    checks of what a launcher does with its ranks (restarts, rendezvous) rather than of how a fresh
+    interpreter starts and ends."""
+    return {"FL_ZYGOTE": _zygote()}
 
 
 def launch(script, *args, nproc=2, timeout=300, **extra) -> Finished:

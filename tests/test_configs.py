@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 from hydra.utils import instantiate
-from multiproc import WORKERS, fabric_run, python, run, torchrun
+from multiproc import RELAY, WORKERS, fabric_run, forked_ranks, python, run, torchrun
 
 from fabric_learner import FabricLearner, LocalLearner
 from fabric_learner.configs import FabricLearnerConfig, LocalLearnerConfig
@@ -71,10 +71,12 @@ def test_a_torchrl_trainer_config_runs_on_two_ranks_by_adding_a_learner(case):
     if how == "python":
         cmd = python(SCRIPT, *args, f"learner.strategy={strategy}", "learner.devices=2", "learner.accelerator=cpu")
     elif how == "torchrun":
-        cmd = torchrun(SCRIPT, *args, f"learner.strategy={strategy}")
+        cmd = torchrun(RELAY, SCRIPT, *args, f"learner.strategy={strategy}")
     else:
-        cmd = fabric_run(SCRIPT, *args, strategy=strategy)
-    proc = run(cmd, timeout=240 + 120 * len(also), FL_ALSO_CONFIGS=",".join(also))
+        cmd = fabric_run(RELAY, SCRIPT, *args, strategy=strategy)
+    # under torchrun and fabric run the ranks are forked from the test zygote (tests/zygote_rank.py)
+    proc = run(cmd, timeout=240 + 120 * len(also), FL_ALSO_CONFIGS=",".join(also),
+               **(forked_ranks() if how != "python" else {}))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.leftovers == 0
     results = [json.loads(m) for m in re.findall(r"RESULT (\{[^}]*\})", proc.stdout)]

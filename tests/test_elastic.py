@@ -3,6 +3,10 @@
 tests/workers/elastic_trainer.py trains a DQN Trainer (checkpoint after every batch) on 2 gloo ranks;
 ranks are SIGKILLed during an update, during collection and during a save. The run must end by
 itself, equal bit for bit to an uninterrupted run, with no process left behind.
+
+torchrun's agent starts, watches and restarts each rank's process as usual; that process forks the
+rank from the test zygote (tests/zygote_rank.py), so a restart costs no new imports (26 rank starts
+in this module, about 5 s of CPU each otherwise).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from multiproc import WORKERS, free_port, run
+from multiproc import RELAY, WORKERS, forked_ranks, free_port, run
 
 SCRIPT = os.path.join(WORKERS, "elastic_trainer.py")
 FRESH_STORES = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a new store per rendezvous round (see _launch)
@@ -22,7 +26,7 @@ KEYS = ("params", "num_updates", "optim_count", "collected_frames", "rb_obs", "p
 
 def torchrun(*args, restarts: int):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            f"--max-restarts={restarts}", SCRIPT, *args]
+            f"--max-restarts={restarts}", RELAY, SCRIPT, *args]
 
 
 def events(out) -> list[dict]:
@@ -51,7 +55,7 @@ def assert_equal_runs(a: dict, b: dict, what: str) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
-    proc = run(torchrun(str(out), "ddp,fsdp", "0", restarts=0), timeout=420)
+    proc = run(torchrun(str(out), "ddp,fsdp", "0", restarts=0), timeout=420, **forked_ranks())
     assert proc.returncode == 0 and proc.leftovers == 0, proc.stdout[-4000:]
     return out
 
@@ -71,7 +75,7 @@ def time_lost(log: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_rank_killed_in_an_update_a_collection_and_a_save_the_run_ends_as_if_uninterrupted(
         uninterrupted, tmp_path, strategy):
-    proc = run(torchrun(str(tmp_path), strategy, "1", restarts=3), timeout=600, **FRESH_STORES)
+    proc = run(torchrun(str(tmp_path), strategy, "1", restarts=3), timeout=600, **FRESH_STORES, **forked_ranks())
     assert proc.returncode == 0 and proc.leftovers == 0, proc.stdout[-6000:]
     log = events(tmp_path)
     kills = [(e["attempt"], e["rank"], e["where"]) for e in log if e["event"] == "kill"]
@@ -92,7 +96,8 @@ def test_a_rank_killed_in_an_update_a_collection_and_a_save_the_run_ends_as_if_u
 def test_restarts_through_torchruns_shared_store_are_refused_naming_the_fix(tmp_path):
     """Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the restarted ranks could never connect: the learner
     refuses before any group starts, in every attempt, and torchrun gives up after its restarts."""
-    proc = run(torchrun(str(tmp_path), "ddp", "0", restarts=1), timeout=300, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0")
+    proc = run(torchrun(str(tmp_path), "ddp", "0", restarts=1), timeout=300, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0",
+               **forked_ranks())
     assert proc.returncode != 0 and proc.leftovers == 0
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in proc.stdout, proc.stdout[-4000:]
     assert {e["attempt"] for e in events(tmp_path)} == {0, 1}
@@ -110,8 +115,8 @@ def test_two_nodes_on_c10d_rendezvous_recover_from_a_killed_rank(uninterrupted, 
     def node(n):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=3",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=elastic-{port}",
-               f"--node-rank={n}", SCRIPT, str(tmp_path), "ddp", "once"]
-        return run(cmd, timeout=600, **FRESH_STORES)
+               f"--node-rank={n}", RELAY, SCRIPT, str(tmp_path), "ddp", "once"]
+        return run(cmd, timeout=600, **FRESH_STORES, **forked_ranks())
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         nodes = list(pool.map(node, (0, 1)))

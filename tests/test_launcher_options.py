@@ -10,7 +10,7 @@ import argparse
 import os
 
 import pytest
-from multiproc import ROOT, child_pids, fabric_run, run, torchrun
+from multiproc import RELAY, ROOT, child_pids, fabric_run, forked_ranks, run, torchrun
 
 import fabric_learner
 from fabric_learner._launch import agree_with_launcher
@@ -115,10 +115,10 @@ SHORT_PPO = ["--frames", "3200", "--envs", "4", "--epochs", "1", "--minibatch", 
 def test_an_example_takes_the_same_options_under_torchrun_and_fabric_run(how):
     script = os.path.join(ROOT, "examples", "ppo_pendulum.py")
     if how == "torchrun":  # the launcher gives the world, the script's option the strategy
-        cmd = torchrun(script, *SHORT_PPO, "--strategy", "fsdp", "--devices", "2")
+        cmd = torchrun(RELAY, script, *SHORT_PPO, "--strategy", "fsdp", "--devices", "2")
     else:  # the launcher gives everything; the script repeats some of it, in agreement
-        cmd = fabric_run(script, *SHORT_PPO, "--strategy", "fsdp", "--precision", "32-true", strategy="fsdp")
-    proc = run(cmd, timeout=240)
+        cmd = fabric_run(RELAY, script, *SHORT_PPO, "--strategy", "fsdp", "--precision", "32-true", strategy="fsdp")
+    proc = run(cmd, timeout=240, **forked_ranks())  # the ranks forked from the test zygote (tests/zygote_rank.py)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.leftovers == 0
     done = [line for line in proc.stdout.splitlines() if line.startswith("done: 2 rank(s) sharded (FSDP)")]
@@ -127,6 +127,6 @@ def test_an_example_takes_the_same_options_under_torchrun_and_fabric_run(how):
 
 def test_an_example_refuses_an_option_that_disagrees_with_the_launcher():
     script = os.path.join(ROOT, "examples", "ppo_pendulum.py")
-    proc = run(torchrun(script, *SHORT_PPO, "--devices", "3"), timeout=120)
+    proc = run(torchrun(RELAY, script, *SHORT_PPO, "--devices", "3"), timeout=120, **forked_ranks())
     assert proc.returncode != 0 and proc.leftovers == 0
     assert "FabricLearner(devices=3) disagrees with the launcher" in proc.stdout, proc.stdout[-3000:]

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from multiproc import ROOT, WORKERS, free_port, launch, run
+from multiproc import RELAY, ROOT, WORKERS, forked_ranks, free_port, launch, run
 from tensordict import TensorDict
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -260,7 +260,7 @@ def hsdp(tmp_path_factory):
     def node(rank):
         return run([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
                     "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
-                    os.path.join(WORKERS, "hsdp_checks.py"), str(out)], timeout=240)
+                    RELAY, os.path.join(WORKERS, "hsdp_checks.py"), str(out)], timeout=240, **forked_ranks())
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         nodes = list(pool.map(node, (0, 1)))

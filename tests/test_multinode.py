@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from multiproc import WORKERS, free_port, run
+from multiproc import RELAY, WORKERS, forked_ranks, free_port, run
 from test_launch import problems
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
@@ -21,15 +21,16 @@ FABRIC = os.path.join(os.path.dirname(sys.executable), "fabric")
 def node_command(how: str, node: int, port: int, first: str) -> list[str]:
     if how == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-                "--master-addr=127.0.0.1", f"--master-port={port}", SCRIPT]
+                "--master-addr=127.0.0.1", f"--master-port={port}", RELAY, SCRIPT]
     return [FABRIC, "run", "--accelerator=cpu", f"--strategy={first}", "--devices=1", "--num-nodes=2",
-            f"--node-rank={node}", "--main-address=127.0.0.1", f"--main-port={port}", SCRIPT]
+            f"--node-rank={node}", "--main-address=127.0.0.1", f"--main-port={port}", RELAY, SCRIPT]
 
 
 @pytest.mark.parametrize("how,first", [("torchrun", "fsdp"), ("fabric-run", "ddp")])
 def test_two_nodes_of_one_rank_train_like_two_local_ranks_and_exit_cleanly(how, first):
     port = free_port()
-    env = {"FL_MODE": "external", "FL_FIRST": first, **({"FL_STRATEGY": first} if how == "torchrun" else {})}
+    env = {"FL_MODE": "external", "FL_FIRST": first, **({"FL_STRATEGY": first} if how == "torchrun" else {}),
+           **forked_ranks()}  # each node's rank forked from the test zygote (tests/zygote_rank.py)
     with ThreadPoolExecutor(max_workers=2) as pool:
         nodes = list(pool.map(lambda node: run(node_command(how, node, port, first), timeout=240, **env), (0, 1)))
     for node, proc in enumerate(nodes):

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from multiproc import ROOT, WORKERS, env, finished, free_port, launch, run, side_by_side, torchrun
+from multiproc import RELAY, ROOT, WORKERS, env, finished, forked_ranks, free_port, launch, run, side_by_side, torchrun
 
 sys.path.insert(0, WORKERS)
 
@@ -164,8 +164,8 @@ def run_faults(out):
     collectors = Collectors(out, port)
     try:
         with ThreadPoolExecutor(1) as pool:
-            done = pool.submit(run, torchrun("--max-restarts=1", SCRIPT, str(out), "faults", str(port)), timeout=300,
-                               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+            done = pool.submit(run, torchrun("--max-restarts=1", RELAY, SCRIPT, str(out), "faults", str(port)),
+                               timeout=300, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **forked_ranks())
             wait_for_batches(out / "progress_rank1", 4)
             victim = next(i for i in range(2) if collectors.serving(i) == 1)
             os.kill(collectors.node_pid(victim), signal.SIGKILL)
@@ -174,6 +174,7 @@ def run_faults(out):
     finally:
         collectors.kill_all()
     assert proc.returncode == 0 and proc.leftovers == 0, proc.stdout[-6000:]
+    assert (out / "attempt0_rank1.json").exists(), f"rank 1 did not end attempt 0 itself:\n{proc.stdout[-8000:]}"
     return {"ranks": [torch.load(out / f"faults_rank{r}.pt", weights_only=False) for r in (0, 1)], "codes": codes,
             "logs": [collectors.log(i) for i in range(2)], "victim": victim, "out": out,
             "attempt0": json.loads((out / "attempt0_rank1.json").read_text())}

@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from multiproc import WORKERS, launch, tagged_pids
+from multiproc import RELAY, WORKERS, elastic_exit_codes, forked_ranks, launch, run, tagged_pids, torchrun
 
 PROBE = os.path.join(WORKERS, "zygote_probe.py")
 
@@ -47,3 +47,25 @@ def test_a_failed_rank_ends_its_peers_and_the_launch_fails(tmp_path):
 def test_a_hung_launch_fails_the_test_at_its_timeout(tmp_path):
     with pytest.raises(AssertionError, match="did not finish within 2s"):
         launch(PROBE, "hang", tmp_path, nproc=2, timeout=2)
+
+
+def test_a_launchers_ranks_forked_through_the_relay_keep_its_environment_and_report_what_they_leave(tmp_path):
+    """tests/zygote_rank.py: torchrun starts it as each rank; the rank is forked from the zygote with
+    torchrun's variables, and a process it leaves running (forked, so untagged) is counted."""
+    proc = run(torchrun(RELAY, PROBE, "report", tmp_path), timeout=120, FL_PROBE="given", **forked_ranks())
+    assert (proc.returncode, proc.leftovers) == (0, 0), proc.stdout
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["RANK"], r["WORLD_SIZE"]) for r in ranks] == [("0", "2"), ("1", "2")]
+    assert all(r["preloaded"] and r["TORCHELASTIC_RUN_ID"] and r["argv"] == [PROBE, "report", str(tmp_path)]
+               for r in ranks)
+    assert "rank 0 reported" in proc.stdout and "rank 1 reported" in proc.stdout
+    proc = run(torchrun(RELAY, PROBE, "child", tmp_path), timeout=120, **forked_ranks())
+    assert proc.returncode == 0 and proc.leftovers == 1, proc.stdout
+
+
+def test_a_relayed_rank_that_fails_fails_the_launch_and_its_peer_is_ended(tmp_path):
+    proc = run(torchrun(RELAY, PROBE, "fail", tmp_path), timeout=120, **forked_ranks())
+    assert proc.returncode == 1 and proc.leftovers == 0 and proc.seconds < 60, proc.stdout
+    assert "rank 1 fails on purpose" in proc.stdout
+    codes = elastic_exit_codes(proc.stdout)  # rank 1's status, and rank 0 ended by torchrun's signal through the relay
+    assert codes[1] == 1 and codes[0] != 0, (codes, proc.stdout[-3000:])

@@ -19,6 +19,9 @@ exits when its standard input closes. Each connection sends one JSON request lin
 args, env with FL_RUN_ID, nproc, output, timeout) and gets one JSON line back (returncodes,
 leftovers, timed_out) once the launch has ended; a manager process forked per connection runs
 the ranks, so launches can run concurrently, and ends them if the connection closes first.
+A connection that starts with ``R`` and passes two file descriptors (tests/zygote_rank.py, the
+rank an outside launcher such as torchrun's elastic agent starts) asks for one rank with exactly
+the environment that launcher gave, writing to those descriptors; see :func:`_relay`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STARTUP_ENV = dict(os.environ)
 # variables the imports below read (or that shape the interpreter): a launch may not change them
 _READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "TORCH", "CUDA", "RL_WARNINGS")
+# ... except those a launcher gives its ranks, which torch and Lightning read when a group starts, and the
+# inductor cache folder, which torch writes into a launcher's environment and reads when it compiles
+_SET_BY_LAUNCHERS = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHINDUCTOR_CACHE_DIR")
 _SCRIPT_GLOBALS: dict = {}
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
@@ -68,13 +74,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _members(tag: str) -> list[int]:
+def _members(tag: str | None) -> list[int]:
     """The live processes of this launch but this one: those of this session, and those that
     left it (setsid) but carry the launch's tag in the environment they were started with.
     One whose memory is already released (an empty command line) is exiting, not left running."""
     sid = os.getsid(0)
     session = [pid for pid in pids() if (stat := proc_stat(pid)) and int(stat[3]) == sid]
-    return [pid for pid in {*session, *tagged_pids(tag)} if _running(pid)]
+    return [pid for pid in {*session, *(tagged_pids(tag) if tag else ())} if _running(pid)]
 
 
 def _running(pid: int) -> bool:
@@ -122,7 +128,10 @@ def _manage(conn: socket.socket) -> None:
     """
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    request = json.loads(conn.makefile().readline())
+    head, fds, _, _ = socket.recv_fds(conn, 1, 2)
+    if head == b"R":
+        _relay(conn, fds)
+    request = json.loads(head.decode() + conn.makefile().readline())
     nproc, port, tag = request["nproc"], _free_port(), request["env"]["FL_RUN_ID"]
     read, write = os.pipe()
     ranks = {}
@@ -156,20 +165,65 @@ def _manage(conn: socket.socket) -> None:
                     _kill(_members(tag))
     _kill([pid for pid, rank in ranks.items() if rank not in status])
     _reap(ranks, status, block=True)
-    leftovers = _members(tag)
-    described = [_describe(pid) for pid in leftovers]
-    _kill(leftovers)
-    gone_by = time.monotonic() + 5
-    while any(map(_running, leftovers)) and time.monotonic() < gone_by:  # none survives the reply
-        time.sleep(0.01)
+    described = _ended(_members(tag))  # none survives the reply
     if described:
         with open(request["output"], "a") as log:
             log.write("".join(f"\nzygote: left running after the launch: {d}" for d in described))
-    reply = {"returncodes": list(status.values()), "leftovers": len(leftovers), "timed_out": timed_out}
+    reply = {"returncodes": list(status.values()), "leftovers": len(described), "timed_out": timed_out}
     try:
         conn.sendall((json.dumps(reply) + "\n").encode())
     except OSError:
         pass  # the test is gone
+    os._exit(0)
+
+
+def _ended(pids) -> list[str]:
+    """Kill what still runs of ``pids`` and wait (5 s at most) until it is gone; what it was."""
+    described = [_describe(pid) for pid in pids]
+    _kill(pids)
+    gone_by = time.monotonic() + 5
+    while any(map(_running, pids)) and time.monotonic() < gone_by:
+        time.sleep(0.01)
+    return described
+
+
+def _relay(conn: socket.socket, fds: list[int]) -> None:
+    """One rank for an outside launcher, whose process (tests/zygote_rank.py) waits for it.
+
+    The rank gets the launcher's environment as it is (RANK, TORCHELASTIC_RESTART_COUNT, ...) and
+    writes to the launcher's process's stdout and stderr (``fds``). This manager answers the
+    rank's pid, the leader of its own process group (the launcher's process passes signals on to that
+    group), then, once the rank has exited, its status and what it left running (killed); if the
+    launcher's process goes away first, the rank and what it started are killed, as when a launcher
+    kills a rank's process group.
+    """
+    request = json.loads(conn.makefile().readline())
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        os.setpgid(0, 0)
+        raise _Rank(request, None, None, fds)
+    try:  # also here, so that the group exists before its pid is answered
+        os.setpgid(pid, pid)
+    except (PermissionError, ProcessLookupError):  # the child did it first, or is gone
+        pass
+    for fd in fds:
+        os.close(fd)
+    conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if select.select([conn], [], [], 0.1)[0]:  # readable once closed: the launcher's process is gone
+            _ended(_members(None))
+            os.waitpid(pid, 0)
+            os._exit(0)
+    settled_by = time.monotonic() + 2  # what the rank started may still be ending (a resource tracker, its pipe closed)
+    while _members(None) and time.monotonic() < settled_by:
+        time.sleep(0.02)
+    leftovers = _ended(_members(None))
+    reply = {"returncode": os.waitstatus_to_exitcode(done[1]), "leftovers": leftovers}
+    try:
+        conn.sendall((json.dumps(reply) + "\n").encode())
+    except OSError:
+        pass
     os._exit(0)
 
 
@@ -199,26 +253,33 @@ def _serve(path: str) -> None:
 
 
 def _run_rank(rank: _Rank) -> None:
-    request, n = rank.request, rank.request["nproc"]
-    os.dup2(rank.output, 1)
-    os.dup2(rank.output, 2)
-    os.close(rank.output)
+    request, relayed = rank.request, rank.rank is None
+    outputs = rank.output if relayed else [rank.output, rank.output]
+    os.dup2(outputs[0], 1)
+    os.dup2(outputs[1], 2)
+    for fd in set(outputs):
+        os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    if relayed:  # as under `python -u`, which launchers run
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
     stale = sorted(k for k in {*request["env"], *_STARTUP_ENV} if k.startswith(_READ_AT_IMPORT)
-                   and request["env"].get(k) != _STARTUP_ENV.get(k))
+                   and not k.startswith(_SET_BY_LAUNCHERS) and request["env"].get(k) != _STARTUP_ENV.get(k))
     if stale:
         sys.exit(f"zygote: {stale} differ from this zygote's, whose imports already read them: "
                  "launch this script with multiproc.run instead")
     os.environ.clear()
     os.environ.update(request["env"])
-    os.environ.update({"LOCAL_RANK": str(rank.rank), "RANK": str(rank.rank), "NODE_RANK": "0", "GROUP_RANK": "0",
-                       "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(rank.port)})
+    if not relayed:
+        n = request["nproc"]
+        os.environ.update({"LOCAL_RANK": str(rank.rank), "RANK": str(rank.rank), "NODE_RANK": "0", "GROUP_RANK": "0",
+                           "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(rank.port)})
     tempfile.tempdir = None  # TMPDIR may differ from the zygote's
     numpy.random.seed()  # from the OS, as at a fresh import (CPython reseeds `random` after a fork itself)
-    os.chdir(ROOT)
+    os.chdir(request.get("cwd", ROOT))
     sys.argv = [request["script"], *request["args"]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(request["script"])))  # as `python script` puts it
     # kept, as a script's globals live until after its exit handlers

@@ -1,4 +1,4 @@
-"""What tests/test_zygote.py launches. Usage: zygote_probe.py report|orphan|fail|hang OUT_DIR"""
+"""What tests/test_zygote.py launches. Usage: zygote_probe.py report|orphan|child|fail|hang OUT_DIR"""
 
 import json
 import os
@@ -8,7 +8,8 @@ import time
 mode, out = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
 if mode == "report":
-    seen = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "FL_PROBE")}
+    seen = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "FL_PROBE",
+                                                "TORCHELASTIC_RUN_ID")}
     import random
 
     import numpy
@@ -22,6 +23,10 @@ elif mode == "orphan" and rank == 1:  # a process the rank leaves behind, in a s
     import subprocess
 
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+elif mode == "child" and rank == 1:  # a forked process left behind: untagged, in the rank's session
+    if os.fork() == 0:
+        time.sleep(120)
+        os._exit(0)
 elif mode == "fail":
     if rank == 1:
         raise RuntimeError("rank 1 fails on purpose")
