@@ -33,6 +33,7 @@ import torch.distributed as dist
 from fabric_learner import _call_order, _compat
 from fabric_learner._compat import release_ddp_group, wrapped_forward
 from fabric_learner._launch import DEFAULT_TIMEOUT
+from fabric_learner._lines import say
 
 _open: weakref.WeakSet = weakref.WeakSet()
 _state = {"installed": False, "owns_group": False, "crashed": False, "fabrics": [], "done": False}
@@ -59,8 +60,8 @@ def register(learner, group_existed: bool) -> None:
                 previous(kind, value, tb)
                 _call_order.announce_failure(kind.__name__)  # peers waiting in a collective call learn it
                 rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else _state["rank"]
-                print(f"fabric_learner: rank {rank} failed ({kind.__name__}); exiting with status 1 without "
-                      "waiting for the other ranks.", file=sys.stderr, flush=True)
+                say(f"fabric_learner: rank {rank} failed ({kind.__name__}); exiting with status 1 without "
+                    "waiting for the other ranks.")
                 _die(1)
 
             sys.excepthook = excepthook
@@ -109,7 +110,7 @@ def _at_exit() -> None:
         if dist.is_available() and dist.is_initialized():
             drain_gloo_workers()  # a group owned by the user: leave it, but never abort on it
     except BaseException as err:  # noqa: BLE001 - report, then fail the process
-        print(f"fabric_learner: teardown failed on this rank: {err!r}", file=sys.stderr, flush=True)
+        say(f"fabric_learner: teardown failed on this rank: {err!r}")
         _die(1)
     worst = _wait_for_children()
     if worst:
@@ -138,7 +139,7 @@ def _wait_for_children(timeout: float = DEFAULT_TIMEOUT.total_seconds()) -> int:
             proc.kill()
             code = proc.wait()
         if code != 0:
-            print(f"fabric_learner: rank {rank} exited with status {code}", file=sys.stderr, flush=True)
+            say(f"fabric_learner: rank {rank} exited with status {code}")
             codes.append(code)
     own = [c for c in codes if c > 0]
     return own[0] if own else (128 - codes[0] if codes else 0)
@@ -167,8 +168,8 @@ def _look_at_children(children) -> bool:
     if not failed:
         return all(code == 0 for code in codes)
     rank, code = failed[0]
-    print(f"fabric_learner: rank {rank} exited with status {code}; the run ends with status 1 (rank 0 stops "
-          f"the other ranks within {CHILD_FAILURE_GRACE_S:.0f} s unless it ends first).", file=sys.stderr, flush=True)
+    say(f"fabric_learner: rank {rank} exited with status {code}; the run ends with status 1 (rank 0 stops "
+        f"the other ranks within {CHILD_FAILURE_GRACE_S:.0f} s unless it ends first).")
     time.sleep(CHILD_FAILURE_GRACE_S)  # the main thread ends the process first if it can (excepthook, exit hook)
     _die(1)
     return True
@@ -183,9 +184,9 @@ def _die(code: int) -> None:
         status = proc.poll()
         if status is None:
             proc.kill()
-            print(f"fabric_learner: rank {rank} was still running and was killed", file=sys.stderr, flush=True)
+            say(f"fabric_learner: rank {rank} was still running and was killed")
         elif status != 0:
-            print(f"fabric_learner: rank {rank} exited with status {status}", file=sys.stderr, flush=True)
+            say(f"fabric_learner: rank {rank} exited with status {status}")
     try:
         _compat.release_semaphores()  # else the resource tracker reports them leaked (and unlinks them)
     except Exception:  # noqa: BLE001 - a courtesy on the way out, never a reason not to exit

@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 
+from fabric_learner._lines import say
 from fabric_learner.remote.directory import Directory, split_address
 
 POLL_S = 0.1
@@ -166,7 +167,7 @@ def serve(address: str, learner_rank: int | None = None, max_restarts: int = 3, 
 
     def log(msg: str) -> None:
         if verbose:
-            print(f"[collector {pid} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+            say(f"[collector {pid} {time.strftime('%H:%M:%S')}] {msg}")
 
     return _Supervisor(address, learner_rank, max_restarts, wait_s, log).serve()
 

@@ -310,3 +310,22 @@ def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_a
                         f"{never}"), out[-6000:]
     assert "RuntimeError: Learner rank" in out and "rebuilding" not in out
     assert code == 1 and f"no directory at 127.0.0.1:{wrong} for 15 s: ending (check that --connect" in wrong_port["log"]
+
+
+def test_status_lines_reach_stderr_in_one_write_so_ranks_sharing_a_pipe_never_split_them(monkeypatch):
+    """Under ``python -u`` each write reaches the pipe at once: print's separate newline let another rank's
+    line land inside this one (``[learner rank 0 ...] waiting ...[learner rank 1 ...] waiting ...``)."""
+    import io
+
+    from fabric_learner._lines import say
+
+    writes = []
+
+    class Unbuffered(io.TextIOBase):
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Unbuffered())
+    say("[learner rank 1 12:00:00] waiting for collectors")
+    assert writes == ["[learner rank 1 12:00:00] waiting for collectors\n"]

@@ -230,25 +230,68 @@ def test_updates_in_flight_come_back_in_order_tagged_with_the_policy_version_the
     assert_close_state(rank_models(fsdp)[0], ppo.loss_module.state_dict())
 
 
-def test_a_one_process_torchrl_trainer_drives_it_and_its_collector_acts_with_the_new_weights(ddp):
+@pytest.fixture(scope="module")
+def ddpg(ddp):
+    """DDPG on 2 DDP ranks, its actor shaped for Pendulum-v1 (the ``ddp`` fixture's runtime)."""
+    from fabric_learner.testing import ddpg_example
+
+    loss, actor, _ = ddpg_example()
+    with remote(loss, policy=actor) as learner:
+        yield learner, actor
+
+
+def test_a_one_process_torchrl_trainer_drives_it_and_its_collector_acts_with_the_new_weights(ddpg):
     from torchrl.collectors import Collector
     from torchrl.envs import GymEnv
 
     from fabric_learner import Trainer
-    from fabric_learner.testing import ddpg_example
     from fabric_learner.weights import collector_policy
 
-    loss, actor, _ = ddpg_example()  # DDPG on linear networks shaped for Pendulum-v1
-    start = actor.module.weight.detach().clone()
-    with remote(loss, policy=actor) as learner:
-        collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=8, total_frames=24,
-                              auto_register_policy_transforms=False)
-        Trainer(learner=learner, collector=collector, total_frames=24, optim_steps_per_batch=1,
-                progress_bar=False).train()
-        assert learner.num_updates == 3  # one update per batch of 8 frames, 4 on each rank
-        acting = collector_policy(collector).module.weight
-        assert not torch.equal(acting, start) and torch.equal(acting, learner.get_weights()["module", "weight"])
-        collector.shutdown()
+    learner, actor = ddpg
+    start, updates = actor.module.weight.detach().clone(), learner.num_updates
+    collector = Collector(GymEnv("Pendulum-v1"), actor, frames_per_batch=8, total_frames=24,
+                          auto_register_policy_transforms=False)
+    Trainer(learner=learner, collector=collector, total_frames=24, optim_steps_per_batch=1,
+            progress_bar=False).train()
+    assert learner.num_updates == updates + 3  # one update per batch of 8 frames, 4 on each rank
+    acting = collector_policy(collector).module.weight
+    assert not torch.equal(acting, start) and torch.equal(acting, learner.get_weights()["module", "weight"])
+    collector.shutdown()
+
+
+def test_torchrls_ray_collector_on_the_same_runtime_feeds_it_and_collects_each_batch_with_the_last_weights(ddpg):
+    """One script, as RLlib's env runners feed its learners: the collector is a Ray actor of the runtime
+    the learner started, the Trainer publishes through the collector's own weight sync after each update."""
+    import copy
+
+    from torchrl.collectors.distributed import RayCollector
+    from torchrl.envs import GymEnv
+
+    from fabric_learner import Trainer
+
+    learner, actor = ddpg
+    updates = learner.num_updates
+    # sync: each batch stacks one rollout of 8 steps per collector, [2, 8], and each rank takes one collector's
+    collector = RayCollector([functools.partial(GymEnv, "Pendulum-v1")] * 2, actor, frames_per_batch=16,
+                             total_frames=64, num_collectors=2, sync=True, remote_configs={"num_cpus": 0.25},
+                             collector_kwargs={"auto_register_policy_transforms": False})
+    assert collector.remote_collectors and ray.is_initialized()
+    seen, published = [], [learner.get_weights()]  # the weights each batch must have been collected with
+    trainer = Trainer(learner=learner, collector=collector, total_frames=64, optim_steps_per_batch=1,
+                      progress_bar=False)
+    trainer.register_op("batch_process", lambda batch: seen.append(batch.clone()) or batch)
+    trainer.register_op("post_steps", lambda: published.append(learner.get_weights()))  # after PublishWeights
+    trainer.train()
+    assert learner.num_updates == updates + 4 and [batch.batch_size for batch in seen] == [(2, 8)] * 4
+    acting = copy.deepcopy(actor)
+    for batch, weights in zip(seen, published):
+        weights.to_module(acting)
+        with torch.no_grad():
+            torch.testing.assert_close(acting(batch.select("observation"))["action"], batch["action"], **TOL)
+    assert not torch.equal(published[0]["module", "weight"], published[-2]["module", "weight"])
+    collector.shutdown()
+    assert ray.is_initialized() and learner.broken is None  # the collector leaves the learner's runtime running
+    learner.update(seen[-1])
 
 
 def test_full_parameters_fills_the_loss_here_with_the_group_weights_and_sends_a_target_update_back(ddp, fsdp):

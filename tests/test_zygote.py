@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from multiproc import RELAY, WORKERS, elastic_exit_codes, forked_ranks, launch, run, tagged_pids, torchrun
+from multiproc import RELAY, WORKERS, elastic_exit_codes, forked_ranks, launch, proc_stat, run, tagged_pids, torchrun
 
 PROBE = os.path.join(WORKERS, "zygote_probe.py")
 
@@ -51,7 +51,8 @@ def test_a_hung_launch_fails_the_test_at_its_timeout(tmp_path):
 
 def test_a_launchers_ranks_forked_through_the_relay_keep_its_environment_and_report_what_they_leave(tmp_path):
     """tests/zygote_rank.py: torchrun starts it as each rank; the rank is forked from the zygote with
-    torchrun's variables, and a process it leaves running (forked, so untagged) is counted."""
+    torchrun's variables. Of two processes it leaves running (forked, so untagged), the one that left its
+    process group is counted; the one in it is ended, as torchrun ends a rank's group, and not counted."""
     proc = run(torchrun(RELAY, PROBE, "report", tmp_path), timeout=120, FL_PROBE="given", **forked_ranks())
     assert (proc.returncode, proc.leftovers) == (0, 0), proc.stdout
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -61,6 +62,10 @@ def test_a_launchers_ranks_forked_through_the_relay_keep_its_environment_and_rep
     assert "rank 0 reported" in proc.stdout and "rank 1 reported" in proc.stdout
     proc = run(torchrun(RELAY, PROBE, "child", tmp_path), timeout=120, **forked_ranks())
     assert proc.returncode == 0 and proc.leftovers == 1, proc.stdout
+    left = int((tmp_path / "child1.pid").read_text())
+    assert f"left running after the launch: {left} " in proc.stdout, proc.stdout
+    for i in (0, 1):  # both ended (gone, or a zombie not yet reaped by whoever inherited it)
+        assert (proc_stat(int((tmp_path / f"child{i}.pid").read_text())) or ["gone"])[0] in ("Z", "X", "gone"), i
 
 
 def test_a_relayed_rank_that_fails_fails_the_launch_and_its_peer_is_ended(tmp_path):

@@ -193,9 +193,10 @@ def _relay(conn: socket.socket, fds: list[int]) -> None:
     The rank gets the launcher's environment as it is (RANK, TORCHELASTIC_RESTART_COUNT, ...) and
     writes to the launcher's process's stdout and stderr (``fds``). This manager answers the
     rank's pid, the leader of its own process group (the launcher's process passes signals on to that
-    group), then, once the rank has exited, its status and what it left running (killed); if the
-    launcher's process goes away first, the rank and what it started are killed, as when a launcher
-    kills a rank's process group.
+    group), then, once the rank has exited, its status and what it left running outside its group
+    (killed; what stayed in the group is killed too, as torchrun's ``killpg`` would, unreported); if
+    the launcher's process goes away first, the rank and what it started are killed, as when a
+    launcher kills a rank's process group.
     """
     request = json.loads(conn.makefile().readline())
     pid = os.fork()
@@ -215,7 +216,10 @@ def _relay(conn: socket.socket, fds: list[int]) -> None:
             _ended(_members(None))
             os.waitpid(pid, 0)
             os._exit(0)
-    settled_by = time.monotonic() + 2  # what the rank started may still be ending (a resource tracker, its pipe closed)
+    # torchrun ends each rank's process group once the run ends (``killpg``): what the rank started and left in
+    # its group (a driver, a resource tracker) is the launcher's to end, not left running
+    _ended([member for member in _members(None) if (stat := proc_stat(member)) and int(stat[2]) == pid])
+    settled_by = time.monotonic() + 2  # what left the group may still be ending
     while _members(None) and time.monotonic() < settled_by:
         time.sleep(0.02)
     leftovers = _ended(_members(None))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import queue
 import socket
-import sys
 import threading
 import time
 from typing import Any
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data.utils import CloudpickleWrapper
 
+from fabric_learner._lines import say
 from fabric_learner.asynchronous import VersionedPolicy
 from fabric_learner.remote import driver as _driver
 from fabric_learner.remote.directory import Directory, split_address
@@ -317,7 +317,7 @@ class RemoteCollectors:
     # ---- what the user is told ----------------------------------------------------------------------
 
     def _say(self, message: str) -> None:
-        print(f"[learner rank {self.rank} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+        say(f"[learner rank {self.rank} {time.strftime('%H:%M:%S')}] {message}")
 
     def _say_waiting(self, now: float, have: int, built: bool) -> None:
         if now < self._next_line_t:

@@ -23,10 +23,15 @@ elif mode == "orphan" and rank == 1:  # a process the rank leaves behind, in a s
     import subprocess
 
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
-elif mode == "child" and rank == 1:  # a forked process left behind: untagged, in the rank's session
-    if os.fork() == 0:
-        time.sleep(120)
-        os._exit(0)
+elif mode == "child" and rank == 1:  # two forked processes left behind, untagged, in the rank's session:
+    for own_group in (False, True):  # one in the rank's process group (a launcher's killpg ends it), one not
+        if (pid := os.fork()) == 0:
+            if own_group:
+                os.setpgid(0, 0)
+            time.sleep(120)
+            os._exit(0)
+        with open(os.path.join(out, f"child{int(own_group)}.pid"), "w") as f:
+            f.write(str(pid))
 elif mode == "fail":
     if rank == 1:
         raise RuntimeError("rank 1 fails on purpose")
