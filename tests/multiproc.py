@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -120,9 +121,18 @@ def launch(script, *args, nproc=2, timeout=300, **extra) -> Finished:
     return result
 
 
-@functools.cache
 def _zygote() -> str:
-    """The socket of this test session's zygote, started on first use; it ends with the session."""
+    """The socket of this test session's zygote, started on first use; it ends with the session.
+    Side-by-side runs ask for it at once from several threads: one starts it, the others wait for it."""
+    with _ZYGOTE_LOCK:
+        return _start_zygote()
+
+
+_ZYGOTE_LOCK = threading.Lock()
+
+
+@functools.cache
+def _start_zygote() -> str:
     path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), path], cwd=ROOT, env=env(),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)

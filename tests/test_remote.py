@@ -82,13 +82,20 @@ class Collectors:
                 p.wait(10)
 
 
-def wait_for_batches(path, n: int, timeout: float = 120) -> None:
+def wait_for_batches(path, n: int, timeout: float = 120, launched=None) -> None:
+    """Until ``path`` lists ``n`` batches; a failure ends with what the launch (a future of it) printed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists() and len(path.read_text().splitlines()) >= n:
             return
+        if launched is not None and launched.done():
+            break
         time.sleep(0.1)
-    raise AssertionError(f"{path} did not reach {n} batches in {timeout} s")
+    said = ""
+    if launched is not None:
+        (path.parent / "launch.log").write_text(launched.result().stdout)
+        said = f"; the launch printed ({path.parent / 'launch.log'}):\n{launched.result().stdout[-6000:]}"
+    raise AssertionError(f"{path} did not reach {n} batches in {timeout} s{said}")
 
 
 def batch_sizes(path) -> list[int]:
@@ -140,6 +147,7 @@ def scenarios(tmp_path_factory):
     so together they take about as long as the longest; a run that failed is its own tests' failure."""
     runs = {"faults": run_faults, "lost": run_lost, "wrong_port": run_wrong_port}
     folders = {name: tmp_path_factory.mktemp(name) for name in runs}  # here: the factory is not thread-safe
+    forked_ranks()  # the zygote up before the three ask for it at once
     return side_by_side(list(runs), lambda name: runs[name](folders[name]), at_once=3)
 
 
@@ -163,10 +171,11 @@ def run_faults(out):
     port = free_port()
     collectors = Collectors(out, port)
     try:
+        collectors.looking()  # as in run_lost
         with ThreadPoolExecutor(1) as pool:
             done = pool.submit(run, torchrun("--max-restarts=1", RELAY, SCRIPT, str(out), "faults", str(port)),
                                timeout=300, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **forked_ranks())
-            wait_for_batches(out / "progress_rank1", 4)
+            wait_for_batches(out / "progress_rank1", 4, launched=done)
             victim = next(i for i in range(2) if collectors.serving(i) == 1)
             os.kill(collectors.node_pid(victim), signal.SIGKILL)
             proc = done.result()
@@ -218,10 +227,11 @@ def run_lost(out):
     port = free_port()
     collectors = Collectors(out, port, n=3, wait=20)  # rank 0 may end before a collector sees it did: 20 s later
     try:
+        collectors.looking()  # imported: each connects within timeout_s of the directory, however busy the host
         with ThreadPoolExecutor(1) as pool:
             done = pool.submit(launch, SCRIPT, out, "continue", port, timeout=300)
             for r in (0, 1):
-                wait_for_batches(out / f"progress_rank{r}", 4)
+                wait_for_batches(out / f"progress_rank{r}", 4, launched=done)
             serving = [collectors.serving(i) for i in range(3)]
             killed = (serving.index(0), serving.index(1))
             for victim in killed:
