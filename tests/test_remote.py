@@ -93,8 +93,9 @@ def wait_for_batches(path, n: int, timeout: float = 120, launched=None) -> None:
         time.sleep(0.1)
     said = ""
     if launched is not None:
-        (path.parent / "launch.log").write_text(launched.result().stdout)
-        said = f"; the launch printed ({path.parent / 'launch.log'}):\n{launched.result().stdout[-6000:]}"
+        printed = launched.result().stdout
+        (path.parent / "launch.log").write_text(printed)
+        said = f"; the launch printed ({path.parent / 'launch.log'}):\n{printed[-6000:]}"
     raise AssertionError(f"{path} did not reach {n} batches in {timeout} s{said}")
 
 
