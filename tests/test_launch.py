@@ -5,7 +5,9 @@ Launchers: plain ``python`` (the learner starts rank 1 itself), ``fabric run`` a
 Every run trains a DDP and an FSDP learner and ends with both alive; runs alternate which comes
 first (the first one takes its strategy from the launcher where it gives one) and whether the
 script closes them or leaves it to the exit hook. Before the exit hook existed a gloo run
-aborted or hung at exit in a fair share of runs (see docs/ending.md).
+aborted or hung at exit in a fair share of runs (see docs/ending.md). Those runs start fresh
+interpreters under each launcher; the failing runs under torchrun and ``fabric run`` fork their
+ranks from the test zygote through the relay, as the launcher starts them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from multiproc import WORKERS, elastic_exit_codes, fabric_run, finished, python, run, side_by_side, torchrun
+from multiproc import RELAY, WORKERS, elastic_exit_codes, fabric_run, finished, forked_ranks, python, run, side_by_side, torchrun
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
 # (first learner's strategy, timeout=None, the script closes its learners). `make test`: two runs
@@ -28,13 +30,14 @@ PER_RUN_TIMEOUT = 180
 
 
 
-def command(mode, first):
-    """The launch command and environment of one run whose first learner uses ``first``."""
+def command(mode, first, *relay):
+    """The launch command and environment of one run whose first learner uses ``first`` (``relay``: RELAY, to
+    have the launcher's ranks forked from the test zygote)."""
     if mode == "python":
         return python(SCRIPT), {"FL_MODE": "plain"}
     if mode == "fabric-run":
-        return fabric_run(SCRIPT, strategy=first), {"FL_MODE": "external"}
-    return torchrun(SCRIPT), {"FL_MODE": "external", **({"FL_STRATEGY": "fsdp"} if first == "fsdp" else {})}
+        return fabric_run(*relay, SCRIPT, strategy=first), {"FL_MODE": "external"}
+    return torchrun(*relay, SCRIPT), {"FL_MODE": "external", **({"FL_STRATEGY": "fsdp"} if first == "fsdp" else {})}
 
 
 def results(stdout):
@@ -90,23 +93,30 @@ def test_repeated_runs_train_and_exit_cleanly(mode):
 
 
 FAILING = [("python", 0), ("python", 1), ("torchrun", 0), ("torchrun", 1), ("fabric-run", 1)]
+BUSY = ("python", "busy")  # rank 1 fails while rank 0 computes (in no collective) for 60 s, far longer than the
+# observer's 5 s look and our 10 s grace
 
 
 @pytest.fixture(scope="module")
 def failing_runs():
-    """Every run with a failing rank, two at a time as above; a run that hangs is its own test's failure."""
+    """Every run with a failing rank, three at a time, the busy one first (most of it is waiting out rank 0's grace);
+    a run that hangs is its own test's failure. What these check is how each launcher ends a run when a rank fails,
+    so torchrun and ``fabric run`` start their ranks through the relay (tests/zygote_rank.py: forked from the test
+    zygote, imports done); the repeated runs above keep fresh interpreters, whose exit is what they check."""
     def one(case):
+        if case == BUSY:
+            return run(python(SCRIPT), timeout=240, FL_MODE="plain", FL_FAIL_RANK="1", FL_BUSY_RANK0="60", FL_QUEUE="1")
         mode, fail_rank = case
-        cmd, env = command(mode, "ddp")
-        return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env)
+        cmd, env = command(mode, "ddp", *([] if mode == "python" else [RELAY]))
+        relayed = {} if mode == "python" else forked_ranks()
+        return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env, **relayed)
 
-    return side_by_side(FAILING, one)
+    return side_by_side([BUSY, *FAILING], one, at_once=3)
 
 
-def test_a_rank_that_fails_while_rank_0_computes_ends_the_run_with_status_1_naming_it():
+def test_a_rank_that_fails_while_rank_0_computes_ends_the_run_with_status_1_naming_it(failing_runs):
     """Plain python: Lightning's observer would SIGKILL rank 0 (status 137, no rank named, issue #55's mesh runs)."""
-    busy = 60  # rank 0 computes (in no collective) far longer than the observer's 5 s look and our 10 s grace
-    proc = run(python(SCRIPT), timeout=240, FL_MODE="plain", FL_FAIL_RANK="1", FL_BUSY_RANK0=str(busy), FL_QUEUE="1")
+    proc = finished(failing_runs[BUSY])
     assert proc.returncode == 1, (proc.returncode, proc.stdout[-3000:])
     assert proc.leftovers == 0
     assert "fabric_learner: rank 1 exited with status 1; the run ends with status 1" in proc.stdout, proc.stdout[-3000:]

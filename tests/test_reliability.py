@@ -256,7 +256,7 @@ OUT_OF_ORDER = [
 def out_of_step_runs(tmp_path_factory):
     """Every launch below, three at a time (most of each is waiting out a collective timeout); a run that
     hangs is its own test's failure."""
-    from multiproc import WORKERS, fabric_run, launch, python, run, side_by_side, torchrun
+    from multiproc import RELAY, WORKERS, fabric_run, forked_ranks, launch, python, run, side_by_side, torchrun
 
     cases = OUT_OF_STEP + sorted(OUT_OF_ORDER, key=lambda case: case[2] == "forked")
     folders = {case: tmp_path_factory.mktemp(f"{case[0]}-{case[1]}") for case in cases}  # the factory is not thread-safe
@@ -269,7 +269,10 @@ def out_of_step_runs(tmp_path_factory):
         # fabric=: the Fabric's own 10 s timeout must hold, not the learner's 1 h (docs/reliability.md)
         how = {"python": python, "torchrun": torchrun}.get(launcher, functools.partial(fabric_run, strategy=strategy))
         # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
-        return run(how(*script), timeout=150)
+        if launcher == "python":
+            return run(how(*script), timeout=150)
+        # torchrun's and `fabric run`'s ranks forked from the zygote through the relay, with the launcher's environment
+        return run(how(RELAY, *script), timeout=150, **forked_ranks())
 
     # the launches that start interpreters first, so that the forked ones fill their waits
     return side_by_side(cases, one, at_once=3)
