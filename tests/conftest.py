@@ -22,28 +22,17 @@ def kind(request):
     return request.param
 
 
-# `make test` runs two pytest-xdist workers, each taking whole modules in collection order (with
+# `make test` runs two pytest-xdist workers, each taking whole modules in this order (with
 # --no-loadscope-reorder): the modules that take longest come first, so neither worker is left with a
-# long one at the end. Measured with `--durations=0` under `make test` (2026-12-01), seconds per module.
-LONGEST_FIRST = ["test_elastic.py", "test_launch.py", "test_reliability.py", "test_configs.py",  # 157 111 53 45
-                 "test_trainer_envs.py", "test_launcher_options.py", "test_multinode.py",  # 40 36 34
-                 "test_examples.py", "test_from_torchrl.py", "test_trainer.py", "test_compile.py",  # 30 29 24 19
-                 "test_async.py", "test_stages.py", "test_async_save.py", "test_fsdp.py",  # 19 17 17 13
-                 "test_zygote.py", "test_ppo_recipe.py", "test_ddp.py"]  # 12 12 7
-# added 2026-12-04: the SAC recipe against torchrl's loop, 17 s alone
-LONGEST_FIRST[-1:-1] = ["test_sac_recipe.py"]
-# added 2026-12-02 (#35, #36), measured under load beside other runs: meshes ~100 s, the LLM modules 20-35 s each
-LONGEST_FIRST[3:3] = ["test_meshes.py"]
-LONGEST_FIRST[9:9] = ["test_llm_weights.py", "test_llm_fsdp.py", "test_llm.py", "test_grpo_recipe.py"]
-# added 2026-12-02 (#37): two launches with collector processes, ~140 s beside other runs
-LONGEST_FIRST[1:1] = ["test_remote.py"]
-# added 2026-12-06 (#56): the GPU tier's dry run, one interpreter, ~35 s beside other runs
-LONGEST_FIRST.insert(LONGEST_FIRST.index("test_trainer_envs.py"), "test_gpu_tier.py")
-# added 2026-12-06 (#55, #58): docs/llm.md on 2 FSDP ranks (one launch, ~60 s), the token-budget tests (~40 s)
-LONGEST_FIRST.insert(LONGEST_FIRST.index("test_trainer_envs.py"), "test_llm_docs.py")
-LONGEST_FIRST.insert(LONGEST_FIRST.index("test_from_torchrl.py"), "test_llm_batching.py")
-# added 2026-12-06 (#57): RemoteLearner's module, one Ray runtime and eight small groups, ~200 s under load
-LONGEST_FIRST[2:2] = ["test_remote_learner.py"]
+# long one at the end. Seconds per module under `make test`, measured 2026-12-06 (a module not listed runs
+# after these, in collection order; those took under 4 s each).
+LONGEST_FIRST = ["test_launch.py", "test_remote.py", "test_remote_learner.py", "test_reliability.py",  # 135 100 79 74
+                 "test_elastic.py", "test_examples.py", "test_configs.py", "test_trainer_envs.py",  # 72 70 40 34
+                 "test_meshes.py", "test_zygote.py", "test_multinode.py", "test_results.py",  # 30 26 21 20
+                 "test_from_torchrl.py", "test_launcher_options.py", "test_async.py", "test_trainer.py",  # 20 19 18 18
+                 "test_ppo_recipe.py", "test_compile.py", "test_async_save.py", "test_gpu_tier.py",  # 15 12 12 10
+                 "test_sac_recipe.py", "test_llm_fsdp.py", "test_fsdp.py", "test_llm.py", "test_llm_weights.py",  # 10 9 9 9 8
+                 "test_stages.py", "test_llm_docs.py", "test_claims.py", "test_ddp.py", "test_docs.py"]  # 7 7 5 5 4
 
 
 def pytest_collection_modifyitems(items):

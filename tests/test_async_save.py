@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from multiproc import WORKERS, launch, python, run
+from multiproc import WORKERS, launch, plain_python
 from rl_cases import make_loss
 
 from fabric_learner import LocalLearner
@@ -30,7 +30,7 @@ def main(tmp_path_factory):
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     out = tmp_path_factory.mktemp("async_kill")
-    proc = run(python(SCRIPT, "kill", str(out)), timeout=300)
+    proc = plain_python(SCRIPT, "kill", str(out), timeout=300)  # rank 0 forked from the zygote; it starts rank 1
     assert proc.leftovers == 0, proc.stdout[-6000:]
     return {"rank0": torch.load(out / "kill_rank0.pt", weights_only=False), "dir": out,
             "rank1_wrote_results": (out / "kill_rank1.pt").exists()}

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 from hydra.utils import instantiate
-from multiproc import RELAY, WORKERS, fabric_run, forked_ranks, python, run, torchrun
+from multiproc import RELAY, WORKERS, fabric_run, forked_ranks, plain_python, run, torchrun
 
 from fabric_learner import FabricLearner, LocalLearner
 from fabric_learner.configs import FabricLearnerConfig, LocalLearnerConfig
@@ -68,15 +68,16 @@ def test_a_torchrl_trainer_config_runs_on_two_ranks_by_adding_a_learner(case):
     config, how, strategy, also = LAUNCHES[case]
     frames = 1024 if config == "ppo" else 512
     args = ["--config-name", config, "learner=fabric", f"trainer.total_frames={frames}"]
+    # under torchrun and fabric run the ranks are forked from the test zygote (tests/zygote_rank.py); under plain
+    # python rank 0 is, and it starts rank 1 itself (Lightning's command for a Hydra program)
+    timeout, also_env = 240 + 120 * len(also), ",".join(also)
     if how == "python":
-        cmd = python(SCRIPT, *args, f"learner.strategy={strategy}", "learner.devices=2", "learner.accelerator=cpu")
-    elif how == "torchrun":
-        cmd = torchrun(RELAY, SCRIPT, *args, f"learner.strategy={strategy}")
+        proc = plain_python(SCRIPT, *args, f"learner.strategy={strategy}", "learner.devices=2",
+                            "learner.accelerator=cpu", timeout=timeout, FL_ALSO_CONFIGS=also_env)
     else:
-        cmd = fabric_run(RELAY, SCRIPT, *args, strategy=strategy)
-    # under torchrun and fabric run the ranks are forked from the test zygote (tests/zygote_rank.py)
-    proc = run(cmd, timeout=240 + 120 * len(also), FL_ALSO_CONFIGS=",".join(also),
-               **(forked_ranks() if how != "python" else {}))
+        cmd = (torchrun(RELAY, SCRIPT, *args, f"learner.strategy={strategy}") if how == "torchrun"
+               else fabric_run(RELAY, SCRIPT, *args, strategy=strategy))
+        proc = run(cmd, timeout=timeout, FL_ALSO_CONFIGS=also_env, **forked_ranks())
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.leftovers == 0
     results = [json.loads(m) for m in re.findall(r"RESULT (\{[^}]*\})", proc.stdout)]

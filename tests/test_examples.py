@@ -2,8 +2,9 @@
 
 Here the demo and the recipe run under DDP and the DQN example under FSDP; the demo under FSDP,
 through torchrun and `fabric run`, is tests/test_launcher_options.py's (each launch costs seconds of CI).
-The demo runs as a user runs it, ``python ppo_pendulum.py --strategy ddp`` (the learner starts rank 1);
-the other two have their ranks forked from tests/zygote.py, as a launcher starts them.
+The demo runs as a user runs it, ``python ppo_pendulum.py --strategy ddp`` (the learner starts rank 1, a
+fresh interpreter; rank 0 is forked from tests/zygote.py through the relay, its imports done); the other two
+have their ranks forked from tests/zygote.py, as a launcher starts them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import re
 
 import pytest
-from multiproc import ROOT, launch, python, run
+from multiproc import ROOT, launch, plain_python
 
 SHORT = {
     "ppo_pendulum.py": ["--frames", "3200", "--envs", "4", "--epochs", "1", "--minibatch", "400"],
@@ -27,7 +28,8 @@ SHORT = {
 def test_the_example_trains_under_the_strategy_with_nothing_else_changed(example, strategy):
     script = os.path.join(ROOT, "examples", example)
     args = [*SHORT[example], "--strategy", strategy, "--logdir", "", "--no-progress"]
-    proc = run(python(script, *args), timeout=240) if example == "ppo_pendulum.py" else launch(script, *args, timeout=240)
+    proc = (plain_python(script, *args, timeout=240) if example == "ppo_pendulum.py"
+            else launch(script, *args, timeout=240))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.leftovers == 0
     done = [line for line in proc.stdout.splitlines() if line.startswith("done: 2 rank(s)")]

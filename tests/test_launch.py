@@ -18,7 +18,19 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from multiproc import RELAY, WORKERS, elastic_exit_codes, fabric_run, finished, forked_ranks, python, run, side_by_side, torchrun
+from multiproc import (
+    RELAY,
+    WORKERS,
+    elastic_exit_codes,
+    fabric_run,
+    finished,
+    forked_ranks,
+    plain_python,
+    python,
+    run,
+    side_by_side,
+    torchrun,
+)
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
 # (first learner's strategy, timeout=None, the script closes its learners). `make test`: two runs
@@ -102,14 +114,16 @@ def failing_runs():
     """Every run with a failing rank, three at a time, the busy one first (most of it is waiting out rank 0's grace);
     a run that hangs is its own test's failure. What these check is how each launcher ends a run when a rank fails,
     so torchrun and ``fabric run`` start their ranks through the relay (tests/zygote_rank.py: forked from the test
-    zygote, imports done); the repeated runs above keep fresh interpreters, whose exit is what they check."""
+    zygote, imports done), and under plain python rank 0 is forked so (it starts rank 1, a fresh interpreter); the
+    repeated runs above keep fresh interpreters, whose exit is what they check."""
     def one(case):
         if case == BUSY:
-            return run(python(SCRIPT), timeout=240, FL_MODE="plain", FL_FAIL_RANK="1", FL_BUSY_RANK0="60", FL_QUEUE="1")
+            return plain_python(SCRIPT, timeout=240, FL_MODE="plain", FL_FAIL_RANK="1", FL_BUSY_RANK0="60", FL_QUEUE="1")
         mode, fail_rank = case
-        cmd, env = command(mode, "ddp", *([] if mode == "python" else [RELAY]))
-        relayed = {} if mode == "python" else forked_ranks()
-        return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env, **relayed)
+        if mode == "python":
+            return plain_python(SCRIPT, timeout=240, FL_FAIL_RANK=str(fail_rank), FL_MODE="plain")
+        cmd, env = command(mode, "ddp", RELAY)
+        return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env, **forked_ranks())
 
     return side_by_side([BUSY, *FAILING], one, at_once=3)
 

@@ -256,7 +256,7 @@ OUT_OF_ORDER = [
 def out_of_step_runs(tmp_path_factory):
     """Every launch below, three at a time (most of each is waiting out a collective timeout); a run that
     hangs is its own test's failure."""
-    from multiproc import RELAY, WORKERS, fabric_run, forked_ranks, launch, python, run, side_by_side, torchrun
+    from multiproc import RELAY, WORKERS, fabric_run, forked_ranks, launch, plain_python, run, side_by_side, torchrun
 
     cases = OUT_OF_STEP + sorted(OUT_OF_ORDER, key=lambda case: case[2] == "forked")
     folders = {case: tmp_path_factory.mktemp(f"{case[0]}-{case[1]}") for case in cases}  # the factory is not thread-safe
@@ -266,12 +266,12 @@ def out_of_step_runs(tmp_path_factory):
         script = [os.path.join(WORKERS, "hang_checks.py"), scenario, strategy, str(folders[case])]
         if launcher == "forked":
             return launch(*script, timeout=150)
+        # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound. Rank 0 under
+        # plain python, every rank under torchrun and `fabric run`, is forked from the zygote through the relay
+        if launcher == "python":  # rank 0 starts rank 1 itself, a fresh interpreter
+            return plain_python(*script, timeout=150)
         # fabric=: the Fabric's own 10 s timeout must hold, not the learner's 1 h (docs/reliability.md)
-        how = {"python": python, "torchrun": torchrun}.get(launcher, functools.partial(fabric_run, strategy=strategy))
-        # 5 s (10 s) collective timeout; the default 5 minutes (or torch's 30) would outlast this bound
-        if launcher == "python":
-            return run(how(*script), timeout=150)
-        # torchrun's and `fabric run`'s ranks forked from the zygote through the relay, with the launcher's environment
+        how = torchrun if launcher == "torchrun" else functools.partial(fabric_run, strategy=strategy)
         return run(how(RELAY, *script), timeout=150, **forked_ranks())
 
     # the launches that start interpreters first, so that the forked ones fill their waits

@@ -8,7 +8,18 @@ import json
 import os
 
 import pytest
-from multiproc import RELAY, WORKERS, elastic_exit_codes, forked_ranks, launch, proc_stat, run, tagged_pids, torchrun
+from multiproc import (
+    RELAY,
+    WORKERS,
+    elastic_exit_codes,
+    forked_ranks,
+    launch,
+    plain_python,
+    proc_stat,
+    run,
+    tagged_pids,
+    torchrun,
+)
 
 PROBE = os.path.join(WORKERS, "zygote_probe.py")
 
@@ -66,6 +77,19 @@ def test_a_launchers_ranks_forked_through_the_relay_keep_its_environment_and_rep
     assert f"left running after the launch: {left} " in proc.stdout, proc.stdout
     for i in (0, 1):  # both ended (gone, or a zombie not yet reaped by whoever inherited it)
         assert (proc_stat(int((tmp_path / f"child{i}.pid").read_text())) or ["gone"])[0] in ("Z", "X", "gone"), i
+
+
+def test_a_plain_python_run_relayed_alone_starts_with_its_imports_done_and_counts_all_it_leaves(tmp_path):
+    """multiproc.plain_python: ``python RELAY SCRIPT`` is the whole launch (the learner would start the other ranks);
+    no launcher ends the rank's process group after it, so both processes it left running are counted."""
+    proc = plain_python(PROBE, "report", tmp_path, timeout=120)
+    assert (proc.returncode, proc.leftovers) == (0, 0), proc.stdout
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["preloaded"] and seen["argv"] == [PROBE, "report", str(tmp_path)]  # forked, as the script was given
+    proc = plain_python(PROBE, "child", tmp_path, timeout=120, FL_PROBE_RANK="1")
+    assert proc.returncode == 0 and proc.leftovers == 2, proc.stdout
+    for i in (0, 1):
+        assert f"left running after the launch: {(tmp_path / f'child{i}.pid').read_text()} " in proc.stdout, proc.stdout
 
 
 def test_a_relayed_rank_that_fails_fails_the_launch_and_its_peer_is_ended(tmp_path):

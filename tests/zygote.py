@@ -196,7 +196,9 @@ def _relay(conn: socket.socket, fds: list[int]) -> None:
     group), then, once the rank has exited, its status and what it left running outside its group
     (killed; what stayed in the group is killed too, as torchrun's ``killpg`` would, unreported); if
     the launcher's process goes away first, the rank and what it started are killed, as when a
-    launcher kills a rank's process group.
+    launcher kills a rank's process group. With ``FL_ZYGOTE_ALONE=1`` the relay is the launch itself
+    (``python tests/zygote_rank.py SCRIPT``: rank 0 of a plain ``python`` run, which starts the other
+    ranks as fresh interpreters): nothing it left running is ended unreported.
     """
     request = json.loads(conn.makefile().readline())
     pid = os.fork()
@@ -217,8 +219,11 @@ def _relay(conn: socket.socket, fds: list[int]) -> None:
             os.waitpid(pid, 0)
             os._exit(0)
     # torchrun ends each rank's process group once the run ends (``killpg``): what the rank started and left in
-    # its group (a driver, a resource tracker) is the launcher's to end, not left running
-    _ended([member for member in _members(None) if (stat := proc_stat(member)) and int(stat[2]) == pid])
+    # its group (a driver, a resource tracker) is the launcher's to end, not left running. A rank that is the whole
+    # launch (``python SCRIPT``, which starts the other ranks itself: FL_ZYGOTE_ALONE=1) has no launcher after it:
+    # whatever it left running is a leftover
+    if request["env"].get("FL_ZYGOTE_ALONE") != "1":
+        _ended([member for member in _members(None) if (stat := proc_stat(member)) and int(stat[2]) == pid])
     settled_by = time.monotonic() + 2  # what left the group may still be ending
     while _members(None) and time.monotonic() < settled_by:
         time.sleep(0.02)

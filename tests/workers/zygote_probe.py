@@ -6,7 +6,7 @@ import sys
 import time
 
 mode, out = sys.argv[1], sys.argv[2]
-rank = int(os.environ["RANK"])
+rank = int(os.environ.get("RANK", os.environ.get("FL_PROBE_RANK", "0")))  # the latter: no launcher
 if mode == "report":
     seen = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "FL_PROBE",
                                                 "TORCHELASTIC_RUN_ID")}
