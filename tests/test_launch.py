@@ -5,9 +5,8 @@ Launchers: plain ``python`` (the learner starts rank 1 itself), ``fabric run`` a
 Every run trains a DDP and an FSDP learner and ends with both alive; runs alternate which comes
 first (the first one takes its strategy from the launcher where it gives one) and whether the
 script closes them or leaves it to the exit hook. Before the exit hook existed a gloo run
-aborted or hung at exit in a fair share of runs (see docs/ending.md). Those runs start fresh
-interpreters under each launcher; the failing runs under torchrun and ``fabric run`` fork their
-ranks from the test zygote through the relay, as the launcher starts them.
+aborted or hung at exit in a fair share of runs (see docs/ending.md). Every rank is a fresh
+interpreter but rank 0 of the failing runs under plain python, forked from the test zygote.
 """
 
 from __future__ import annotations
@@ -18,19 +17,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from multiproc import (
-    RELAY,
-    WORKERS,
-    elastic_exit_codes,
-    fabric_run,
-    finished,
-    forked_ranks,
-    plain_python,
-    python,
-    run,
-    side_by_side,
-    torchrun,
-)
+from multiproc import WORKERS, elastic_exit_codes, fabric_run, finished, plain_python, python, run, side_by_side, torchrun
 
 SCRIPT = os.path.join(WORKERS, "launch_script.py")
 # (first learner's strategy, timeout=None, the script closes its learners). `make test`: two runs
@@ -42,14 +29,13 @@ PER_RUN_TIMEOUT = 180
 
 
 
-def command(mode, first, *relay):
-    """The launch command and environment of one run whose first learner uses ``first`` (``relay``: RELAY, to
-    have the launcher's ranks forked from the test zygote)."""
+def command(mode, first):
+    """The launch command and environment of one run whose first learner uses ``first``."""
     if mode == "python":
         return python(SCRIPT), {"FL_MODE": "plain"}
     if mode == "fabric-run":
-        return fabric_run(*relay, SCRIPT, strategy=first), {"FL_MODE": "external"}
-    return torchrun(*relay, SCRIPT), {"FL_MODE": "external", **({"FL_STRATEGY": "fsdp"} if first == "fsdp" else {})}
+        return fabric_run(SCRIPT, strategy=first), {"FL_MODE": "external"}
+    return torchrun(SCRIPT), {"FL_MODE": "external", **({"FL_STRATEGY": "fsdp"} if first == "fsdp" else {})}
 
 
 def results(stdout):
@@ -112,18 +98,18 @@ BUSY = ("python", "busy")  # rank 1 fails while rank 0 computes (in no collectiv
 @pytest.fixture(scope="module")
 def failing_runs():
     """Every run with a failing rank, three at a time, the busy one first (most of it is waiting out rank 0's grace);
-    a run that hangs is its own test's failure. What these check is how each launcher ends a run when a rank fails,
-    so torchrun and ``fabric run`` start their ranks through the relay (tests/zygote_rank.py: forked from the test
-    zygote, imports done), and under plain python rank 0 is forked so (it starts rank 1, a fresh interpreter); the
-    repeated runs above keep fresh interpreters, whose exit is what they check."""
+    a run that hangs is its own test's failure. Under plain python rank 0 is forked from the test zygote through the
+    relay (tests/zygote_rank.py), imports done, and starts rank 1, a fresh interpreter. Under torchrun and ``fabric
+    run`` the ranks stay fresh interpreters: when both exit at once, which status the launcher sees first is what
+    the test checks, and a relayed rank's status reaches the launcher later than its process's own exit would."""
     def one(case):
         if case == BUSY:
             return plain_python(SCRIPT, timeout=240, FL_MODE="plain", FL_FAIL_RANK="1", FL_BUSY_RANK0="60", FL_QUEUE="1")
         mode, fail_rank = case
         if mode == "python":
             return plain_python(SCRIPT, timeout=240, FL_FAIL_RANK=str(fail_rank), FL_MODE="plain")
-        cmd, env = command(mode, "ddp", RELAY)
-        return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env, **forked_ranks())
+        cmd, env = command(mode, "ddp")
+        return run(cmd, timeout=240, FL_FAIL_RANK=str(fail_rank), **env)
 
     return side_by_side([BUSY, *FAILING], one, at_once=3)
 

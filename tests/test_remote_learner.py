@@ -16,7 +16,6 @@ import time
 
 import llm_cases
 import pytest
-import ray
 import rl_cases
 import torch
 from rl_cases import flat_params, make_batch, make_loss
@@ -26,6 +25,10 @@ from fabric_learner.llm import weight_buckets
 from fabric_learner.remote import _shares
 from fabric_learner.remote import learner as learner_module
 from fabric_learner.remote.actors import packed, unpacked
+
+# the `ray` extra, which `make test` installs; the lent GPU machine has no Ray, and its wheel (about 75 MiB) does not
+# fit what travels there, so `make test-cores` runs the suite without this module
+ray = pytest.importorskip("ray", reason="RemoteLearner needs the ray extra (pip install fabric_learner[ray])")
 
 # the ranks rebuild the test's losses and factories from their pickles, by value: these modules are not on their path
 for module in (rl_cases, llm_cases, sys.modules[__name__]):
