@@ -6,8 +6,10 @@ SCRIPT with this process's environment, output and working folder, passes the si
 on to that rank's process group (torchrun signals its ranks' groups, which reaches what a rank
 started: a collector's driver, a resource tracker), and exits as the rank did (the same status,
 or the same signal), so the launcher sees its rank start, fail, be killed and be restarted as it
-would a fresh interpreter, without the ~5 s of imports each start costs. A process the rank left running is killed and named on
-stderr as ``zygote: left running after the launch: ...``, which tests/multiproc.run counts.
+would a fresh interpreter, without the ~5 s of imports each start costs. ``python tests/zygote_rank.py
+SCRIPT ARGS`` with ``FL_ZYGOTE_ALONE=1`` is rank 0 of a plain ``python`` run (tests/multiproc.plain_python).
+A process the rank left running is killed and named on stderr as ``zygote: left running after the
+launch: ...``, which tests/multiproc.run counts.
 """
 
 import json
