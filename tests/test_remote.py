@@ -148,7 +148,7 @@ def scenarios(tmp_path_factory):
     so together they take about as long as the longest; a run that failed is its own tests' failure."""
     runs = {"faults": run_faults, "lost": run_lost, "wrong_port": run_wrong_port}
     folders = {name: tmp_path_factory.mktemp(name) for name in runs}  # here: the factory is not thread-safe
-    forked_ranks()  # the zygote up before the three ask for it at once
+    forked_ranks()  # the zygote started and imported before any collector starts its own imports
     return side_by_side(list(runs), lambda name: runs[name](folders[name]), at_once=3)
 
 
