@@ -6,8 +6,15 @@
 - ``async_save``: the training loop's stall for an asynchronous sharded save against a blocking save
   (``benchmarks/async_save.py``: FSDP on 2 CPU ranks, goal at most 0.3). Its background writer needs a
   core beside each rank's: on 2 shared cores the figure measures waiting for a core.
+- ``remote_learner``: ``RemoteLearner`` against the same 2 ranks run as an SPMD program, PPO and DQN
+  (``benchmarks/remote_learner.py --quick --torchrl``; goals: at most 1.10 per update, at least 0.95 of
+  the updates per second with ``wait=False``, faster than torchrl's own Ray learner). On 2 cores the
+  controller and Ray's threads take their CPU from the ranks'. Skipped, saying why, where Ray is missing.
 - ``suite``: the wall seconds of ``make test``'s pytest command (2 xdist workers, the linter left out)
   on this machine, and its counts.
+
+``--budget`` bounds the whole command: each part runs within what is left of it, and a part that
+finds too little left is recorded as not run, so one device call ends when it says it will.
 
 Refuses (exit 2, nothing run or written) where ``os.cpu_count()`` is under ``MIN_CORES``: 2 ranks and
 their 2 writer threads, each with a core of its own.
@@ -28,7 +35,9 @@ sys.path.insert(0, HERE)
 import harness  # noqa: E402
 
 MIN_CORES = 4
-PARTS = ("async_save", "suite")
+PARTS = ("async_save", "remote_learner", "suite")
+WORKLOADS = ("ppo", "dqn")
+MIN_PART_S = 60  # a part that finds less of the budget left is not started
 DEFAULT_REPORT = os.path.join(HERE, "results", "cores.json")
 SUITE = ["-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "-p", "no:cacheprovider"]
 
@@ -42,13 +51,46 @@ def refusal(cores: int | None) -> str | None:
             "os.cpu_count() allows, e.g. on the lent GPU machine (16 cores, docs/gpu.md).")
 
 
-def async_save(reps: int) -> dict:
+def async_save(reps: int, timeout_s: float) -> dict:
     with harness.scratch_path() as out:
-        harness.run_bounded([sys.executable, os.path.join(HERE, "async_save.py"), "--out", out, "--reps", str(reps)],
-                            420, "benchmarks/async_save.py")
+        try:
+            harness.run_bounded([sys.executable, os.path.join(HERE, "async_save.py"), "--out", out, "--reps",
+                                 str(reps)], timeout_s, "benchmarks/async_save.py")
+        except RuntimeError as err:
+            return {"failed": str(err)[-3000:]}
         result = harness.read_json(out)
     return {key: result[key] for key in ("stall_over_sync", "ci95", "goal", "verdict", "median_s", "reps")
             if key in result}
+
+
+def remote_learner(timeout_s: float) -> dict:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return {"skipped": "Ray is not installed here (make gpu-wheels packs it for the GPU machine: docs/gpu.md)"}
+    deadline = time.perf_counter() + timeout_s
+    result = {}
+    for workload in WORKLOADS:
+        left = deadline - time.perf_counter()
+        if left < MIN_PART_S / 2:
+            result[workload] = {"not_run": f"{max(left, 0):.0f} s of the part's {timeout_s:.0f} s left"}
+            continue
+        with harness.scratch_path() as out:
+            try:
+                harness.run_bounded([sys.executable, os.path.join(HERE, "remote_learner.py"), "--workload", workload,
+                                     "--quick", "--torchrl", "--out", out], left, f"benchmarks/remote_learner.py {workload}")
+            except RuntimeError as err:
+                result[workload] = {"failed": str(err)[-3000:]}
+                continue
+            figures = harness.read_json(out)
+        result[workload] = {key: figures[key] for key in (
+            "remote_over_spmd", "remote_over_spmd_in_actors", "pipelined_updates_per_s_over_spmd_in_actors",
+            "remote_over_its_ranks_own_time", "transfer_per_update") if key in figures}
+        times = figures.get("seconds_per_update", {})
+        if times.get("torchrl_ray") and times.get("remote_sampled"):
+            result[workload]["remote_sampled_over_torchrl_ray"] = round(
+                harness.median(times["remote_sampled"]) / harness.median(times["torchrl_ray"]), 3)
+    return result
 
 
 def suite(timeout_s: float) -> dict:
@@ -70,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default=DEFAULT_REPORT)
     parser.add_argument("--reps", type=int, default=15, help="async_save's repetitions")
     parser.add_argument("--suite-timeout", type=float, default=540, help="seconds (a device call has 600 in all)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole command (default: none)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
@@ -84,15 +127,28 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.report) as f:
             report = json.load(f)
     report.update({"what": "make test-cores: the checks that need spare cores", "machine": harness.machine()})
+    deadline = time.perf_counter() + (args.budget if args.budget is not None else float("inf"))
+    bounds = {"async_save": 420, "remote_learner": 360, "suite": args.suite_timeout}
     for part in parts:
         start = time.perf_counter()
-        report[part] = async_save(args.reps) if part == "async_save" else suite(args.suite_timeout)
+        left = deadline - start
+        if left < MIN_PART_S:
+            report[part] = {"not_run": f"{max(left, 0):.0f} s of the --budget {args.budget:.0f} s left"}
+        else:
+            bound = min(bounds[part], left)
+            report[part] = (async_save(args.reps, bound) if part == "async_save" else
+                            remote_learner(bound) if part == "remote_learner" else suite(bound))
         report[part]["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         report[part]["part_seconds"] = round(time.perf_counter() - start, 1)
         harness.write_json(args.report, report)
         print(f"{part}: {json.dumps({k: v for k, v in report[part].items() if k != 'tail'})}")
-    failed = report.get("suite", {}).get("exit_status", 1) if "suite" in parts else 0
-    return 1 if failed else 0
+    return 1 if any(failed(report[part]) for part in parts) else 0
+
+
+def failed(result: dict) -> bool:
+    """Whether a part's result holds a failure (a part not run for the budget, or skipped, is not one)."""
+    nested = [v for v in result.values() if isinstance(v, dict)]
+    return "failed" in result or bool(result.get("exit_status")) or any(failed(v) for v in nested)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ failed with the error's tail, or skipped with the reason), its seconds and its f
 name, torch's and CUDA's versions and the machine (``harness.machine``). The multi-rank NCCL checks run
 when ``torch.cuda.device_count() >= 2`` and are skipped with that reason otherwise. Exits with pytest's
 status; on a machine without CUDA it refuses (exit 2) unless ``--dry-run`` is given, writing nothing.
-Budget: within 8 minutes on one H100 (each check is bounded by pytest-timeout's 300 s too).
+Budget: within 8 minutes on one H100 (each check is bounded by pytest-timeout, ``--check-timeout``, 300 s).
+The report is rewritten after each check (``exit_status`` null until the end): a run cut off at a device
+call's limit still sends back what it checked.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ DEFAULT_REPORT = os.path.join(HERE, "results", "gpu_tier.json")
 
 
 class Report:
-    """A pytest plugin gathering each check's outcome, seconds and ``record_property`` figures."""
+    """A pytest plugin gathering each check's outcome, seconds and ``record_property`` figures, calling
+    ``on_change`` after each, so a run cut off at a device call's limit still leaves what it checked."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change=lambda: None) -> None:
         self.checks: dict[str, dict] = {}
+        self.on_change = on_change
 
     def pytest_runtest_logreport(self, report) -> None:
         name = report.nodeid.split("::", 1)[-1]
@@ -45,6 +49,7 @@ class Report:
         elif report.failed:
             entry["outcome"] = "failed"
             entry["error"] = str(report.longrepr)[-3000:]
+        self.on_change()
 
 
 def device_block(device: str) -> dict:
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="run every check with the CPU as the device")
     parser.add_argument("--report", default=DEFAULT_REPORT)
     parser.add_argument("-k", default=None, help="only the checks matching this pytest -k expression")
+    parser.add_argument("--check-timeout", type=int, default=300, help="seconds one check may take (pytest-timeout)")
     args = parser.parse_args(argv)
     import pytest
     import torch
@@ -78,19 +84,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ["FL_TIER_DEVICE"] = device
     os.environ.setdefault("RL_WARNINGS", "False")
-    report = Report()
     start = time.perf_counter()
-    status = pytest.main([CHECKS, "-q", "-p", "no:cacheprovider", "-o", "timeout=300",
-                          *(["-k", args.k] if args.k else [])], plugins=[report])
+    fixed = {"what": "make test-gpu: the CUDA tier (tests/gpu/cuda_checks.py)" + (" as a CPU dry run" if args.dry_run else ""),
+             "device": device_block(device), "machine": harness.machine()}
+
+    def write(status: int | None) -> None:  # None: still running (the report so far)
+        outcomes = [c["outcome"] for c in report.checks.values()]
+        harness.write_json(args.report, {
+            **fixed, "seconds": round(time.perf_counter() - start, 1), "exit_status": status,
+            "counts": {k: outcomes.count(k) for k in ("passed", "failed", "skipped")}, "checks": report.checks})
+
+    report = Report(on_change=lambda: write(None))
+    status = int(pytest.main([CHECKS, "-q", "-p", "no:cacheprovider", "-o", f"timeout={args.check_timeout}",
+                              *(["-k", args.k] if args.k else [])], plugins=[report]))
+    write(status)
     outcomes = [c["outcome"] for c in report.checks.values()]
-    harness.write_json(args.report, {
-        "what": "make test-gpu: the CUDA tier (tests/gpu/cuda_checks.py)" + (" as a CPU dry run" if args.dry_run else ""),
-        "seconds": round(time.perf_counter() - start, 1), "exit_status": int(status),
-        "counts": {k: outcomes.count(k) for k in ("passed", "failed", "skipped")},
-        "device": device_block(device), "machine": harness.machine(), "checks": report.checks})
     print(f"gpu tier: {len(outcomes)} checks, {outcomes.count('passed')} passed, {outcomes.count('failed')} failed, "
           f"{outcomes.count('skipped')} skipped; report: {os.path.relpath(args.report, harness.ROOT)}")
-    return int(status)
+    return status
 
 
 if __name__ == "__main__":

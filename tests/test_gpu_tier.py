@@ -100,3 +100,44 @@ def test_the_cores_tier_refuses_where_cores_are_too_few():
     assert cores.refusal(cores.MIN_CORES) is None
     line = cores.refusal(2)
     assert line.startswith("make test-cores: this machine has 2 cores; these checks need at least 4")
+
+
+def test_parts_the_cores_budget_leaves_no_time_for_are_recorded_as_not_run_and_fail_nothing(tmp_path, monkeypatch):
+    import cores
+
+    monkeypatch.setattr(cores, "refusal", lambda cores_here: None)
+    report = tmp_path / "cores.json"
+    assert cores.main(["--parts", ",".join(cores.PARTS), "--budget", "0", "--report", str(report)]) == 0
+    written = json.loads(report.read_text())
+    assert all(written[part]["not_run"] == "0 s of the --budget 0 s left" for part in cores.PARTS)
+    assert all(written[part]["part_seconds"] < 1 for part in cores.PARTS)  # nothing was launched
+
+
+def test_a_failure_anywhere_in_a_part_fails_the_cores_tier_and_a_skip_does_not():
+    import cores
+
+    assert cores.failed({"ppo": {"ratio": 1.0}, "dqn": {"failed": "exit 1"}})
+    assert cores.failed({"seconds": 400.0, "exit_status": 1})
+    assert not cores.failed({"skipped": "Ray is not installed here"})
+    assert not cores.failed({"ppo": {"not_run": "10 s of the part's 360 s left"}, "seconds": 1, "exit_status": 0})
+
+
+def test_rays_pack_keeps_its_binaries_executable_and_leaves_out_the_libraries_not_used(tmp_path):
+    import tarfile
+    import zipfile
+
+    import ray_pack
+
+    wheel = tmp_path / "ray-0-cp312-cp312-manylinux2014_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, mode in [("ray/__init__.py", 0o644), ("ray/core/src/ray/raylet/raylet", 0o755),
+                           ("ray/rllib/algorithm.py", 0o644), ("ray/jars/ray_dist.jar", 0o644),
+                           ("ray/dashboard/client/build/main.js", 0o644), ("ray/dashboard/agent.py", 0o644)]:
+            info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
+            info.external_attr = mode << 16
+            zf.writestr(info, b"x" * 100)
+    out = tmp_path / "ray.tar.xz"
+    assert ray_pack.pack(str(wheel), str(out)) == out.stat().st_size
+    with tarfile.open(out) as tar:
+        modes = {m.name: m.mode for m in tar.getmembers()}
+    assert modes == {"ray/__init__.py": 0o644, "ray/core/src/ray/raylet/raylet": 0o755, "ray/dashboard/agent.py": 0o644}
