@@ -54,7 +54,10 @@ import torch  # noqa: E402,F401
 import torchrl  # noqa: E402,F401
 from multiproc import pids, proc_stat, tagged_pids  # noqa: E402
 
-import fabric_learner  # noqa: E402,F401
+import fabric_learner  # noqa: E402
+
+for _name in fabric_learner.__all__:  # the package imports its names on first use: all of them, before any fork
+    getattr(fabric_learner, _name)
 
 
 def _threads() -> int:
