@@ -82,6 +82,23 @@ def test_the_report_names_the_device_the_versions_and_each_checks_figures(dry_ru
     assert set(tokens["tokens_per_s"]) == {"learner", "hand"} and tokens["tokens_per_s_learner_over_hand"] > 0
     gaps = [c["figures"]["max_abs_gap"] for c in checks.values() if "max_abs_gap" in c["figures"]]
     assert len(gaps) >= 8 and all(g >= 0 for g in gaps)
+    assert report["exit_status"] == 0 and sum(report["counts"].values()) == len(checks)  # the last write: complete
+
+
+def test_the_tier_rewrites_its_report_after_each_check_so_a_cut_off_run_leaves_what_it_checked():
+    import gpu_tier
+
+    class Logged:
+        def __init__(self, nodeid, when, outcome):
+            self.nodeid, self.when, self.duration, self.user_properties = nodeid, when, 0.5, []
+            self.skipped, self.failed, self.longrepr = outcome == "skipped", outcome == "failed", "boom"
+
+    seen = []
+    report = gpu_tier.Report(on_change=lambda: seen.append({k: dict(v) for k, v in report.checks.items()}))
+    report.pytest_runtest_logreport(Logged("cuda_checks.py::test_a", "call", "passed"))
+    report.pytest_runtest_logreport(Logged("cuda_checks.py::test_b", "call", "failed"))
+    assert [sorted(s) for s in seen] == [["test_a"], ["test_a", "test_b"]]
+    assert seen[-1]["test_b"]["outcome"] == "failed" and seen[-1]["test_a"]["outcome"] == "passed"
 
 
 def test_without_cuda_the_tier_refuses_and_writes_no_report(tmp_path, capsys):
