@@ -7,9 +7,11 @@
   (``benchmarks/async_save.py``: FSDP on 2 CPU ranks, goal at most 0.3). Its background writer needs a
   core beside each rank's: on 2 shared cores the figure measures waiting for a core.
 - ``remote_learner``: ``RemoteLearner`` against the same 2 ranks run as an SPMD program, PPO and DQN
-  (``benchmarks/remote_learner.py --quick --torchrl``; goals: at most 1.10 per update, at least 0.95 of
-  the updates per second with ``wait=False``, faster than torchrl's own Ray learner). On 2 cores the
-  controller and Ray's threads take their CPU from the ranks'. Skipped, saying why, where Ray is missing.
+  (``benchmarks/remote_learner.py --quick --torchrl --compiled``; goals: at most 1.10 per update, at least
+  0.95 of the updates per second with ``wait=False``, faster than torchrl's own Ray learner), and the same
+  update through a Ray compiled graph (``--compiled``: whether Ray's task path is what stands between the
+  learner and its goal once the controller has a core of its own). On 2 cores the controller and Ray's
+  threads take their CPU from the ranks'. Skipped, saying why, where Ray is missing.
 - ``suite``: the wall seconds of ``make test``'s pytest command (2 xdist workers, the linter left out)
   on this machine, and its counts.
 
@@ -78,14 +80,16 @@ def remote_learner(timeout_s: float) -> dict:
         with harness.scratch_path() as out:
             try:
                 harness.run_bounded([sys.executable, os.path.join(HERE, "remote_learner.py"), "--workload", workload,
-                                     "--quick", "--torchrl", "--out", out], left, f"benchmarks/remote_learner.py {workload}")
+                                     "--quick", "--torchrl", "--compiled", "--out", out], left,
+                                    f"benchmarks/remote_learner.py {workload}")
             except RuntimeError as err:
                 result[workload] = {"failed": str(err)[-3000:]}
                 continue
             figures = harness.read_json(out)
         result[workload] = {key: figures[key] for key in (
             "remote_over_spmd", "remote_over_spmd_in_actors", "pipelined_updates_per_s_over_spmd_in_actors",
-            "remote_over_its_ranks_own_time", "transfer_per_update") if key in figures}
+            "remote_over_its_ranks_own_time", "remote_compiled_over_spmd_in_actors", "remote_compiled_over_remote",
+            "transfer_per_update") if key in figures}
         times = figures.get("seconds_per_update", {})
         if times.get("torchrl_ray") and times.get("remote_sampled"):
             result[workload]["remote_sampled_over_torchrl_ray"] = round(
