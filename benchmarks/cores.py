@@ -16,7 +16,9 @@
   on this machine, and its counts.
 
 ``--budget`` bounds the whole command: each part runs within what is left of it, and a part that
-finds too little left is recorded as not run, so one device call ends when it says it will.
+finds too little left is recorded as not run, so one device call ends when it says it will. A part or
+run cut off at its bound records the bound (``timed_out_after_s``), which fails nothing; a run that
+exits with an error (``failed``) and the suite's failures fail the command (exit 1).
 
 Refuses (exit 2, nothing run or written) where ``os.cpu_count()`` is under ``MIN_CORES``: 2 ranks and
 their 2 writer threads, each with a core of its own.
@@ -39,7 +41,7 @@ import harness  # noqa: E402
 MIN_CORES = 4
 PARTS = ("async_save", "remote_learner", "suite")
 _GOALS = ("remote_over_spmd", "remote_over_spmd_in_actors", "pipelined_updates_per_s_over_spmd_in_actors",
-          "remote_over_its_ranks_own_time", "transfer_per_update")
+          "remote_over_its_ranks_own_time", "remote_over_torchrl_ray", "transfer_per_update")
 # (name, workload, flags, figures kept): the compiled graph runs apart, since its channels stay open (and its actors'
 # loops polling) for the whole run, beside every other contender
 RUNS = (("ppo", "ppo", ("--torchrl",), _GOALS), ("dqn", "dqn", ("--torchrl",), _GOALS),
@@ -60,11 +62,10 @@ def refusal(cores: int | None) -> str | None:
 
 def async_save(reps: int, timeout_s: float) -> dict:
     with harness.scratch_path() as out:
-        try:
-            harness.run_bounded([sys.executable, os.path.join(HERE, "async_save.py"), "--out", out, "--reps",
-                                 str(reps)], timeout_s, "benchmarks/async_save.py")
-        except RuntimeError as err:
-            return {"failed": str(err)[-3000:]}
+        problem = bounded([sys.executable, os.path.join(HERE, "async_save.py"), "--out", out, "--reps", str(reps)],
+                          timeout_s, "benchmarks/async_save.py")
+        if problem:
+            return problem
         result = harness.read_json(out)
     return {key: result[key] for key in ("stall_over_sync", "ci95", "goal", "verdict", "median_s", "reps")
             if key in result}
@@ -83,19 +84,22 @@ def remote_learner(timeout_s: float) -> dict:
             result[name] = {"not_run": f"{max(left, 0):.0f} s of the part's {timeout_s:.0f} s left"}
             continue
         with harness.scratch_path() as out:
-            try:
-                harness.run_bounded([sys.executable, os.path.join(HERE, "remote_learner.py"), "--workload", workload,
-                                     "--quick", *flags, "--out", out], left, f"benchmarks/remote_learner.py {name}")
-            except RuntimeError as err:
-                result[name] = {"failed": str(err)[-3000:]}
-                continue
-            figures = harness.read_json(out)
-        result[name] = {key: figures[key] for key in keys if key in figures}
-        times = figures.get("seconds_per_update", {})
-        if times.get("torchrl_ray") and times.get("remote_sampled"):
-            result[name]["remote_sampled_over_torchrl_ray"] = round(
-                harness.median(times["remote_sampled"]) / harness.median(times["torchrl_ray"]), 3)
+            problem = bounded([sys.executable, os.path.join(HERE, "remote_learner.py"), "--workload", workload,
+                               "--quick", *flags, "--out", out], left, f"benchmarks/remote_learner.py {name}")
+            figures = {} if problem else harness.read_json(out)
+        result[name] = problem or {key: figures[key] for key in keys if key in figures}
     return result
+
+
+def bounded(cmd: list[str], timeout_s: float, what: str) -> dict | None:
+    """Runs ``cmd`` within ``timeout_s``: ``None`` when it succeeded, else what the report records instead."""
+    try:
+        harness.run_bounded(cmd, timeout_s, what)
+    except RuntimeError as err:
+        if "did not finish in" in str(err):
+            return {"timed_out_after_s": round(timeout_s, 1), "tail": str(err)[-3000:]}
+        return {"failed": str(err)[-3000:]}
+    return None
 
 
 def suite(timeout_s: float) -> dict:
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def failed(result: dict) -> bool:
-    """Whether a part's result holds a failure (a part not run for the budget, or skipped, is not one)."""
+    """Whether a part's result holds a failure (one not run for the budget, cut off at its bound, or skipped, is not)."""
     nested = [v for v in result.values() if isinstance(v, dict)]
     return "failed" in result or bool(result.get("exit_status")) or any(failed(v) for v in nested)
 

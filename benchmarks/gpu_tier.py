@@ -9,8 +9,8 @@ name, torch's and CUDA's versions and the machine (``harness.machine``). The mul
 when ``torch.cuda.device_count() >= 2`` and are skipped with that reason otherwise. Exits with pytest's
 status; on a machine without CUDA it refuses (exit 2) unless ``--dry-run`` is given, writing nothing.
 Budget: within 8 minutes on one H100 (each check is bounded by pytest-timeout, ``--check-timeout``, 300 s).
-The report is rewritten after each check (``exit_status`` null until the end): a run cut off at a device
-call's limit still sends back what it checked.
+The report is rewritten after each phase of each check (``exit_status`` null until the end, the check in
+progress ``running``): a run cut off at a device call's limit still sends back what it checked.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ class Report:
 
     def pytest_runtest_logreport(self, report) -> None:
         name = report.nodeid.split("::", 1)[-1]
-        entry = self.checks.setdefault(name, {"outcome": "passed", "seconds": 0.0, "figures": {}})
+        entry = self.checks.setdefault(name, {"outcome": "running", "seconds": 0.0, "figures": {}})
         entry["seconds"] = round(entry["seconds"] + report.duration, 3)
         entry["figures"].update(dict(report.user_properties))
-        if report.skipped:
+        if report.when == "call" and report.passed:
+            entry["outcome"] = "passed"
+        elif report.skipped:
             entry["outcome"] = "skipped"
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             entry["reason"] = reason.removeprefix("Skipped: ")

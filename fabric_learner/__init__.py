@@ -1,17 +1,17 @@
 """Train torchrl losses on one CPU, one GPU, or many GPUs under DDP or FSDP, unchanged.
 
-The public names are imported on first use (PEP 562): a process that needs only part of the package (a
-collector node, a collector's driver, a process torchrl spawns for its workers) does not pay for
-Lightning's import, about 2 s of CPU in every fresh interpreter. ``from fabric_learner import X`` and
-``fabric_learner.X`` behave as if everything had been imported at once.
+The public names are imported on first use (PEP 562, ``fabric_learner._lazy``): a process that needs
+only part of the package (a collector node, a collector's driver) does not import Lightning or the
+learner. ``from fabric_learner import X``, ``fabric_learner.X`` and ``fabric_learner.<submodule>`` work
+as before.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from fabric_learner import _warnings
+from fabric_learner._lazy import lazy
 
 # each public name, by the module that defines it
 _HOMES = {
@@ -39,22 +39,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from fabric_learner.trainer import Trainer
 
 
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:  # a submodule not imported yet, as `import fabric_learner.llm` would give it
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy(__name__, __path__, _HOMES)
 
 
 _warnings.quiet()

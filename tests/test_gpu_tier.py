@@ -91,14 +91,17 @@ def test_the_tier_rewrites_its_report_after_each_check_so_a_cut_off_run_leaves_w
     class Logged:
         def __init__(self, nodeid, when, outcome):
             self.nodeid, self.when, self.duration, self.user_properties = nodeid, when, 0.5, []
-            self.skipped, self.failed, self.longrepr = outcome == "skipped", outcome == "failed", "boom"
+            self.passed, self.skipped, self.failed = outcome == "passed", outcome == "skipped", outcome == "failed"
+            self.longrepr = "boom"
 
     seen = []
-    report = gpu_tier.Report(on_change=lambda: seen.append({k: dict(v) for k, v in report.checks.items()}))
-    report.pytest_runtest_logreport(Logged("cuda_checks.py::test_a", "call", "passed"))
-    report.pytest_runtest_logreport(Logged("cuda_checks.py::test_b", "call", "failed"))
-    assert [sorted(s) for s in seen] == [["test_a"], ["test_a", "test_b"]]
-    assert seen[-1]["test_b"]["outcome"] == "failed" and seen[-1]["test_a"]["outcome"] == "passed"
+    report = gpu_tier.Report(on_change=lambda: seen.append({k: v["outcome"] for k, v in report.checks.items()}))
+    for nodeid, when, outcome in [("test_a", "setup", "passed"), ("test_a", "call", "passed"),
+                                  ("test_a", "teardown", "passed"), ("test_b", "setup", "passed"),
+                                  ("test_b", "call", "failed")]:
+        report.pytest_runtest_logreport(Logged(f"cuda_checks.py::{nodeid}", when, outcome))
+    assert seen == [{"test_a": "running"}, {"test_a": "passed"}, {"test_a": "passed"},
+                    {"test_a": "passed", "test_b": "running"}, {"test_a": "passed", "test_b": "failed"}]
 
 
 def test_without_cuda_the_tier_refuses_and_writes_no_report(tmp_path, capsys):
@@ -136,7 +139,18 @@ def test_a_failure_anywhere_in_a_part_fails_the_cores_tier_and_a_skip_does_not()
     assert cores.failed({"ppo": {"ratio": 1.0}, "dqn": {"failed": "exit 1"}})
     assert cores.failed({"seconds": 400.0, "exit_status": 1})
     assert not cores.failed({"skipped": "Ray is not installed here"})
+    assert not cores.failed({"ppo": {"timed_out_after_s": 40.0}, "dqn": {"not_run": "0 s of the part's 40 s left"}})
     assert not cores.failed({"ppo": {"not_run": "10 s of the part's 360 s left"}, "seconds": 1, "exit_status": 0})
+
+
+def test_a_run_past_its_bound_records_the_bound_and_a_run_that_errs_records_its_failure():
+    import cores
+
+    assert cores.bounded([sys.executable, "-c", "pass"], 60, "a run") is None
+    cut = cores.bounded([sys.executable, "-c", "import time; time.sleep(30)"], 1, "a sleeper")
+    assert cut["timed_out_after_s"] == 1 and not cores.failed(cut)
+    erred = cores.bounded([sys.executable, "-c", "raise SystemExit(3)"], 60, "a failing run")
+    assert "a failing run failed (exit 3)" in erred["failed"] and cores.failed(erred)
 
 
 def test_rays_pack_keeps_its_binaries_executable_and_leaves_out_the_libraries_not_used(tmp_path):

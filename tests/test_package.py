@@ -17,6 +17,9 @@ def test_every_public_name_resolves_to_the_object_its_module_defines_and_dir_lis
         assert getattr(fabric_learner, name) is getattr(home, name), name
     assert set(fabric_learner.__all__) == set(fabric_learner._HOMES) and set(fabric_learner.__all__) <= set(dir(fabric_learner))
     assert fabric_learner.llm.loss_count is importlib.import_module("fabric_learner.llm").loss_count  # a submodule
+    remote = fabric_learner.remote
+    assert remote.learner is importlib.import_module("fabric_learner.remote.learner")
+    assert {"RemoteLearner", "learner", "collectors"} <= set(dir(remote)) and "llm" in dir(fabric_learner)
     try:
         fabric_learner.NoSuchName  # noqa: B018
     except AttributeError as err:

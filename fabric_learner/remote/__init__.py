@@ -7,8 +7,9 @@ the collectors' modules, not the learner's (which bring Lightning).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from fabric_learner._lazy import lazy
 
 _HOMES = {"LearnerLostError": "faults", "LearnerTimeoutError": "faults", "RemoteCollectors": "collectors",
           "RemoteLearner": "learner"}
@@ -20,9 +21,4 @@ if TYPE_CHECKING:
     from fabric_learner.remote.learner import RemoteLearner
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy(__name__, __path__, _HOMES)
