@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from fabric_learner.trainer import Trainer
 
 
-__getattr__, __dir__ = lazy(__name__, __path__, _HOMES)
+__getattr__, __dir__ = lazy(globals(), _HOMES)
 
 
 _warnings.quiet()

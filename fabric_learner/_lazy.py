@@ -12,11 +12,12 @@ import pkgutil
 from collections.abc import Callable
 
 
-def lazy(package: str, path: list[str], homes: dict[str, str]) -> tuple[Callable, Callable]:
-    """``(__getattr__, __dir__)`` for ``package``: each name of ``homes`` (name -> submodule) is imported
-    from its submodule when first asked for, and a submodule's name gives the submodule, as after its import."""
-    namespace = importlib.import_module(package).__dict__
-    submodules = {info.name for info in pkgutil.iter_modules(path)}
+def lazy(namespace: dict, homes: dict[str, str]) -> tuple[Callable, Callable]:
+    """``(__getattr__, __dir__)`` for the package whose ``globals()`` is ``namespace``: each name of ``homes``
+    (name -> submodule) is imported from its submodule when first asked for, and a submodule's name gives the
+    submodule, as after its import."""
+    package = namespace["__name__"]
+    submodules = {info.name for info in pkgutil.iter_modules(namespace["__path__"])}
 
     def __getattr__(name: str):
         if name in homes:

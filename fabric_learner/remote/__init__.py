@@ -21,4 +21,4 @@ if TYPE_CHECKING:
     from fabric_learner.remote.learner import RemoteLearner
 
 
-__getattr__, __dir__ = lazy(__name__, __path__, _HOMES)
+__getattr__, __dir__ = lazy(globals(), _HOMES)
