@@ -151,7 +151,7 @@ def compiled_updater(learner):
     from ray.dag import InputNode, MultiOutputNode
 
     from fabric_learner.remote import _shares
-    from fabric_learner.remote.actors import packed, unpacked
+    from fabric_learner.remote._wire import packed, unpacked
     from fabric_learner.remote.learner import combine
 
     with InputNode() as shares:

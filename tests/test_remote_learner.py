@@ -19,12 +19,13 @@ import pytest
 import rl_cases
 import torch
 from rl_cases import flat_params, make_batch, make_loss
+from tensordict import TensorDict
 
 from fabric_learner import LearnerLostError, LearnerTimeoutError, LocalLearner, RemoteLearner, Stage
 from fabric_learner.llm import weight_buckets
 from fabric_learner.remote import _shares
 from fabric_learner.remote import learner as learner_module
-from fabric_learner.remote.actors import packed, unpacked
+from fabric_learner.remote._wire import packed, unpacked, wire_bytes
 
 # the `ray` extra, which `make test` installs (the lent GPU machine gets Ray's runtime packed by `make gpu-wheels`);
 # where Ray is missing this module is skipped, saying why, rather than failing the whole collection
@@ -185,20 +186,41 @@ def test_grpo_token_mean_with_unequal_tokens_per_share_equals_one_process(ddp):
 
 
 def test_shares_cross_as_numpy_arrays_and_come_back_as_the_same_tensordict():
-    from tensordict import lazy_stack
-
     for case in ("dqn", "ppo", "sac"):
         batch = make_batch(case, n=8)
         sent = ray.cloudpickle.loads(ray.cloudpickle.dumps(packed(batch)))
-        assert isinstance(sent, tuple)  # numpy arrays by key, not pickled tensors
+        assert isinstance(sent[1], dict)  # numpy arrays by key, not pickled tensors
         back = unpacked(sent)
         assert back.batch_size == batch.batch_size and back["next"].batch_size == batch["next"].batch_size
         for k, v in batch.items(include_nested=True, leaves_only=True):
             assert back.get(k).dtype == v.dtype and torch.equal(back.get(k), v), k
         back.get("observation").add_(1)  # writable, and its own
         assert not torch.equal(back.get("observation"), batch.get("observation"))
-    odd = [lazy_stack(list(make_batch("dqn", n=4).unbind(0))), make_batch("dqn", n=4).bfloat16()]
-    assert all(packed(td) is td for td in odd)  # what numpy cannot carry travels as it is
+
+
+def test_a_share_carries_only_its_own_elements_whatever_tensordict_it_is():
+    """Shares are views of the caller's batch: none may drag the whole batch's storage along."""
+    _, policy = llm_cases.make_loss("token_mean")
+    chats = llm_cases.whole(llm_cases.pieces(policy))  # a lazy stack of tensorclasses and strings
+    big = make_batch("dqn", n=2048)
+    for whole in (big, big.bfloat16(), TensorDict(big.to_dict(), batch_size=[2048], device="cpu")):
+        share = _shares.split(whole, 8)[0][0]
+        wire = ray.cloudpickle.loads(ray.cloudpickle.dumps(packed(share)))
+        assert wire_bytes(wire) < share.bytes() + 4096 < whole.bytes() / 4  # the share and its keys, not the batch
+        back = unpacked(wire)
+        assert type(back) is type(share) and back.device == share.device
+        for k, v in share.items(include_nested=True, leaves_only=True):
+            assert back.get(k).dtype == v.dtype and torch.equal(back.get(k), v), k
+    shares, _ = _shares.split(chats, 2)
+    for share in shares:
+        back = unpacked(ray.cloudpickle.loads(ray.cloudpickle.dumps(packed(share))))
+        assert type(back) is type(share) and back.batch_size == share.batch_size
+        for got, sent in zip(back.tensordicts, share.tensordicts):
+            assert got.get("history").full.content == sent.get("history").full.content  # text as it was
+            for k, v in sent.items(include_nested=True, leaves_only=True):
+                assert type(got.get(k)) is type(v) and torch.equal(got.get(k), v), k
+        back.tensordicts[0].get(("tokens", "full")).zero_()  # writable, and its own
+        assert share.tensordicts[0].get(("tokens", "full")).any()
 
 
 def test_token_shares_deal_the_longest_samples_first_to_the_lightest_rank():

@@ -19,7 +19,7 @@ TOKEN_MASKS = (("masks", "all_attention_mask"), ("masks", "all_assistant_mask"))
 
 
 def split(batch: TensorDictBase, ranks: int) -> tuple[list[TensorDictBase], list[list[int]] | None]:
-    """``ranks`` shares of ``batch``, each a standalone copy (it pickles only its own data).
+    """``ranks`` shares of ``batch``: views of its tensors (``remote._wire`` copies out just their elements).
 
     Returns the shares and, for balanced lazy stacks, the sample indices each share holds
     (``None`` for contiguous equal shares). Raises ``ValueError`` (nothing sent) when a plain batch
@@ -35,13 +35,13 @@ def split(batch: TensorDictBase, ranks: int) -> tuple[list[TensorDictBase], list
                          "Nothing was sent. Give a larger batch or fewer num_learners.")
     if isinstance(batch, LazyStackedTensorDict) and batch.stack_dim == 0 and _ragged(batch):
         groups = balanced_shares(sample_tokens(batch), ranks)
-        return [lazy_stack([batch.tensordicts[i] for i in g]).clone() for g in groups], groups
+        return [lazy_stack([batch.tensordicts[i] for i in g]) for g in groups], groups
     if n % ranks:
         raise ValueError(
             f"The batch's {n} samples do not split into {ranks} equal shares, and unequal shares would weigh the "
             "samples of the smaller ones more than one process does. Nothing was sent. Give a batch size divisible "
             f"by num_learners={ranks}.")
-    return [share.clone() for share in batch.split(n // ranks)], None
+    return list(batch.split(n // ranks)), None
 
 
 def _ragged(batch: LazyStackedTensorDict) -> bool:

@@ -23,7 +23,8 @@ import traceback
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+
+from fabric_learner.remote._wire import packed, unpacked
 
 
 class LearnerRank:
@@ -70,18 +71,19 @@ class LearnerRank:
 
     # ---- the contract, on this rank -----------------------------------------------------------
 
-    def update(self, share) -> tuple[Any, int, int, float, Any, float]:
+    def update(self, share, write_back: bool = True) -> tuple[Any, int, int, float, Any, float]:
         """One ``update`` on this rank's share: ``(output, num_updates, skipped_updates, weight, written, seconds)``.
 
         ``weight`` is what the share's loss averaged over (tokens or samples for torchrl's LLM
         losses, else the share's sample count): the controller averages the ranks' outputs by it.
-        ``written``: the entries the loss added to the share (DQN's ``td_error``), or ``None``.
-        ``seconds``: this rank's wall time in ``FabricLearner.update`` (what an SPMD rank spends on it).
+        ``written``: with ``write_back``, the entries the loss added to the share (DQN's
+        ``td_error``), else ``None``. ``seconds``: this rank's wall time in ``FabricLearner.update``
+        (what an SPMD rank spends on it).
         """
         self._thread = threading.get_ident()
         learner = self.learner
         share = unpacked(share)
-        keys = set(share.keys(include_nested=True, leaves_only=True))
+        keys = set(share.keys(include_nested=True, leaves_only=True)) if write_back else None
         first = learner._accum_step == 0
         before = None if first or learner._window_count is None else learner._window_count
         start = time.perf_counter()
@@ -91,7 +93,7 @@ class LearnerRank:
             weight = float(learner._window_count - (0 if before is None else before))
         else:
             weight = float(share.batch_size[0])
-        new = [k for k in share.keys(include_nested=True, leaves_only=True) if k not in keys]
+        new = [k for k in share.keys(include_nested=True, leaves_only=True) if k not in keys] if write_back else []
         written = packed(share.select(*new)) if new else None
         return packed(out), learner.num_updates, learner.skipped_updates, weight, written, seconds
 
@@ -179,41 +181,3 @@ def built(payload: Any) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         return made
     return made, None
 
-
-_PACKED = "fabric_learner.packed"
-_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-                 torch.uint8, torch.bool}
-
-
-def packed(td: Any) -> Any:
-    """A plain CPU TensorDict as numpy arrays by key, else ``td`` as it is.
-
-    Why: pickling a torch tensor costs about 0.4 ms here (its storage goes through torch's own
-    reducer), a numpy array about 0.015 ms, so a batch of ten entries crosses a process boundary
-    several milliseconds faster this way. Only when :func:`unpacked` rebuilds the very same
-    TensorDict: every nested TensorDict with the root's batch size, tensors of a numpy dtype on the
-    CPU, nothing else; lazy stacks, GPU tensors, bfloat16 and the rest travel as they are.
-    """
-    if type(td) is not TensorDict or td.device is not None:
-        return td
-    arrays = {}
-    for key, value in td.items(include_nested=True):
-        if isinstance(value, TensorDictBase):
-            if type(value) is not TensorDict or value.batch_size != td.batch_size:
-                return td
-            continue
-        if (not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor or value.device.type != "cpu"
-                or value.dtype not in _NUMPY_DTYPES):
-            return td
-        arrays[key] = value.detach().numpy()
-    return (_PACKED, arrays, tuple(td.batch_size))
-
-
-def unpacked(obj: Any) -> Any:
-    """What :func:`packed` made, as the TensorDict it was (tensors of their own: Ray's arrays are read-only)."""
-    if not (isinstance(obj, tuple) and len(obj) == 3 and obj[0] == _PACKED):
-        return obj
-    td = TensorDict(batch_size=obj[2])
-    for key, array in obj[1].items():
-        td.set(key, torch.from_numpy(array.copy()))
-    return td

@@ -23,7 +23,7 @@ from torch import nn
 
 from fabric_learner.learner import Capabilities, Learner
 from fabric_learner.remote import _runtime, _shares
-from fabric_learner.remote.actors import packed, unpacked
+from fabric_learner.remote._wire import packed, unpacked, wire_bytes
 from fabric_learner.remote.faults import LearnerLostError, LearnerTimeoutError, gather
 
 # shares of at most this many tensor bytes are passed inside the actor call; larger ones through the object store.
@@ -324,14 +324,18 @@ class RemoteLearner(Learner):
         import ray
 
         sizes = [int(share.bytes()) for share in shares]
+        wires = [packed(share) for share in shares]  # copied out of the caller's batch here, whatever it does next
+        inline = [wire_bytes(wire) <= INLINE_BYTES for wire in wires]
         # a small share rides inside the call (Ray inlines it into the task), a large one goes through the
         # object store once: ray.put of a small share cost about 1.8 ms here against 0.4 ms inline
-        args = [packed(share) if size <= INLINE_BYTES else ray.put(packed(share)) for share, size in zip(shares, sizes)]
-        handle = PendingUpdate(self, [a.update.remote(arg) for a, arg in zip(self._actors, args)])
-        handle._batch = batch if groups is None else None  # contiguous shares: what the loss writes comes back
-        inline = sum(size for size in sizes if size <= INLINE_BYTES)
-        handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(sizes), "inline_bytes": inline,
-                           "object_store_bytes": sum(sizes) - inline}
+        args = [wire if small else ray.put(wire) for wire, small in zip(wires, inline)]
+        write_back = groups is None  # contiguous shares: what the loss writes comes back into the caller's batch
+        handle = PendingUpdate(self, [a.update.remote(arg, write_back) for a, arg in zip(self._actors, args)])
+        handle._batch = batch if write_back else None
+        inline_bytes = sum(size for size, small in zip(sizes, inline) if small)
+        handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(sizes), "inline_bytes": inline_bytes,
+                           "object_store_bytes": sum(sizes) - inline_bytes,
+                           "wire_bytes": sum(wire_bytes(wire) for wire in wires)}
         self._in_flight.append(handle)
         return handle.result() if wait else handle
 
