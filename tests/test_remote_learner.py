@@ -191,11 +191,15 @@ def test_shares_cross_as_numpy_arrays_and_come_back_as_the_same_tensordict():
         sent = ray.cloudpickle.loads(ray.cloudpickle.dumps(packed(batch)))
         assert isinstance(sent[1], dict)  # numpy arrays by key, not pickled tensors
         back = unpacked(sent)
+        assert back.device is None
         assert back.batch_size == batch.batch_size and back["next"].batch_size == batch["next"].batch_size
         for k, v in batch.items(include_nested=True, leaves_only=True):
             assert back.get(k).dtype == v.dtype and torch.equal(back.get(k), v), k
         back.get("observation").add_(1)  # writable, and its own
         assert not torch.equal(back.get("observation"), batch.get("observation"))
+    sampled = make_batch("dqn", n=8).to("cpu")  # a replay buffer's sample says device="cpu"
+    sent = packed(sampled)
+    assert isinstance(sent[1], dict) and unpacked(sent).device == torch.device("cpu")
 
 
 def test_a_share_carries_only_its_own_elements_whatever_tensordict_it_is():

@@ -6,8 +6,8 @@ caller's batch) the whole batch's storage, once per share. Cloning each share fi
 and doubles the copying. Instead, CPU tensors of a numpy dtype cross as numpy arrays (about 0.015 ms
 each; numpy pickles just the elements a view shows):
 
-- a plain TensorDict (every nested one with the root's batch size) as a dict of arrays by key, which
-  Ray carries without pickling them (out-of-band buffers);
+- a plain TensorDict on the CPU (every nested one with the root's batch size; a replay buffer's
+  sample) as a dict of arrays by key, which Ray carries without pickling them (out-of-band buffers);
 - any other TensorDict (a lazy stack of chats, tensorclasses, non-tensor data) as bytes from a
   pickler that reduces such tensors to arrays, and any other tensor (bfloat16, a GPU's, one that
   requires grad) that is a view to a copy of just its elements; everything else as Ray pickles it.
@@ -29,6 +29,7 @@ from tensordict import TensorDict, TensorDictBase
 
 _ARRAYS = "fabric_learner.packed"
 _PICKLED = "fabric_learner.pickled"
+_CPU = torch.device("cpu")
 _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
                  torch.uint8, torch.bool}
 
@@ -39,14 +40,14 @@ def packed(td: Any) -> Any:
         return td
     arrays = _arrays(td)
     if arrays is not None:
-        return (_ARRAYS, arrays, tuple(td.batch_size))
+        return (_ARRAYS, arrays, tuple(td.batch_size), None if td.device is None else "cpu")
     return (_PICKLED, _dumps(td))
 
 
 def unpacked(obj: Any) -> Any:
     """What :func:`packed` made, as the TensorDict it was (tensors of their own: Ray's arrays are read-only)."""
-    if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == _ARRAYS:
-        td = TensorDict(batch_size=obj[2])
+    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == _ARRAYS:
+        td = TensorDict(batch_size=obj[2], device=obj[3])
         for key, array in obj[1].items():
             td.set(key, torch.from_numpy(array.copy()))
         return td
@@ -66,7 +67,7 @@ def wire_bytes(obj: Any) -> int:
 
 def _arrays(td: TensorDictBase) -> dict | None:
     """A plain CPU TensorDict's leaves as numpy arrays by key, or ``None`` when it is anything else."""
-    if type(td) is not TensorDict or td.device is not None:
+    if type(td) is not TensorDict or td.device not in (None, _CPU):
         return None
     arrays = {}
     for key, value in td.items(include_nested=True):
