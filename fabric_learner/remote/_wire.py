@@ -10,7 +10,8 @@ each; numpy pickles just the elements a view shows):
   sample) as a dict of arrays by key, which Ray carries without pickling them (out-of-band buffers);
 - any other TensorDict (a lazy stack of chats, tensorclasses, non-tensor data) as bytes from a
   pickler that reduces such tensors to arrays, and any other tensor (bfloat16, a GPU's, one that
-  requires grad) that is a view to a copy of just its elements; everything else as Ray pickles it.
+  requires grad) that is a view to a copy of just its elements, and a memory-mapped tensor's
+  elements, never its file's name; everything else as Ray pickles it.
 
 For a GRPO share of four chats that is 0.4 ms to pickle and 0.2 ms to read back, against 1.7 ms
 and 1.0 ms cloned and pickled as Ray does. Nothing is shared with the sender's tensors: what the
@@ -25,13 +26,13 @@ import pickle
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import MemoryMappedTensor, TensorDict, TensorDictBase
 
 _ARRAYS = "fabric_learner.packed"
 _PICKLED = "fabric_learner.pickled"
 _CPU = torch.device("cpu")
 _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-                 torch.uint8, torch.bool}
+                 torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool}
 
 
 def packed(td: Any) -> Any:
@@ -66,13 +67,15 @@ def wire_bytes(obj: Any) -> int:
 
 
 def _arrays(td: TensorDictBase) -> dict | None:
-    """A plain CPU TensorDict's leaves as numpy arrays by key, or ``None`` when it is anything else."""
-    if type(td) is not TensorDict or td.device not in (None, _CPU):
+    """A plain CPU TensorDict's leaves as numpy arrays by key, or ``None`` when the arrays and the root's
+    batch size and device would not rebuild it exactly (names, a lock, an empty or different nested one)."""
+    if type(td) is not TensorDict or td.device not in (None, _CPU) or td.is_locked or _named(td):
         return None
     arrays = {}
     for key, value in td.items(include_nested=True):
         if isinstance(value, TensorDictBase):
-            if type(value) is not TensorDict or value.batch_size != td.batch_size:
+            if (type(value) is not TensorDict or value.batch_size != td.batch_size or value.device != td.device
+                    or value.is_empty() or _named(value)):
                 return None
             continue
         if not _as_array(value):
@@ -81,9 +84,15 @@ def _arrays(td: TensorDictBase) -> dict | None:
     return arrays
 
 
+def _named(td: TensorDict) -> bool:
+    return td.batch_dims > 0 and any(name is not None for name in td.names)
+
+
 def _as_array(value: Any) -> bool:
-    return (type(value) is torch.Tensor and value.device.type == "cpu" and value.dtype in _NUMPY_DTYPES
-            and value.layout is torch.strided and not value.is_nested and not value.requires_grad)
+    """A CPU tensor numpy holds as it is (a memory-mapped one too: its elements cross, not its file)."""
+    return (type(value) in (torch.Tensor, MemoryMappedTensor) and value.device.type == "cpu"
+            and value.dtype in _NUMPY_DTYPES and value.layout is torch.strided and not value.is_nested
+            and not value.requires_grad)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -102,6 +111,8 @@ def _pickler() -> type:
             if isinstance(value, torch.Tensor):
                 if _as_array(value):
                     return torch.from_numpy, (value.numpy(),)
+                if isinstance(value, MemoryMappedTensor):  # its own reducer would send the file's name
+                    return _same, (value.as_subclass(torch.Tensor).clone(),)
                 if type(value) is torch.Tensor and _is_view(value):
                     return _same, (value.detach().clone().requires_grad_(value.requires_grad),)
             return super().reducer_override(value)

@@ -76,14 +76,14 @@ class LearnerRank:
 
         ``weight`` is what the share's loss averaged over (tokens or samples for torchrl's LLM
         losses, else the share's sample count): the controller averages the ranks' outputs by it.
-        ``written``: with ``write_back``, the entries the loss added to the share (DQN's
-        ``td_error``), else ``None``. ``seconds``: this rank's wall time in ``FabricLearner.update``
-        (what an SPMD rank spends on it).
+        ``written``: with ``write_back``, the entries the loss added to the share or wrote anew
+        (DQN's ``td_error``, also when the batch already held one), else ``None``. ``seconds``:
+        this rank's wall time in ``FabricLearner.update`` (what an SPMD rank spends on it).
         """
         self._thread = threading.get_ident()
         learner = self.learner
         share = unpacked(share)
-        keys = set(share.keys(include_nested=True, leaves_only=True)) if write_back else None
+        leaves = _leaves(share) if write_back else None
         first = learner._accum_step == 0
         before = None if first or learner._window_count is None else learner._window_count
         start = time.perf_counter()
@@ -93,7 +93,8 @@ class LearnerRank:
             weight = float(learner._window_count - (0 if before is None else before))
         else:
             weight = float(share.batch_size[0])
-        new = [k for k in share.keys(include_nested=True, leaves_only=True) if k not in keys] if write_back else []
+        new = [k for k, (value, version) in _leaves(share).items()
+               if k not in leaves or leaves[k][0] is not value or leaves[k][1] != version] if write_back else []
         written = packed(share.select(*new)) if new else None
         return packed(out), learner.num_updates, learner.skipped_updates, weight, written, seconds
 
@@ -168,6 +169,11 @@ class LearnerRank:
             return "idle"
         stack = traceback.extract_stack(frame)[-3:]
         return " <- ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in reversed(stack))
+
+
+def _leaves(td) -> dict:
+    """Each leaf and, for a tensor, its version (bumped by every in-place write)."""
+    return {k: (v, getattr(v, "_version", None)) for k, v in td.items(include_nested=True, leaves_only=True)}
 
 
 def built(payload: Any) -> tuple[torch.nn.Module, torch.nn.Module | None]:

@@ -561,7 +561,7 @@ def _write_back(batch: TensorDictBase, written: list[TensorDictBase]) -> None:
     """Put what the loss wrote into the ranks' shares (DQN's ``td_error``) into the caller's batch, as one process does."""
     whole = torch.cat(written, 0)
     for key in whole.keys(include_nested=True, leaves_only=True):
-        batch.set(key, whole.get(key))
+        batch.set(key, whole.get(key), inplace=True)  # into an entry the batch holds, as the loss writes
 
 
 def _payload(loss_module: Any, policy: nn.Module | None) -> Any:
