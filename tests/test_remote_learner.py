@@ -269,14 +269,22 @@ def test_updates_in_flight_come_back_in_order_tagged_with_the_policy_version_the
     ppo.load_checkpoint(fsdp.checkpoint())
     batches = [make_batch("dqn", n=16, seed=400 + s) for s in range(3)]
     ppo_batches = [make_batch("ppo", n=16, seed=500 + s) for s in range(2)]
-    handles = [ddp.update(b, wait=False) for b in batches[:2]]
+    originals = [b.clone() for b in batches]
+
+    def sent(batch):  # the caller refills its buffer at once: the ranks train on what was sent
+        handle = ddp.update(batch, wait=False)
+        batch["observation"].zero_()
+        return handle
+
+    handles = [sent(b) for b in batches[:2]]
     ppo_handles = [fsdp.update(b, wait=False) for b in ppo_batches]
     assert len(ddp._in_flight) == 2
-    handles.append(ddp.update(batches[2], wait=False))  # max_in_flight=2: waited for the oldest first
+    handles.append(sent(batches[2]))  # max_in_flight=2: waited for the oldest first
     outs = [h.result() for h in handles]
     assert [h.policy_version for h in handles] == [start + 1, start + 2, start + 3]
-    for out, batch in zip(outs, batches):
-        torch.testing.assert_close(out["loss"], local.update(batch)["loss"], **TOL)
+    for out, batch, original in zip(outs, batches, originals):
+        torch.testing.assert_close(out["loss"], local.update(original)["loss"], **TOL)
+        torch.testing.assert_close(batch["td_error"], original["td_error"], **TOL)  # written back when collected
     for handle, batch in zip(ppo_handles, ppo_batches):
         want = ppo.update(batch)
         torch.testing.assert_close(handle.result()["loss_objective"], want["loss_objective"], **TOL)
