@@ -252,6 +252,19 @@ def assert_same_tensordict(got, want):
         assert got.get(k).dtype == v.dtype and torch.equal(got.get(k), v), k
 
 
+def test_outputs_combine_the_same_whether_they_crossed_as_arrays_or_as_tensordicts():
+    outputs = [TensorDict(loss=torch.tensor(0.1 + r, dtype=torch.float32), grad_norm=torch.tensor(3.0 + r),
+                          count=torch.tensor(5 + r), kl=torch.full((2,), 0.3 * (r + 1), dtype=torch.float64),
+                          ragged=torch.zeros(r + 1), nested=TensorDict(entropy=torch.tensor(1.0 / (r + 3))))
+               for r in range(2)]
+    weights = [3.0, 7.0]
+    fast = learner_module.combine([packed(o) for o in outputs], weights)
+    slow = learner_module.combine(outputs, weights)
+    assert_same_tensordict(fast, slow)  # bit for bit, dtypes too
+    torch.testing.assert_close(slow["loss"], torch.tensor(0.1 * 0.3 + 1.1 * 0.7))
+    assert slow["grad_norm"] == 3.0 and slow["count"] == 5 and slow["ragged"].shape == (1,)  # rank 0's
+
+
 def test_token_shares_deal_the_longest_samples_first_to_the_lightest_rank():
     assert _shares.balanced_shares([9, 1, 1, 8, 2, 3], 2) == [[0, 1, 4], [2, 3, 5]]  # 12 tokens each
     assert _shares.balanced_shares([5, 5, 5], 3) == [[0], [1], [2]]

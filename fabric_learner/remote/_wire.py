@@ -48,13 +48,21 @@ def packed(td: Any) -> Any:
 def unpacked(obj: Any) -> Any:
     """What :func:`packed` made, as the TensorDict it was (tensors of their own: Ray's arrays are read-only)."""
     if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == _ARRAYS:
-        td = TensorDict(batch_size=obj[2], device=obj[3])
-        for key, array in obj[1].items():
-            td.set(key, torch.from_numpy(array.copy()))
-        return td
+        return TensorDict({key: torch.from_numpy(array.copy()) for key, array in obj[1].items()},
+                          batch_size=obj[2], device=obj[3])
     if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _PICKLED:
         return pickle.loads(obj[1])
     return obj
+
+
+def arrays_of(obj: Any) -> dict | None:
+    """The arrays by key of what :func:`packed` made of a plain TensorDict, else ``None``."""
+    return obj[1] if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == _ARRAYS else None
+
+
+def with_arrays(obj: tuple, arrays: dict) -> tuple:
+    """What :func:`packed` made of a plain TensorDict, with other arrays (same keys, batch size, device)."""
+    return (obj[0], arrays, *obj[2:])
 
 
 def wire_bytes(obj: Any) -> int:
