@@ -201,6 +201,10 @@ def test_shares_cross_as_numpy_arrays_and_come_back_as_the_same_tensordict():
     sent = packed(sampled)
     assert isinstance(sent[1], dict) and unpacked(sent).device == torch.device("cpu")
     assert_same_tensordict(unpacked(sent), sampled)
+    unsigned = TensorDict({str(dt): torch.arange(4).to(dt) for dt in (torch.uint16, torch.uint32, torch.uint64)}, [4])
+    sent = ray.cloudpickle.loads(ray.cloudpickle.dumps(packed(unsigned)))  # torch's own pickle fails on these
+    assert isinstance(sent[1], dict)
+    assert_same_tensordict(unpacked(sent), unsigned)
     # what the arrays would not rebuild crosses pickled, exactly: names, a lock, an empty nested entry
     named = TensorDict(a=torch.arange(4.0), batch_size=[4], names=["time"])
     locked = make_batch("dqn", n=8).lock_()
