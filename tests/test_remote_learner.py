@@ -152,9 +152,14 @@ def test_sac_with_stages_keeps_the_ranks_bit_identical_and_steps_every_stage(ddp
         local = LocalLearner(make_loss("sac")[0], stages=SAC_STAGES)
         for step in range(2):
             torch.manual_seed(step)
-            got = learner.update(make_batch("sac", n=16, seed=300 + step))
-            want = local.update(make_batch("sac", n=16, seed=300 + step))
+            mine, theirs = make_batch("sac", n=16, seed=300 + step), make_batch("sac", n=16, seed=300 + step)
+            if step == 1:  # an old td_error of another dtype: SAC's loss replaces it (not in place, as DQN's writes)
+                for batch in (mine, theirs):
+                    batch.set("td_error", torch.zeros(16, dtype=torch.float64))
+            got, want = learner.update(mine), local.update(theirs)
             assert sorted(got.keys()) == sorted(want.keys())
+            layout = {k: (v.shape, v.dtype) for k, v in theirs.items(include_nested=True, leaves_only=True)}
+            assert {k: (v.shape, v.dtype) for k, v in mine.items(include_nested=True, leaves_only=True)} == layout
         model = assert_ranks_identical(learner)
         assert learner.num_updates == 2
         moved = [k for k, v in start.items() if not torch.equal(model[k], v)]
@@ -257,14 +262,24 @@ def assert_same_tensordict(got, want):
 
 
 def test_outputs_combine_the_same_whether_they_crossed_as_arrays_or_as_tensordicts():
+    import warnings
+
+    halves = torch.randn(2, 4000, generator=torch.Generator().manual_seed(0)).half()
     outputs = [TensorDict(loss=torch.tensor(0.1 + r, dtype=torch.float32), grad_norm=torch.tensor(3.0 + r),
                           count=torch.tensor(5 + r), kl=torch.full((2,), 0.3 * (r + 1), dtype=torch.float64),
-                          ragged=torch.zeros(r + 1), nested=TensorDict(entropy=torch.tensor(1.0 / (r + 3))))
+                          ragged=torch.zeros(r + 1), nested=TensorDict(entropy=torch.tensor(1.0 / (r + 3))),
+                          half=halves[r], extreme=torch.tensor([float("inf") * (1 - 2 * r), 1.0]))
                for r in range(2)]
     weights = [3.0, 7.0]
-    fast = learner_module.combine([packed(o) for o in outputs], weights)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inf - inf is nan, silently, as in torch
+        fast = learner_module.combine([packed(o) for o in outputs], weights)
     slow = learner_module.combine(outputs, weights)
-    assert_same_tensordict(fast, slow)  # bit for bit, dtypes too
+    assert fast["extreme"][0].isnan() and slow["extreme"][0].isnan()
+    fast["extreme"][0] = slow["extreme"][0] = 0
+    assert_same_tensordict(fast, slow)  # bit for bit, dtypes too (half rounds through float32 as torch does)
+    on_cpu = [o.to("cpu") for o in outputs]
+    assert learner_module.combine([packed(o) for o in on_cpu], weights).device == learner_module.combine(on_cpu, weights).device
     torch.testing.assert_close(slow["loss"], torch.tensor(0.1 * 0.3 + 1.1 * 0.7))
     assert slow["grad_norm"] == 3.0 and slow["count"] == 5 and slow["ragged"].shape == (1,)  # rank 0's
 
@@ -307,6 +322,45 @@ def test_updates_in_flight_come_back_in_order_tagged_with_the_policy_version_the
         torch.testing.assert_close(handle.result()["loss_objective"], want["loss_objective"], **TOL)
     assert_close_state(rank_models(ddp)[0], local.loss_module.state_dict())
     assert_close_state(rank_models(fsdp)[0], ppo.loss_module.state_dict())
+
+
+def test_a_failure_after_the_ranks_stepped_stays_with_its_own_update(ddp, monkeypatch):
+    """The controller's own part of an update can still fail (here: its write-back, made to fail once): the
+    counters move (the ranks stepped), that update's handle keeps the error, the next one is unaffected."""
+    real, calls = learner_module._write_back, []
+
+    def fails_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise ValueError("write-back failed")
+        return real(*args)
+
+    monkeypatch.setattr(learner_module, "_write_back", fails_once)
+    start = ddp.num_updates
+    first = ddp.update(make_batch("dqn", n=16, seed=800), wait=False)
+    second = ddp.update(make_batch("dqn", n=16, seed=801), wait=False)
+    with pytest.raises(ValueError, match="write-back failed"):
+        second.result()  # the first failure among the updates it waits for
+    with pytest.raises(ValueError, match="write-back failed"):
+        first.result()
+    assert "loss" in second.result().keys() and second.policy_version == ddp.num_updates == start + 2
+
+
+def test_a_lazy_stack_split_evenly_gets_back_only_what_the_loss_wrote(ddp):
+    """A lazy stack reads as new stacked tensors each time: the rank looks at its samples' own entries."""
+    from tensordict import lazy_stack
+
+    local = local_dqn()
+    local.load_checkpoint(ddp.checkpoint())
+    batch = make_batch("dqn", n=16, seed=700)
+    mine, theirs = lazy_stack(list(batch.clone().unbind(0))), batch.clone()
+    pending = ddp.update(mine, wait=False)
+    for sample in mine.tensordicts:  # refilled: what the loss did not write must stay as the caller left it
+        sample.get("observation").zero_()
+    pending.result()
+    local.update(theirs)
+    assert not mine.get("observation").any()
+    torch.testing.assert_close(mine.get("td_error"), theirs.get("td_error"), **TOL)  # equal shares, as one process
 
 
 @pytest.fixture(scope="module")

@@ -45,10 +45,11 @@ def split(batch: TensorDictBase, ranks: int) -> tuple[list[TensorDictBase], list
 
 
 def _ragged(batch: LazyStackedTensorDict) -> bool:
-    """Whether the stacked samples differ in shape somewhere (a padded batch would not)."""
+    """Whether the samples' attention masks differ in length (a language model's unpadded batch). A stack
+    without them (a replay buffer's samples) is cut into equal shares like a plain batch."""
     try:
-        batch.get(TOKEN_MASKS[0])
-    except (RuntimeError, KeyError, ValueError):
+        batch.get(TOKEN_MASKS[0], None)
+    except (RuntimeError, ValueError):  # they cannot be stacked
         return True
     return False
 

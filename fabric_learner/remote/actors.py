@@ -23,6 +23,7 @@ import traceback
 from typing import Any
 
 import torch
+from tensordict import LazyStackedTensorDict
 
 from fabric_learner.remote._wire import packed, unpacked
 
@@ -76,9 +77,10 @@ class LearnerRank:
 
         ``weight`` is what the share's loss averaged over (tokens or samples for torchrl's LLM
         losses, else the share's sample count): the controller averages the ranks' outputs by it.
-        ``written``: with ``write_back``, the entries the loss added to the share or wrote anew
-        (DQN's ``td_error``, also when the batch already held one), else ``None``. ``seconds``:
-        this rank's wall time in ``FabricLearner.update`` (what an SPMD rank spends on it).
+        ``written``: with ``write_back``, ``(entries, in_place)``: the entries the loss added to the
+        share, replaced or wrote into (DQN's ``td_error``, also when the batch already held one), and
+        the keys of those it wrote into in place; else ``None``. ``seconds``: this rank's wall time
+        in ``FabricLearner.update`` (what an SPMD rank spends on it).
         """
         self._thread = threading.get_ident()
         learner = self.learner
@@ -93,9 +95,10 @@ class LearnerRank:
             weight = float(learner._window_count - (0 if before is None else before))
         else:
             weight = float(share.batch_size[0])
-        new = [k for k, (value, version) in _leaves(share).items()
-               if k not in leaves or leaves[k][0] is not value or leaves[k][1] != version] if write_back else []
-        written = packed(share.select(*new)) if new else None
+        written = None
+        if write_back:
+            new, in_place = _written(leaves, _leaves(share))
+            written = (packed(share.select(*new)), in_place) if new else None
         return packed(out), learner.num_updates, learner.skipped_updates, weight, written, seconds
 
     def get_weights(self):
@@ -172,8 +175,31 @@ class LearnerRank:
 
 
 def _leaves(td) -> dict:
-    """Each leaf and, for a tensor, its version (bumped by every in-place write)."""
-    return {k: (v, getattr(v, "_version", None)) for k, v in td.items(include_nested=True, leaves_only=True)}
+    """Each leaf key's stored objects with, for tensors, their versions (bumped by every in-place write).
+
+    A lazy stack builds a new stacked tensor at every read, so its samples' own leaves are listed.
+    """
+    if isinstance(td, LazyStackedTensorDict):
+        merged: dict = {}
+        for part in td.tensordicts:
+            for key, seen in _leaves(part).items():
+                merged.setdefault(key, []).extend(seen)
+        return merged
+    return {k: [(v, getattr(v, "_version", None))] for k, v in td.items(include_nested=True, leaves_only=True)}
+
+
+def _written(before: dict, after: dict) -> tuple[list, list]:
+    """The keys the loss added, replaced or wrote into between ``before`` and ``after``; and of them, those
+    it wrote into in place (the same objects, newer versions)."""
+    written, in_place = [], []
+    for key, seen in after.items():
+        old = before.get(key)
+        if old is None or len(old) != len(seen) or any(a is not b for (a, _), (b, _) in zip(old, seen)):
+            written.append(key)
+        elif any(va != vb for (_, va), (_, vb) in zip(old, seen)):
+            written.append(key)
+            in_place.append(key)
+    return written, in_place
 
 
 def built(payload: Any) -> tuple[torch.nn.Module, torch.nn.Module | None]:

@@ -359,16 +359,22 @@ class RemoteLearner(Learner):
                 head._error = err
                 raise
             self._in_flight.popleft()
-            head._result = combine([a[0] for a in answers], [a[3] for a in answers])
-            self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]
+            self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]  # the ranks stepped, whatever follows
             head.policy_version = self.num_updates
-            head.transfer["returned_bytes"] = sum(wire_bytes(a[0]) + wire_bytes(a[4]) for a in answers)
-            written = [unpacked(a[4]) for a in answers]
-            if head._batch is not None and all(w is not None for w in written):
-                _write_back(head._batch, written)
-            head._batch = None
+            head.transfer["returned_bytes"] = sum(wire_bytes(a[0]) + (wire_bytes(a[4][0]) if a[4] else 0)
+                                                  for a in answers)
             self.last_transfer = head.transfer
             self.last_rank_seconds = [float(a[5]) for a in answers]
+            try:
+                result = combine([a[0] for a in answers], [a[3] for a in answers])
+                if head._batch is not None and all(a[4] is not None for a in answers):
+                    _write_back(head._batch, [unpacked(a[4][0]) for a in answers], answers[0][4][1])
+            except BaseException as err:  # this update's own error, kept on its handle as the ranks' are
+                head._error = err
+                raise
+            finally:
+                head._batch = None
+            head._result = result
             if head is handle:
                 return
 
@@ -551,15 +557,18 @@ def combine(outputs: list[Any], weights: list[float]) -> TensorDictBase:
     if all(arrays_of(o) is not None for o in outputs):
         first = arrays_of(outputs[0])
         out = {}
-        for key, value in first.items():
-            if _averaged(key, value.dtype.kind == "f", [arrays_of(o)[key].shape for o in outputs]):
-                mean = sum(arrays_of(o)[key].astype(numpy.float64) * (w / total) for o, w in zip(outputs, weights))
-                value = numpy.asarray(mean, dtype=value.dtype)
-            out[key] = value
+        with numpy.errstate(all="ignore"):  # inf - inf is nan here as in torch, without numpy's warning
+            for key, value in first.items():
+                if _averaged(key, value.dtype.kind == "f", [arrays_of(o)[key].shape for o in outputs]):
+                    mean = sum(arrays_of(o)[key].astype(numpy.float64) * (w / total) for o, w in zip(outputs, weights))
+                    if value.dtype == numpy.float16:  # torch rounds float64 to half through float32
+                        mean = numpy.asarray(mean).astype(numpy.float32)
+                    value = numpy.asarray(mean).astype(value.dtype)
+                out[key] = value
         return unpacked(with_arrays(outputs[0], out))
     outputs = [unpacked(o) for o in outputs]
     first = outputs[0]
-    out = TensorDict({}, batch_size=first.batch_size)
+    out = TensorDict({}, batch_size=first.batch_size, device=first.device)
     for key in first.keys(include_nested=True, leaves_only=True):
         value = first.get(key)
         if isinstance(value, torch.Tensor) and _averaged(key, value.is_floating_point(),
@@ -574,11 +583,12 @@ def _averaged(key, floating: bool, shapes: list) -> bool:
     return floating and not name.startswith("grad_norm") and all(shape == shapes[0] for shape in shapes)
 
 
-def _write_back(batch: TensorDictBase, written: list[TensorDictBase]) -> None:
-    """Put what the loss wrote into the ranks' shares (DQN's ``td_error``) into the caller's batch, as one process does."""
+def _write_back(batch: TensorDictBase, written: list[TensorDictBase], in_place: list) -> None:
+    """Put what the loss wrote into the ranks' shares (DQN's ``td_error``) into the caller's batch, as one process
+    does: into the entry the batch holds where the loss wrote in place, else as a new or replacing entry."""
     whole = torch.cat(written, 0)
     for key in whole.keys(include_nested=True, leaves_only=True):
-        batch.set(key, whole.get(key), inplace=True)  # into an entry the batch holds, as the loss writes
+        batch.set(key, whole.get(key), inplace=key in in_place)
 
 
 def _payload(loss_module: Any, policy: nn.Module | None) -> Any:
