@@ -47,17 +47,22 @@ def packed(td: Any) -> Any:
 
 def unpacked(obj: Any) -> Any:
     """What :func:`packed` made, as the TensorDict it was (tensors of their own: Ray's arrays are read-only)."""
-    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == _ARRAYS:
-        return TensorDict({key: torch.from_numpy(array.copy()) for key, array in obj[1].items()},
+    arrays, pickled = arrays_of(obj), _pickled_of(obj)
+    if arrays is not None:
+        return TensorDict({key: torch.from_numpy(array.copy()) for key, array in arrays.items()},
                           batch_size=obj[2], device=obj[3])
-    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _PICKLED:
-        return pickle.loads(obj[1])
+    if pickled is not None:
+        return pickle.loads(pickled)
     return obj
 
 
 def arrays_of(obj: Any) -> dict | None:
     """The arrays by key of what :func:`packed` made of a plain TensorDict, else ``None``."""
     return obj[1] if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == _ARRAYS else None
+
+
+def _pickled_of(obj: Any) -> bytes | None:
+    return obj[1] if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _PICKLED else None
 
 
 def with_arrays(obj: tuple, arrays: dict) -> tuple:
@@ -67,11 +72,10 @@ def with_arrays(obj: tuple, arrays: dict) -> tuple:
 
 def wire_bytes(obj: Any) -> int:
     """The size of what :func:`packed` made, as Ray will carry it (arrays' elements, or the pickled bytes)."""
-    if isinstance(obj, tuple) and obj and obj[0] == _ARRAYS:
-        return sum(a.nbytes for a in obj[1].values())
-    if isinstance(obj, tuple) and obj and obj[0] == _PICKLED:
-        return len(obj[1])
-    return 0
+    arrays, pickled = arrays_of(obj), _pickled_of(obj)
+    if arrays is not None:
+        return sum(a.nbytes for a in arrays.values())
+    return 0 if pickled is None else len(pickled)
 
 
 def _arrays(td: TensorDictBase) -> dict | None:
