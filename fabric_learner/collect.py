@@ -133,10 +133,13 @@ class _Supervisor:
             time.sleep(POLL_S)
             return None
         slot = directory.count(f"rank{rank}", f"e{epoch}", "join", add=1) - 1
-        group = directory.wait_for(f"rank{rank}", f"e{epoch}", "group", timeout_s=self.wait_s,
-                                   alive=lambda: directory.count(f"rank{rank}", "epochs") - 1 == epoch)
+        # as long as this build is the rank's current one: its driver may take long to start on a loaded host, and
+        # a collector that left it would leave the driver waiting for a node that never comes
+        group = directory.wait_for(f"rank{rank}", f"e{epoch}", "group", timeout_s=float("inf"),
+                                   alive=lambda: (directory.count(f"rank{rank}", "epochs") - 1 == epoch
+                                                  and not directory.has(f"rank{rank}", "done")))
         if group is None:
-            return None  # a newer build started meanwhile: join that one
+            return None  # a newer build started meanwhile (join that one), or the rank's collection ended
         host, port, nodes = group.decode().split()
         if slot >= int(nodes):  # came back too late for this build
             _wait_for_next_build(directory, rank, epoch)

@@ -323,6 +323,28 @@ def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_a
     assert code == 1 and f"no directory at 127.0.0.1:{wrong} for 15 s: ending (check that --connect" in wrong_port["log"]
 
 
+def test_a_collector_waits_for_its_build_however_long_the_learner_rank_s_driver_takes_to_start(tmp_path):
+    """A driver process starts slowly on a loaded host (a spawned interpreter's imports): a collector that had joined
+    its build used to give up on it after its --wait seconds, and the build waited for a node that never came."""
+    from fabric_learner.remote.directory import Directory
+
+    port = free_port()
+    directory = Directory.host(f"127.0.0.1:{port}", world=1)  # learner rank 0's side, its driver not yet up
+    directory.count("rank0", "epochs", add=1)
+    collectors = Collectors(tmp_path, port, n=0)
+    collectors.add("--learner-rank", "0", wait=2)
+    try:
+        wait_until(lambda: directory.count("rank0", "e0", "join") == 1, "the collector's join")
+        time.sleep(4)  # past the collector's --wait: the driver is still starting
+        directory.store.set(directory.key("rank0", "e0", "group"), f"127.0.0.1 {free_port()} 1")
+        wait_until(lambda: "build 0 of learner rank 0" in collectors.log(0), "the collector's taking its place")
+        directory.store.set(directory.key("rank0", "done"), "1")
+        assert collectors.procs[0].wait(60) == 0, collectors.log(0)
+    finally:
+        collectors.kill_all()
+    assert "collector 1 of 1" in collectors.log(0) and directory.count("rank0", "e0", "join") == 1, collectors.log(0)
+
+
 def test_status_lines_reach_stderr_in_one_write_so_ranks_sharing_a_pipe_never_split_them(monkeypatch):
     """Under ``python -u`` each write reaches the pipe at once: print's separate newline let another rank's
     line land inside this one (``[learner rank 0 ...] waiting ...[learner rank 1 ...] waiting ...``)."""

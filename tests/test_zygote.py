@@ -38,9 +38,9 @@ def test_ranks_are_separate_processes_with_a_launchers_environment_and_imports_d
 
 
 def test_a_process_left_running_is_counted_and_killed_even_in_a_session_of_its_own(tmp_path):
+    # the orphan sleeps 120 s holding the output pipe: within the 60-s bound, the launch ended with the ranks
     proc = launch(PROBE, "orphan", tmp_path, nproc=2, timeout=60)
     assert proc.returncode == 0 and proc.leftovers == 1, proc.stdout
-    assert proc.seconds < 30  # it holds the output pipe: the launch ends with the ranks, not with it
     assert tagged_pids(proc.tag) == []
 
 
@@ -50,8 +50,8 @@ def test_a_variable_the_imports_already_read_cannot_be_changed_by_a_launch(tmp_p
 
 
 def test_a_failed_rank_ends_its_peers_and_the_launch_fails(tmp_path):
-    proc = launch(PROBE, "fail", tmp_path, nproc=2, timeout=60)
-    assert proc.returncode == 1 and proc.leftovers == 0 and proc.seconds < 30, proc.stdout
+    proc = launch(PROBE, "fail", tmp_path, nproc=2, timeout=60)  # the peer would sleep 120 s: it was ended
+    assert proc.returncode == 1 and proc.leftovers == 0, proc.stdout
     assert "rank 1 fails on purpose" in proc.stdout
 
 
@@ -93,8 +93,8 @@ def test_a_plain_python_run_relayed_alone_starts_with_its_imports_done_and_count
 
 
 def test_a_relayed_rank_that_fails_fails_the_launch_and_its_peer_is_ended(tmp_path):
-    proc = run(torchrun(RELAY, PROBE, "fail", tmp_path), timeout=120, **forked_ranks())
-    assert proc.returncode == 1 and proc.leftovers == 0 and proc.seconds < 60, proc.stdout
+    proc = run(torchrun(RELAY, PROBE, "fail", tmp_path), timeout=90, **forked_ranks())  # its peer would sleep 120 s
+    assert proc.returncode == 1 and proc.leftovers == 0, proc.stdout
     assert "rank 1 fails on purpose" in proc.stdout
     codes = elastic_exit_codes(proc.stdout)  # rank 1's status, and rank 0 ended by torchrun's signal through the relay
     assert codes[1] == 1 and codes[0] != 0, (codes, proc.stdout[-3000:])

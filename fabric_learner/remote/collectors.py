@@ -64,7 +64,8 @@ class RemoteCollectors:
             gone silent, a group that stopped delivering) this rank allows; the next fault ends the run.
         rejoin_s (float): how long a rebuild waits for collectors under ``"continue"``.
         timeout_s (float): how long this rank waits for its first collector before the run ends, and, once a
-            group is built, for each batch before it counts the group as failed and rebuilds it.
+            group is built, for each batch before it counts the group as failed and rebuilds it (a build's first
+            batch gets as much more time as its driver process took to start: a loaded host starts both slowly).
         collector_kwargs (dict, optional): passed to torchrl's ``Collector`` inside each collector process
             (``auto_register_policy_transforms`` defaults to ``False`` there; pass ``True`` for a recurrent policy).
 
@@ -127,6 +128,7 @@ class RemoteCollectors:
         self._seen = self._had = False  # a collector has connected to this rank / joined one of its builds
         self._connected = 0  # collectors that took their turn serving this rank, in all
         self._started_t = self._last_batch_t = self._formed_t = 0.0
+        self._startup_s = 0.0  # how long the current build's driver took to start (it says so in the directory)
         self._delivered = False  # the current build has delivered a batch
         self._epoch, self._joined, self._nodes, self._build_read_t = 0, 0, 0, 0.0  # the current build, as last read
         self._next_line_t, self._line_gap, self._said_waiting = 0.0, WAIT_LINE_S, False
@@ -232,14 +234,14 @@ class RemoteCollectors:
     def _start_driver(self) -> None:
         epoch = self._directory.count(f"rank{self.rank}", "epochs", add=1) - 1
         spec = _driver.DriverSpec(address=self.address, host=self.host, rank=self.rank, expected=self.share,
-                                  policy=self.policy, seed=self._seed, **self._spec_args)
+                                  policy=self.policy, seed=self._seed, started_at=time.time(), **self._spec_args)
         self._batches, self._weights, self._stop = self._ctx.Queue(maxsize=1), self._ctx.Queue(), self._ctx.Event()
         self._driver = self._ctx.Process(target=_driver.run, args=(spec, epoch, self._batches, self._weights, self._stop),
                                          daemon=True, name=f"fabric_learner-driver-{self.rank}")
         self._driver.start()
         self._builds += 1
         self._epoch, self._joined, self._nodes, self._build_read_t = epoch, 0, 0, 0.0
-        self._formed_t, self._delivered = 0.0, False
+        self._formed_t, self._startup_s, self._delivered = 0.0, 0.0, False
         self._offer_latest()
 
     def _offer_latest(self) -> None:
@@ -273,7 +275,9 @@ class RemoteCollectors:
         self._had = self._had or joined > 0
         self._seen = self._seen or self._had or self._connected > 0
         if nodes and not self._formed_t:
-            self._formed_t = now
+            # the build's first batch may take timeout_s beyond what its driver took to start: its nodes start (a
+            # group, environments, a collector) about as slowly, so a loaded host is not mistaken for a stalled group
+            self._formed_t = now + self._startup_s
         stalled = False
         if not force and driver is not None and driver.is_alive():
             if not nodes and not self._seen and now - self._started_t > self.timeout_s:
@@ -310,6 +314,7 @@ class RemoteCollectors:
                 self._joined = min(self._directory.count(*build, "join"), self.share)
                 if self._directory.has(*build, "group"):
                     self._nodes = int(self._directory.store.get(self._directory.key(*build, "group")).split()[2])
+                    self._startup_s = float(self._directory.store.get(self._directory.key(*build, "up")))
             except Exception:  # noqa: BLE001 - the directory went with learner rank 0; its collective errors tell
                 pass
         return self._joined, self._nodes

@@ -9,6 +9,7 @@ collector is a client. It carries no tensors, only who serves whom::
     <run>/rank<r>/connected              counter: collectors that took a turn serving rank r
     <run>/rank<r>/epochs                 counter: rank r's driver builds, one per (re)build
     <run>/rank<r>/e<e>/join              counter: collectors that joined build e (their slot), nodes imported
+    <run>/rank<r>/e<e>/up                seconds build e's driver took to start (before its group)
     <run>/rank<r>/e<e>/group             "HOST PORT NODES": where build e's torchrl group meets
     <run>/rank<r>/e<e>/beat<slot>        counter: the collector in that slot is alive (its supervisor beats)
     <run>/rank<r>/e<e>/fault             set by a collector whose node died during build e, or by the driver

@@ -47,6 +47,7 @@ class DriverSpec:
     rejoin_s: float
     timeout_s: float
     collector_kwargs: dict
+    started_at: float = 0.0  # time.time() when the learner rank started this driver
 
 
 class SeededEnv:
@@ -110,6 +111,9 @@ def run(spec: DriverSpec, epoch: int, batches, weights, stop) -> None:
         return os.getppid() == parent and not stop.is_set()
 
     directory = Directory.connect(spec.address)
+    # how long this driver took to start (a spawned interpreter, its imports): the learner rank gives the build's
+    # first batch that much more time, since the nodes start as slowly on a loaded host
+    directory.store.set(directory.key(f"rank{spec.rank}", f"e{epoch}", "up"), f"{time.time() - spec.started_at:.3f}")
     nodes = _wait_for_joins(directory, spec, epoch, parent_alive)
     if not nodes:
         os._exit(0)  # told to stop while waiting
