@@ -2,27 +2,17 @@
 
     python benchmarks/async_collection.py [--repeats 3] [--frames 6000] [--out benchmarks/results/async_collection.json]
 
-Each repeat launches both contenders one after the other (interleaved: sync, async, sync, ...),
-each a fresh 2-rank run (``FabricLearner(devices=2)`` from plain python, gloo, one thread per
-process) of ``fabric_learner.Trainer`` with the same DQN, replay buffer, frames per batch and
-optimizer steps per batch:
-
-- ``sync``: each rank's ``torchrl.collectors.Collector`` steps CartPole in the rank's process,
-  then the rank trains on the batch (the default path).
-- ``async``: each rank's ``torchrl.collectors.AsyncCollector`` steps CartPole in another process
-  while the rank trains; ``AsyncCollection(max_policy_lag=LAG)``.
-
-Reported per contender (medians over repeats): global frames/s and updates/s in steady state
-(from the first round to the last; the whole ``train()`` too, whose start includes the
-asynchronous collector's worker start-up),
-the final return (rank 0: mean over greedy episodes after training), frames dropped as stale,
-and rank 0's resident memory at the first and last quarter of training (backpressure: it must
-not grow with the run's length).
+Each repeat launches both contenders one after the other (rotated), each a fresh 2-rank run
+(``FabricLearner(devices=2)`` from plain python, gloo, one thread per process) of ``fabric_learner.Trainer`` with
+the same DQN, replay buffer, frames per batch and optimizer steps per batch: ``sync`` (torchrl's ``Collector`` in
+each rank's process, then training on the batch) and ``async`` (``AsyncCollector`` stepping in another process
+while the rank trains; ``AsyncCollection(max_policy_lag=LAG)``). Reported per contender (medians over repeats):
+global frames/s and updates/s in steady state (first round to last; the whole ``train()`` too), the final return
+(rank 0, greedy episodes after training), frames dropped as stale, and rank 0's resident memory in the first and
+last quarter of training (backpressure: it must not grow with the run).
 """
-
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import json
@@ -30,12 +20,10 @@ import os
 import platform
 import resource
 import statistics
-import sys
 import time
 
 import harness
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMES_PER_BATCH, OPTIM_STEPS, RB_BATCH, LR, LAG, EPS = 50, 10, 128, 1e-3, 20, 0.1
 
 
@@ -119,21 +107,22 @@ def worker(mode: str, frames: int, out: str) -> None:
     learner.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--frames", type=int, default=6000, help="total frames over both ranks")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "async_collection.json"))
-    args = parser.parse_args()
-    runs = {"sync": [], "async": []}
-    for rep in range(args.repeats):
-        for mode in harness.rotation(rep, ["sync", "async"]):
-            with harness.scratch_path() as out:
-                harness.run_bounded([sys.executable, __file__, "--worker", mode, str(args.frames), out], 1200,
-                                    f"{mode} run")
-                runs[mode].append(harness.read_json(out))
-            print(mode, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[mode][-1].items()},
-                  flush=True)
+def parser():
+    p = harness.parser(__doc__, "async_collection.json")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--frames", type=int, default=6000, help="total frames over both ranks")
+    p.add_argument("--worker", choices=("sync", "async"), help="one run of a contender")
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.frames, args.out)
+    every = harness.rotated(["sync", "async"], args.repeats, lambda mode: harness.launch(
+        [__file__, "--worker", mode, "--frames", str(args.frames)], timeout_s=1200, what=f"{mode} run"),
+        lambda r: str({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+    runs = {m: [r for r in every if r["mode"] == m] for m in ("sync", "async")}
     keys = ("fps", "updates_per_s", "final_return", "seconds", "first_round_s", "fps_whole_train",
             "rss_first_quarter_mb", "rss_last_quarter_mb")
     medians = {m: {k: statistics.median(r[k] for r in rs) for k in keys} for m, rs in runs.items()}
@@ -149,12 +138,9 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version()},
         "git_head": harness.git_head(short=False),
     }
-    harness.write_json(args.out, summary)
+    harness.write_result(args.out, summary)
     print(json.dumps({"medians": medians, "async_over_sync": summary["async_over_sync"]}, indent=1))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]), sys.argv[4])
-    else:
-        main()
+    main()

@@ -2,28 +2,16 @@
 
     python benchmarks/async_save.py --out benchmarks/results/async_save.json   # starts rank 1 itself
 
-An FSDP learner on the 21M-parameter PPO loss (``common.make_loss("ppo_big_actor")``). Each
-repetition, in a random order (`harness.order_for`):
-
-- sync: ``save(path)``, timed from the call to its return (barriers around it);
-- async: ``save(path, blocking=False)``, then ``M`` training steps, then ``wait_for_save()``;
-- plain: the same ``M`` training steps with no save, on the same batches.
-
-The stall of an async save is ``(async block) - (plain block)``: the time ``save()`` blocks
-(staging the copy), plus the extra time of the steps the background write overlaps (the writer
-thread competes with training for CPU and memory bandwidth), plus any wait at the end. ``M`` is
-chosen at warm-up so that the write ends within the ``M`` steps (``wait_for_save`` then costs ~0;
-whatever it costs is counted). Goal: median stall / sync time <= 0.3 (paired per repetition,
-95% bootstrap interval; met / not met / undecided by ``harness.decide``). The loop runs at its
-slowest rank's pace, so each repetition takes the larger of the two ranks' stalls and sync times.
-Beside it, the same blocks in process CPU seconds (every thread of a rank, the writer's included):
-on a machine shared with other work, wall time mostly measures waiting for a core; the CPU-time
-ratio is the stall a rank would see with no spare core for the writer thread.
+An FSDP learner on the 21M-parameter PPO loss. Each repetition, in a random order (``harness.order_for``): sync
+(``save(path)``, barriers around it), async (``save(path, blocking=False)``, then ``M`` training steps, then
+``wait_for_save()``) and plain (the same ``M`` steps, no save). The stall of an async save is async - plain: the
+time ``save()`` blocks, the extra time of the steps the background write overlaps, and any wait at the end; ``M``
+is chosen at warm-up so that the write ends within the steps. Goal: median stall / sync time <= 0.3 (paired per
+repetition, the larger of the two ranks' figures, ``harness.decide``); beside it the same in process CPU seconds
+(the writer's thread included): the stall a rank would see with no spare core for the writer.
 """
-
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -47,13 +35,16 @@ GOAL = 0.3
 WORKLOAD = "ppo_big_actor"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--batch", type=int, default=16, help="samples per rank per update")
-    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp folder)")
-    args = parser.parse_args()
+def parser():
+    p = harness.parser(__doc__, "async_save.json")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--batch", type=int, default=16, help="samples per rank per update")
+    p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp folder)")
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     harness.set_one_thread()
     loss, _ = common.make_loss(WORKLOAD)
     n_params = common.count_params(loss)
@@ -143,8 +134,7 @@ def main() -> None:
                          "plain_steps_block": statistics.median(samples["plain"]),
                          "one_step": statistics.median(step_times)},
             "stall_over_sync": ratio, "ci95": list(ci), "goal": GOAL,
-            "verdict": {True: "met", False: "not met"}.get(
-                harness.decide(ci, GOAL), f"undecided (interval {ci[0]:.2f}-{ci[1]:.2f} straddles {GOAL})"),
+            "verdict": harness.verdict(ci, GOAL),
             "cpu_time": {
                 "what": "the same blocks in process CPU seconds (all threads of a rank, the writer's included): "
                         "the stall when no spare core runs the writer; insensitive to waiting for a core",
@@ -156,9 +146,8 @@ def main() -> None:
             "machine": {"cpus": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
                         "load_avg_at_end": os.getloadavg(), "torch": torch.__version__},
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "python benchmarks/async_save.py " + " ".join(sys.argv[1:]),
         }
-        harness.write_json(args.out, result)
+        harness.write_result(args.out, result)
         print(json.dumps({k: result[k] for k in ("median_s", "stall_over_sync", "ci95", "verdict", "cpu_time",
                                                   "steps_overlapping_each_async_save")}, indent=1))
     learner.close()

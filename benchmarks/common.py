@@ -1,7 +1,7 @@
 """Workloads and hand-written baselines shared by the benchmark scripts (the harness is ``harness.py``).
 
-Everything here is deterministic given a seed: two contenders built with the same seed start
-from the same weights and see the same batches, so they do the same work.
+Deterministic given a seed: two contenders built with the same seed start from the same weights and see the
+same batches, so they do the same work.
 """
 
 from __future__ import annotations
@@ -102,6 +102,31 @@ def make_batches(name: str, count: int = 4, seed: int = 1, n: int = BATCH) -> li
 
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def grpo_loss(hidden: int, layers: int):
+    """``(GRPOLoss, model)``: torchrl's GRPO loss (token mean) over ``tiny_causal_lm``'s Qwen2 (4 heads, 2 key/value
+    heads, MLP 2x hidden, untied head) at this size, seed 0's weights, ``tiny_tokenizer``'s vocabulary."""
+    from torchrl.modules.llm import TransformersWrapper
+    from torchrl.objectives.llm import GRPOLoss
+
+    from fabric_learner.testing import tiny_causal_lm, tiny_tokenizer
+
+    model = tiny_causal_lm(0, tokenizer=tiny_tokenizer(), hidden_size=hidden, num_layers=layers)
+    policy = TransformersWrapper(model, tokenizer=tiny_tokenizer(), input_mode="history", generate=False,
+                                 return_log_probs=True, pad_output=False)
+    return GRPOLoss(policy, masking_strategy="rlhf"), model
+
+
+def grpo_params(hidden: int, layers: int) -> int:
+    """``grpo_loss``'s parameter count, from a copy of its model on the meta device (no memory)."""
+    from transformers import Qwen2ForCausalLM  # noqa: F401  (a first import under "meta" would run there)
+
+    from fabric_learner.testing import tiny_causal_lm, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    with torch.device("meta"):
+        return count_params(tiny_causal_lm(0, tokenizer=tokenizer, hidden_size=hidden, num_layers=layers))
 
 
 # ---- hand-written baselines: what a user writes without the learner ----------------------------

@@ -1,29 +1,20 @@
 """The checks that need spare cores (`make test-cores`), one report: where 2 shared cores cannot answer them.
 
-    python benchmarks/cores.py                        # both parts, report benchmarks/results/cores.json
+    python benchmarks/cores.py                        # every part, report benchmarks/results/cores.json
     python benchmarks/cores.py --parts async_save     # one part; a later call adds the other to the report
 
-- ``async_save``: the training loop's stall for an asynchronous sharded save against a blocking save
-  (``benchmarks/async_save.py``: FSDP on 2 CPU ranks, goal at most 0.3). Its background writer needs a
-  core beside each rank's: on 2 shared cores the figure measures waiting for a core.
-- ``remote_learner``: ``RemoteLearner`` against the same 2 ranks run as an SPMD program, PPO and DQN
-  (``benchmarks/remote_learner.py --quick --torchrl``; goals: at most 1.10 per update, at least 0.95 of
-  the updates per second with ``wait=False``, faster than torchrl's own Ray learner), then PPO's update
-  through a Ray compiled graph in a run of its own (``--compiled``: whether Ray's task path is what stands
-  between the learner and its goal once the controller has a core of its own). On 2 cores the controller
-  and Ray's threads take their CPU from the ranks'. Skipped, saying why, where Ray is missing.
-- ``suite``: the wall seconds of ``make test``'s pytest command (2 xdist workers, the linter left out)
-  on this machine, and its counts.
+- ``async_save``: ``async_save.py`` (the stall of an asynchronous sharded save, goal at most 0.3): its background
+  writer needs a core beside each rank's.
+- ``remote_learner``: ``remote_learner.py --quick --torchrl`` for PPO and DQN (RemoteLearner against the same ranks
+  as an SPMD program, and torchrl's own Ray learner), then PPO through a Ray compiled graph (``--compiled``) in a
+  run of its own; skipped, saying why, where Ray is missing.
+- ``suite``: the wall seconds of ``make test``'s pytest command (2 xdist workers, the linter left out) and counts.
 
-``--budget`` bounds the whole command: each part runs within what is left of it, and a part that
-finds too little left is recorded as not run, so one device call ends when it says it will. A part or
-run cut off at its bound records the bound (``timed_out_after_s``), which fails nothing; a run that
-exits with an error (``failed``) and the suite's failures fail the command (exit 1).
-
-Refuses (exit 2, nothing run or written) where ``os.cpu_count()`` is under ``MIN_CORES``: 2 ranks and
-their 2 writer threads, each with a core of its own.
+``--budget`` bounds the whole command: each part runs within what is left, a part that finds too little left is
+recorded as not run, and one cut off records its bound (``timed_out_after_s``), which fails nothing; a run that
+exits with an error and the suite's failures fail the command (exit 1). Refuses (exit 2, nothing written) under
+``MIN_CORES`` cores: 2 ranks and their 2 writer threads, each with a core of its own.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -115,27 +106,29 @@ def suite(timeout_s: float) -> dict:
             "goal_s": 480, "tail": done.stdout[-4000:] if done.returncode else ""}
 
 
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ", ".join(PARTS))
+    p.add_argument("--report", default=DEFAULT_REPORT)
+    p.add_argument("--reps", type=int, default=15, help="async_save's repetitions")
+    p.add_argument("--suite-timeout", type=float, default=540, help="seconds (a device call has 600 in all)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole command (default: none)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ", ".join(PARTS))
-    parser.add_argument("--report", default=DEFAULT_REPORT)
-    parser.add_argument("--reps", type=int, default=15, help="async_save's repetitions")
-    parser.add_argument("--suite-timeout", type=float, default=540, help="seconds (a device call has 600 in all)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole command (default: none)")
-    args = parser.parse_args(argv)
-    parts = [p for p in args.parts.split(",") if p]
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        parser.error(f"unknown parts {unknown}: choose from {', '.join(PARTS)}")
+    p = parser()
+    args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    if set(parts) - set(PARTS):
+        p.error(f"unknown parts {sorted(set(parts) - set(PARTS))}: choose from {', '.join(PARTS)}")
     line = refusal(os.cpu_count())
     if line:
         print(line, file=sys.stderr)
         return 2
-    report = {}
-    if os.path.exists(args.report):
-        with open(args.report) as f:
-            report = json.load(f)
-    report.update({"what": "make test-cores: the checks that need spare cores", "machine": harness.machine()})
+    report = harness.read_json(args.report) if os.path.exists(args.report) else {}
+    report.update({"command": harness.command_line(), "what": "make test-cores: the checks that need spare cores",
+                   "machine": harness.machine()})
     deadline = time.perf_counter() + (args.budget if args.budget is not None else float("inf"))
     bounds = {"async_save": 420, "remote_learner": 360, "suite": args.suite_timeout}
     for part in parts:

@@ -1,45 +1,23 @@
 """End to end: the ported PPO MuJoCo recipe (Trainer + learner) against torchrl's recipe loop.
 
-Part 1, one process, in lockstep: frames per second of torchrl's recipe loop (rewritten in
-``tests/test_ppo_recipe.py``, the test that shows both give the same updates) against the port
-(``examples/ppo_mujoco.py``) on ``LocalLearner``, on ``FabricLearner(devices=1)`` and on
-``FabricLearner(devices=1, compile=True)``. Each run builds its networks, environments and
-collector, collects ``--batches`` batches of 2048 frames and takes the recipe's 10 epochs x 32
-minibatch updates per batch; the clock covers all of it. The runs go side by side, one thread
-each, taking turns of ~30 ms (``Lockstep``), so each stretch of one run is timed next to the
-same stretch of the others, beside a second run of the loop as an A/A control. Goal: the port at
-least 0.97 of the recipe loop in thread CPU time, met when the 95% bootstrap interval (over
-repetitions and the paired turns within them) lies at or above it; wall time is reported beside
-it, and the median ``update`` call. A first round of one batch, not counted, pays the process's
-one-time costs, ``compile=True``'s compilation among them: its figure is the steady state.
-
-Part 2, the same total frames on 2 DDP ranks and on 1 process (``FabricLearner``), each with a
-per-stage profile of rank 0: collection (the collector's iterator), advantage (GAE before each
-epoch), update (``learner.update``, gradient sync included) and gradient sync (from each DDP
-bucket's all-reduce start to its completion, so it overlaps the backward: an upper bound on
-what the sync adds); what remains is the Trainer's own bookkeeping and hooks.
-
-Part "stages" (only when asked): where the one-process gap goes. torchrl's recipe loop and the
-port (``LocalLearner``, ``FabricLearner``) run interleaved with the same seeds and the same
-instrumentation of the recipe's pieces (``ppo_mujoco``'s collector, GAE and replay buffer, timed
-alike on both sides): collection, advantage (the GAE forward), replay (extend and minibatch
-sampling), update (the port's ``learner.update``; the loop's loss, backward and Adam steps are
-what remains of its total), setup (building networks, env, collector) and the rest (the Trainer's
-hooks and bookkeeping). Setup is everything before the first batch is asked for (networks,
-environments, collector, learner, trainer). Wall and process CPU seconds per stage, medians over
-repetitions.
-
-    python benchmarks/end_to_end.py [--reps 3] [--batches 2]
+    python benchmarks/end_to_end.py [--reps 3] [--batches 2]          # parts 1 and 2: results/end_to_end.json
     python benchmarks/end_to_end.py --part 1 --reps 8 --batches 2 --out benchmarks/results/end_to_end_part1.json
     python benchmarks/end_to_end.py --part stages --reps 5 --batches 1   # --reps 0: the call counts only
 
-Results: printed, and written to ``benchmarks/results/end_to_end.json`` (or ``--out``), with the
-commit, marked ``+dirty`` when the working tree differs from it.
+Part 1, one process: torchrl's recipe loop (rewritten in ``tests/test_ppo_recipe.py``, which shows both give the
+same updates) against the port (``examples/ppo_mujoco.py``) on ``LocalLearner``, ``FabricLearner(devices=1)`` and
+``FabricLearner(devices=1, compile=True)``, and the loop again as an A/A control; each run collects ``--batches``
+batches of 2048 frames with the recipe's 10 epochs x 32 minibatch updates each. The runs go side by side in
+``Lockstep``; goal: the port at least 0.97 of the loop's frames/s in thread CPU time (the 95% interval of
+``harness.ratio_of_sums``; wall time beside it). A first round of one batch, not counted, pays the one-time costs
+(compilation among them). Part 2: the same total frames on 2 DDP ranks and on 1 process (``FabricLearner``), rank
+0's time by stage (collection, advantage, update, gradient sync: each DDP bucket's all-reduce, overlapping the
+backward). Part "stages": the loop and the ports interleaved, the recipe's pieces timed alike on both sides (setup,
+collection, advantage, replay, update, the rest), wall and CPU seconds, and function calls per stage.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import itertools
@@ -76,18 +54,14 @@ TURN_TIMEOUT_S = 600  # a turn is ~30 ms; compile=True's first one compiles
 
 
 class Lockstep:
-    """Runs whole runs side by side in one process, one thread each, taking short turns.
+    """Runs whole runs side by side in one process, one thread each, taking short turns (the host's speed drifts
+    by ~20% within seconds: whole runs, interleaved, could not decide a 3% goal).
 
-    Whole runs, interleaved, could not decide a 3% goal here: the host's speed drifts by ~20%
-    within seconds, so two runs a minute apart, or even two batches 4 s apart, see different
-    machines. Here a run pauses at points that every run reaches in the same order (``_pausing``:
-    every 16th environment step, every 4th minibatch draw) and the next run takes the core:
-    segment ``s`` of every run (its setup for ``s = 0``) runs back to back with the others', in a
-    random order per round, and the runs are compared segment by segment. Only one thread runs at
-    a time, so a segment's thread CPU time and its wall time belong to its run alone. Each run's
-    RNG state (torch, numpy, ``random``) is put aside at a pause and restored at its turn, so it
-    keeps drawing from its own streams; a full garbage collection runs every 100 rounds,
-    between turns, never inside one, so no run pays for its own collections (about 4 per run).
+    A run pauses at points every run reaches in the same order (``_pausing``) and the next takes the core:
+    segment ``s`` of every run runs back to back with the others', in a random order per round, and the runs
+    are compared segment by segment. One thread runs at a time, so a segment's thread CPU and wall time are its
+    run's. Each run's RNG states are set aside at a pause and restored at its turn; a full garbage collection runs
+    every 100 rounds, between turns, so no run pays for its own collections.
     """
 
     def __init__(self, runs: dict[str, Callable[[], Any]], seed: int = 0) -> None:
@@ -238,6 +212,7 @@ def _sync_clock(learner, clock: harness.StageClock) -> None:
 
 
 def run_port(batches: int, learner_cls, learner_kwargs: dict, world: int = 1) -> dict:
+    """One port's run, its stages timed by a ``StageClock`` (update, collection, advantage, gradient sync)."""
     args = _recipe_args(batches * world, world)
     clock = harness.StageClock()
     start = time.perf_counter()
@@ -267,85 +242,65 @@ def _wrap_value_estimator(trainer, clock: harness.StageClock) -> None:
             hook.value_estimator = clock.wrap("advantage", hook.value_estimator)
 
 
-def ranks_main(argv) -> None:
-    """One launch of part 2: ``--ranks N --batches B --out PATH`` (FabricLearner launches the ranks)."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--ranks", type=int)
-    p.add_argument("--batches", type=int)
-    p.add_argument("--out")
-    a = p.parse_args(argv)
-    kwargs = {"accelerator": "cpu", "devices": a.ranks, "strategy": "ddp" if a.ranks > 1 else "auto"}
-    result = run_port(a.batches // a.ranks, FabricLearner, kwargs, world=a.ranks)
-    if result["rank"] == 0:
-        harness.write_json(a.out, result, indent=None)
-
-
 def part_two(batches: int) -> dict:
-    out = {}
-    for ranks in (1, 2):
-        with harness.scratch_path() as path:
-            cmd = [sys.executable, __file__, "--ranks", str(ranks), "--batches", str(batches), "--out", path]
-            harness.run_bounded(cmd, 1800, f"{ranks}-rank run")
-            out[ranks] = harness.read_json(path)
-    return out
+    """The same total frames on 1 and 2 ranks (``FabricLearner`` launches them), rank 0's stages."""
+    return {ranks: harness.launch([__file__, "--ranks", str(ranks), "--batches", str(batches)], timeout_s=1800,
+                                  what=f"{ranks}-rank run") for ranks in (1, 2)}
 
 
-def main() -> None:
-    if "--ranks" in sys.argv:
-        ranks_main(sys.argv[1:])
-        return
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def ranks_worker(args) -> None:
+    kwargs = {"accelerator": "cpu", "devices": args.ranks, "strategy": "ddp" if args.ranks > 1 else "auto"}
+    result = run_port(args.batches // args.ranks, FabricLearner, kwargs, world=args.ranks)
+    if result["rank"] == 0:
+        harness.write_json(args.out, result, indent=None)
+
+
+def parser():
+    p = harness.parser(__doc__)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--batches", type=int, default=2, help="batches of 2048 frames per run (part 1)")
     p.add_argument("--part", choices=["1", "2", "both", "stages"], default="both")
-    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/end_to_end.json; "
-                   "--part stages: end_to_end_stages.json)")
-    args = p.parse_args()
+    p.add_argument("--ranks", type=int, help="one launch of part 2 on this many ranks (a worker)")
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.ranks:
+        return ranks_worker(args)
     torch.set_num_threads(1)
-    if args.part == "stages":
-        report = {"batches": args.batches, "reps": args.reps, "git": harness.git_label(*CODE), "load": os.getloadavg(),
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **part_stages(args.reps, args.batches)}
-        harness.write_json(args.out or RESULTS.with_name("end_to_end_stages.json"), report)
-        return
-    modes = {
-        "torchrl recipe loop": run_torchrl_loop,
-        TWIN: run_torchrl_loop,
-        "port, LocalLearner": lambda batches: run_port(batches, LocalLearner, {}),
-        "port, FabricLearner": lambda batches: run_port(batches, FabricLearner, {"accelerator": "cpu", "devices": 1}),
-        "port, FabricLearner compile=True": lambda batches: run_port(
-            batches, FabricLearner, {"accelerator": "cpu", "devices": 1, "compile": True}),
-    }
     report: dict = {"batches": args.batches, "reps": args.reps, "git": harness.git_label(*CODE),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.part == "stages":
+        report.update(load=os.getloadavg(), **part_stages(args.reps, args.batches))
+        return harness.write_result(args.out or RESULTS.with_name("end_to_end_stages.json"), report)
+    port = functools.partial(run_port, learner_cls=FabricLearner)
+    modes = {"torchrl recipe loop": run_torchrl_loop, TWIN: run_torchrl_loop,
+             "port, LocalLearner": functools.partial(run_port, learner_cls=LocalLearner, learner_kwargs={}),
+             "port, FabricLearner": functools.partial(port, learner_kwargs={"accelerator": "cpu", "devices": 1}),
+             "port, FabricLearner compile=True": functools.partial(
+                 port, learner_kwargs={"accelerator": "cpu", "devices": 1, "compile": True})}
     if args.part in ("1", "both"):
         report["part 1"] = part_one(modes, args.reps, args.batches)
     if args.part in ("2", "both"):
-        two = part_two(2 * args.batches)
-        report["part 2"] = two
+        two = report["part 2"] = part_two(2 * args.batches)
         print("\npart 2: same total frames, FabricLearner, rank 0's stages (s)")
         for ranks, r in two.items():
-            stages = r["stages"]
-            other = r["seconds"] - r["setup seconds"] - sum(v for k, v in stages.items() if k != "gradient sync")
-            print(f"  {ranks} rank(s): {r['frames'] / r['seconds']:.0f} frames/s, {r['seconds']:.1f} s "
-                  f"(setup {r['setup seconds']:.1f}), " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
+            other = r["seconds"] - r["setup seconds"] - sum(v for k, v in r["stages"].items() if k != "gradient sync")
+            print(f"  {ranks} rank(s): {r['frames'] / r['seconds']:.0f} frames/s, {r['seconds']:.1f} s (setup "
+                  f"{r['setup seconds']:.1f}), " + ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items())
                   + f", other {other:.1f}")
-        report["part 2 ratio (2 ranks / 1 process, frames/s)"] = (
+        ratio = report["part 2 ratio (2 ranks / 1 process, frames/s)"] = (
             (two[2]["frames"] / two[2]["seconds"]) / (two[1]["frames"] / two[1]["seconds"]))
-        print(f"  ratio 2 ranks / 1 process: {report['part 2 ratio (2 ranks / 1 process, frames/s)']:.2f}")
-    harness.write_json(args.out or RESULTS, report)
+        print(f"  ratio 2 ranks / 1 process: {ratio:.2f}")
+    harness.write_result(args.out or RESULTS, report)
 
 
 def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -> dict:
-    """Every mode run ``reps`` times in lockstep (``Lockstep``); frames/s and the ratio to the loop.
-
-    A first lockstep round of one batch, not counted, pays the process's one-time costs (lazy
-    imports, the first environment), which would otherwise land on whichever run went first.
-    The ratio is the loop's time over the run's (its frames/s over the loop's, the frames being
-    equal), summed over segments, with a bootstrap interval over repetitions and the paired
-    segments within them (``harness.ratio_of_sums``). The verdict
-    reads thread CPU time: one thread runs at a time, so a segment's CPU time is its run's work,
-    while its wall time also holds the waits for a core that other jobs on the host cause.
-    """
+    """Every mode run ``reps`` times in lockstep, after an uncounted round of one batch (the process's one-time
+    costs); frames/s and the ratio to the loop (its time over the run's, summed over the paired segments, with
+    ``harness.ratio_of_sums``'s interval), decided in thread CPU time: a segment's CPU time is its run's work,
+    its wall time also the waits for a core that other jobs cause."""
     cpu: dict[str, list[list[float]]] = {name: [] for name in modes}  # per repetition, per segment
     wall: dict[str, list[list[float]]] = {name: [] for name in modes}
     results: dict[str, list[dict]] = {name: [] for name in modes}
@@ -439,23 +394,17 @@ def staged_run(name: str, batches: int, count_calls: bool = False) -> dict:
         sys.setprofile(None)
         return {"calls": dict(clock.python_calls, total=sum(clock.python_calls.values()))}
     total = {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu}
-    out = {}
-    for kind, stages in (("wall", clock.seconds), ("cpu", clock.cpu)):
-        row = dict(stages)
-        row["rest"] = total[kind] - sum(stages.values())  # the loop's own update, or the Trainer's bookkeeping
-        row["total"] = total[kind]
-        out[kind] = row
-    return out
+    # rest: the loop's own update, or the Trainer's bookkeeping
+    return {kind: {**stages, "rest": total[kind] - sum(stages.values()), "total": total[kind]}
+            for kind, stages in (("wall", clock.seconds), ("cpu", clock.cpu))}
 
 
 def part_stages(reps: int, batches: int) -> dict:
     names = ["torchrl recipe loop", "port, LocalLearner", "port, FabricLearner"]
     calls = {name: staged_run(name, batches, count_calls=True)["calls"] for name in names}
     order = ["setup", "collection", "advantage", "replay", "update", "rest", "total"]
-    print("\nfunction calls (Python and C) per stage, one run each (exact; rest: see below)")
-    print(f"  {'':24s}" + "".join(f"{s:>12s}" for s in order))
-    for name in names:
-        print(f"  {name:24s}" + "".join(f"{calls[name].get(s, 0):12d}" for s in order), flush=True)
+    print("\nfunction calls (Python and C) per stage, one run each (exact; rest: see below)\n" + harness.table(
+        ("", *order), [(name, *(calls[name].get(s, 0) for s in order)) for name in names]), flush=True)
     if reps == 0:  # the counts only
         return {"calls": calls}
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -464,20 +413,15 @@ def part_stages(reps: int, batches: int) -> dict:
             runs[name].append(staged_run(name, batches))
             print(f"rep {rep} {name}: {runs[name][-1]['wall']['total']:.2f} s wall, "
                   f"{runs[name][-1]['cpu']['total']:.2f} s cpu", flush=True)
-    table: dict = {}
-    for kind in ("wall", "cpu"):
-        table[kind] = {}
-        for name in names:
-            keys = sorted({k for r in runs[name] for k in r[kind]})
-            table[kind][name] = {k: statistics.median(r[kind].get(k, 0.0) for r in runs[name]) for k in keys}
-            table[kind][name]["total (min)"] = min(r[kind]["total"] for r in runs[name])
+    table = {kind: {name: {**{k: statistics.median(r[kind].get(k, 0.0) for r in runs[name])
+                               for k in sorted({k for r in runs[name] for k in r[kind]})},
+                            "total (min)": min(r[kind]["total"] for r in runs[name])} for name in names}
+             for kind in ("wall", "cpu")}
     stages = ["setup", "collection", "advantage", "replay", "update", "rest", "total", "total (min)"]
     for kind in ("cpu", "wall"):
-        print(f"\nstages, {kind} seconds, median of {reps} (rest: the loop's own update for torchrl; "
-              "hooks and bookkeeping for the port)")
-        print(f"  {'':24s}" + "".join(f"{s:>12s}" for s in stages))
-        for name in names:
-            print(f"  {name:24s}" + "".join(f"{table[kind][name].get(s, 0.0):12.3f}" for s in stages))
+        print(f"\nstages, {kind} seconds, median of {reps} (rest: the loop's own update for torchrl; hooks and "
+              "bookkeeping for the port)\n" + harness.table(
+                  ("", *stages), [(n, *(f"{table[kind][n].get(s, 0.0):.3f}" for s in stages)) for n in names]))
         base = table[kind]["torchrl recipe loop"]["total"]
         print("  ratio of totals (loop / port, as frames/s): " + ", ".join(
             f"{n}: {base / table[kind][n]['total']:.3f}" for n in names[1:]))

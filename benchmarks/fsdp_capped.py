@@ -2,30 +2,15 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_capped.py      # ~3 min on 2 busy cores
 
-The model is PPO with an actor MLP of 6 layers of ``--width`` (4096: 84.0M parameters, 321 MiB
-a copy). Unsharded, its parameters, gradients and Adam's two moments are 4 copies. Every
-process gets the same cap on its address space (``RLIMIT_AS``), set just before it builds the
-model: its address space then (``VmSize``, imports done) plus ``--cap-copies`` copies of the
-model (3.5 by default, below the 4 copies one process needs for the training state alone).
-
-- ``one_process``: ``LocalLearner`` trains the model under the cap: expected to fail to allocate.
-- ``fsdp_2_ranks``: ``FabricLearner(strategy="fsdp")`` on 2 gloo ranks, each under the same cap:
-  expected to train its updates (each rank builds the full model once, then holds half of
-  the training state and one layer gathered at a time).
-- ``fsdp_2_ranks_one_unit``: the same, but with a ``parallelize_fn`` that shards the learner's
-  ``ShardedLoss`` as one FSDP2 unit (``fully_shard(module, mesh=whole_world(mesh))``): every
-  parameter is gathered for the whole loss call, so each rank holds the full model and its full
-  gradients at once (what ``strategy="fsdp"`` did before per-layer units).
-
-``MALLOC_ARENA_MAX=1`` (``harness.launch_capped``): glibc otherwise reserves a 64 MiB arena of
-address space per thread that allocates (gloo's threads too), which counts against ``RLIMIT_AS``
-without being used. The cap and the launches are ``harness``'s (memory cap), shared with
-``llm_update.py``. Writes ``benchmarks/results/fsdp_capped.json``.
+PPO with an actor of 6 layers of ``--width`` (4096: 84.0M parameters, 321 MiB a copy); every process's address
+space is capped (``harness.cap_address_space``) at its size before the model plus ``--cap-copies`` copies (3.5,
+below the 4 that parameters, gradients and Adam's moments take). ``one_process`` (``LocalLearner``) is expected to
+fail to allocate; ``fsdp_2_ranks`` (``FabricLearner(strategy="fsdp")``, 2 gloo ranks) to train;
+``fsdp_2_ranks_one_unit`` is the same with the whole loss one FSDP2 unit (every parameter gathered for the whole
+loss call, as before per-layer units). Writes ``results/fsdp_capped.json``.
 """
-
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -93,14 +78,17 @@ def one_unit(module, mesh):
     return module
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", choices=KINDS)
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--cap-copies", type=float, default=3.5, help="0: no cap (to calibrate)")
-    parser.add_argument("--updates", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "fsdp_capped.json"))
-    args = parser.parse_args()
+def parser():
+    p = harness.parser(__doc__, "fsdp_capped.json")
+    p.add_argument("--worker", choices=KINDS, help="one process or rank of a launch")
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--cap-copies", type=float, default=3.5, help="0: no cap (to calibrate)")
+    p.add_argument("--updates", type=int, default=2)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     if args.worker:
         return worker(args.worker, args.width, args.cap_copies, args.updates, args.out)
     runs = [harness.launch_capped(kind, [__file__, "--worker", kind, "--width", str(args.width), "--cap-copies",
@@ -110,7 +98,7 @@ def main() -> None:
     result = {"what": f"RLIMIT_AS = VmSize before the model + {args.cap_copies} model copies, per process",
               "width": args.width, "cap_copies": args.cap_copies, "updates": args.updates,
               "trained_under_cap": verdict, "runs": runs}
-    harness.write_json(args.out, result)
+    harness.write_result(args.out, result)
     print("trained under the cap:", verdict)
 
 

@@ -1,23 +1,15 @@
-"""Case c: per-rank memory of parameters + gradients + optimizer state, FSDP vs DDP, 2 CPU ranks.
+"""Case c of run.py: per-rank memory of parameters + gradients + optimizer state, FSDP vs DDP, 2 CPU ranks.
 
     python benchmarks/fsdp_memory.py --strategy fsdp --out fsdp.json   # the learner starts rank 1
 
-Counts the bytes each rank holds in tensors (gradients counted just before the optimizer step,
-since the learner frees them with ``zero_grad(set_to_none=True)`` after it; under DDP also its
-gradient buckets) after a few Adam updates of a 20M+ parameter PPO
-loss (local shards under FSDP, plus the replicated buffers such as target networks), and the
-process's peak resident memory, which also includes the transient all-gathered parameters, and
-that peak over the process's memory before the model was built.
-
-glibc's allocator raises its mmap threshold (up to 32 MiB) each time a large block is freed, so
-FSDP's per-layer gather buffers below that size, freed after every layer, stay in its heap: the
-peak RSS then counts memory no tensor holds. ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment
-fixes the threshold, and the peak shows what the tensors need (run.py's case c reports both).
+After a few Adam updates of the 21M-parameter PPO loss: the bytes each rank holds in tensors (local shards under
+FSDP, replicated buffers; gradients counted just before the step, since the learner frees them after it; DDP's
+gradient buckets), its peak resident memory and that peak over its memory before the model.
+``MALLOC_MMAP_THRESHOLD_=1048576`` keeps glibc from holding FSDP's freed gather buffers in its heap (run.py's
+case c reports both).
 """
-
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -51,12 +43,15 @@ def ddp_bucket_bytes(learner) -> int:
     return sum(int(x) for x in str(sizes).split(",") if x.strip().isdigit())
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
+def parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
+    p.add_argument("--steps", type=int, default=3)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     timeout = timedelta(minutes=5)
     strategy = DDPStrategy(timeout=timeout) if args.strategy == "ddp" else \
         ModelParallelStrategy(parallelize_fn=shard_loss, timeout=timeout)

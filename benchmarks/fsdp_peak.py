@@ -3,38 +3,22 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_peak.py            # ~3 min on 2 busy cores (--repeats 2: ~6 min)
     .venv/bin/python benchmarks/fsdp_peak.py --width 1024 --repeats 1      # a quick smoke
 
-Each contender is its own 2-rank ``torchrun`` launch (gloo, CPU), so each process's high-water
-mark belongs to it alone; contenders take turns, ``--repeats`` times, in a rotated order. A rank
-records its resident memory just before it builds the model, trains two Adam updates on its own
-64-sample batch, and reports its peak resident memory (``VmHWM``) over that baseline; a launch
-counts its worst rank. The model is the issue's: ``ClipPPOLoss`` whose actor is a 6-layer,
-``--width``-wide MLP (4096: 84.0M parameters, 320 MiB a copy), critic MLP [64, 64].
-
-- ``learner_fsdp``: ``FabricLearner(strategy="fsdp")`` (per-layer FSDP2 units, see docs/fsdp.md).
-- ``hand_fsdp2``: what a user writes with FSDP2 by hand: ``fully_shard`` on each ``Linear``, then
-  on each network's ``nn.Sequential``, ``ClipPPOLoss(..., functional=False)``, Adam built after
-  sharding over the sharded parameters, ``loss`` keys summed, ``backward``, ``step``.
-- ``learner_ddp``: ``FabricLearner(strategy="ddp")``.
-
-``--case sac`` measures SAC whose critic ensemble is large instead (2 critics of 4 ``--width``-wide
-layers, 2048: 25.2M parameters; actor [64, 64]), without a hand-written contender (torchrl's SAC
-vmaps one stacked ensemble, which no per-``Linear`` ``fully_shard`` of the networks reaches):
-``learner_fsdp``, ``learner_fsdp_ensemble_whole`` (the learner with the ensemble left in the
-``ShardedLoss``'s unit, gathered for the whole loss call, as before per-layer ensembles) and
-``learner_ddp``; written to ``benchmarks/results/fsdp_peak_sac.json``.
-
-Writes ``benchmarks/results/fsdp_peak.json``: every launch's per-rank figures, medians per
-contender, and the ratios ``learner_fsdp / hand_fsdp2`` (goal <= 1.1) and
-``learner_fsdp / learner_ddp`` (goal <= 0.55).
+Each contender is its own 2-rank torchrun launch (gloo, CPU), so each process's high-water mark is its own;
+contenders take turns, ``--repeats`` times, rotated. A rank trains two Adam updates on its own 64 samples and
+reports its peak resident memory (``VmHWM``) over its resident memory before the model; a launch counts its worst
+rank. ``ClipPPOLoss`` with a 6-layer ``--width``-wide actor (4096: 84.0M parameters): ``learner_fsdp``
+(``FabricLearner(strategy="fsdp")``), ``hand_fsdp2`` (``fully_shard`` on each ``Linear``, then each network, by
+hand) and ``learner_ddp``; ratios ``learner_fsdp / hand_fsdp2`` (goal <= 1.1) and ``learner_fsdp / learner_ddp``
+(<= 0.55), in ``results/fsdp_peak.json``. ``--case sac``: SAC with a large critic ensemble (2 critics of 4
+``--width`` layers, 2048: 25.2M parameters), ``learner_fsdp``, ``learner_fsdp_ensemble_whole`` (the ensemble left
+in the root unit) and ``learner_ddp``, in ``results/fsdp_peak_sac.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import time
 
 import harness
 
@@ -144,23 +128,22 @@ def hand_fsdp2(cells, timeout):
 
 def launch(kind: str, width: int, case: str = "ppo") -> dict:
     """One 2-rank launch of contender ``kind``: every rank's figures and the worst rank's peak."""
-    with harness.scratch_path() as out:
-        cmd = harness.torchrun(2, __file__, "--worker", kind, "--width", str(width), "--out", out, "--case", case)
-        start = time.monotonic()
-        harness.run_bounded(cmd, 600, kind)
-        ranks = harness.read_json(out)
-    return {"kind": kind, "seconds": time.monotonic() - start, "ranks": ranks,
-            "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks), "n_params": ranks[0]["n_params"]}
+    ranks = harness.launch([__file__, "--worker", kind, "--width", str(width), "--case", case], ranks=2, what=kind)
+    return {"ranks": ranks, "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks),
+            "n_params": ranks[0]["n_params"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", choices=CONTENDERS + SAC_CONTENDERS)
-    parser.add_argument("--case", choices=("ppo", "sac"), default="ppo")
-    parser.add_argument("--width", type=int)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out")
-    args = parser.parse_args()
+def parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--worker", choices=CONTENDERS + SAC_CONTENDERS, help="one rank of a contender's launch")
+    p.add_argument("--case", choices=("ppo", "sac"), default="ppo")
+    p.add_argument("--width", type=int)
+    p.add_argument("--repeats", type=int, default=1)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     args.width = args.width or (4096 if args.case == "ppo" else 2048)
     args.out = args.out or os.path.join(HERE, "results",
                                         "fsdp_peak.json" if args.case == "ppo" else "fsdp_peak_sac.json")
@@ -182,12 +165,8 @@ def main() -> None:
 
 def interleaved(args, contenders, *case) -> tuple[list[dict], dict[str, float]]:
     """``args.repeats`` launches of each contender, in rotated order; every run and each one's median peak."""
-    runs = []
-    for rep in range(args.repeats):
-        for kind in harness.rotation(rep, contenders):
-            runs.append(launch(kind, args.width, *case))
-            print(f"{kind:27s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
-                  f"({runs[-1]['seconds']:.0f} s)", flush=True)
+    runs = harness.rotated(contenders, args.repeats, lambda kind: launch(kind, args.width, *case),
+                           lambda r: f"worst-rank peak {r['worst_peak_mib']:8.1f} MiB")
     return runs, {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in contenders}
 
 
@@ -200,7 +179,7 @@ def summary(args, runs: list[dict], median: dict[str, float], algorithm: str, **
         "width": args.width, "n_params": n_params, "copy_mib": copy_mib, "repeats": args.repeats,
         "median_peak_mib": median, "copies": {k: v / copy_mib for k, v in median.items()}, **ratios, "runs": runs,
     }
-    harness.write_json(args.out, result)
+    harness.write_result(args.out, result)
     return result
 
 

@@ -2,18 +2,13 @@
 
     python benchmarks/fsdp_serve.py --out benchmarks/results/fsdp_serve.json   # starts rank 1 itself
 
-With ``policy=actor`` a sharded learner keeps the actor's parameters full on every rank and
-refreshes them after each optimizer step (one all-gather of the actor's parameters), so the
-collector can run the module the loss trains, as under DDP. Two FSDP learners on identical PPO
-losses, one given ``policy=`` (served) and one not, take interleaved blocks of updates on the
-same batches; the ratio of their median block times is the serving cost, side by side in one
-launch. Memory is the bytes of the served full copies per rank (the rest is the same in both).
-Run for the standard PPO workload and for the 20M-parameter actor, where the cost is largest.
+Two FSDP learners on identical PPO losses, one given ``policy=actor`` (served: the actor kept full and refreshed
+after each step by one all-gather) and one not, take interleaved blocks of updates on the same batches; the ratio
+of their median block times is the serving cost; memory is the served full copy per rank. For the standard PPO
+workload and the 21M-parameter actor.
 """
-
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics
@@ -59,15 +54,18 @@ def measure(workload: str, reps: int, block: int, batch: int) -> dict:
             "actor_params": sum(p.numel() for p in actor.parameters()), "reps": reps, "block": block}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--reps", type=int, default=9)
-    args = parser.parse_args()
+def parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--reps", type=int, default=9)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     rows = [measure("ppo", args.reps, 8, common.BATCH), measure("ppo_big_actor", args.reps, 2, 64)]
     if rows[0]["rank"] == 0:
-        harness.write_json(args.out, {"rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                      "git": harness.git_head()})
+        harness.write_result(args.out, {"rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                        "git": harness.git_head()})
         for r in rows:
             print(f"{r['workload']:>14}: served {r['ms_per_update']['served']:.2f} ms, not served "
                   f"{r['ms_per_update']['plain']:.2f} ms per update, ratio {r['ratio']:.3f}; served copy "

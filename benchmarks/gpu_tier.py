@@ -3,16 +3,12 @@
     python benchmarks/gpu_tier.py                 # on a machine with a CUDA GPU (`make test-gpu`)
     python benchmarks/gpu_tier.py --dry-run       # the same checks with the CPU as the device
 
-Writes ``benchmarks/results/gpu_tier.json`` (``--report`` elsewhere): per check its outcome (passed,
-failed with the error's tail, or skipped with the reason), its seconds and its figures; the device's
-name, torch's and CUDA's versions and the machine (``harness.machine``). The multi-rank NCCL checks run
-when ``torch.cuda.device_count() >= 2`` and are skipped with that reason otherwise. Exits with pytest's
-status; on a machine without CUDA it refuses (exit 2) unless ``--dry-run`` is given, writing nothing.
-Budget: within 8 minutes on one H100 (each check is bounded by pytest-timeout, ``--check-timeout``, 300 s).
-The report is rewritten after each phase of each check (``exit_status`` null until the end, the check in
-progress ``running``): a run cut off at a device call's limit still sends back what it checked.
+Writes ``results/gpu_tier.json`` (``--report``): per check its outcome (passed, failed with the error's tail, or
+skipped with the reason), seconds and figures; the device, torch's and CUDA's versions, the machine. The NCCL
+checks run where ``torch.cuda.device_count() >= 2``. Exits with pytest's status; without CUDA it refuses (exit 2,
+nothing written) unless ``--dry-run``. Each check is bounded (``--check-timeout``), and the report is rewritten
+after each phase of each check, so a run cut off at a device call's limit still sends back what it checked.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -68,13 +64,17 @@ def device_block(device: str) -> dict:
     return block
 
 
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="run every check with the CPU as the device")
+    p.add_argument("--report", default=DEFAULT_REPORT)
+    p.add_argument("-k", default=None, help="only the checks matching this pytest -k expression")
+    p.add_argument("--check-timeout", type=int, default=300, help="seconds one check may take (pytest-timeout)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="run every check with the CPU as the device")
-    parser.add_argument("--report", default=DEFAULT_REPORT)
-    parser.add_argument("-k", default=None, help="only the checks matching this pytest -k expression")
-    parser.add_argument("--check-timeout", type=int, default=300, help="seconds one check may take (pytest-timeout)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     import pytest
     import torch
 
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["FL_TIER_DEVICE"] = device
     os.environ.setdefault("RL_WARNINGS", "False")
     start = time.perf_counter()
-    fixed = {"what": "make test-gpu: the CUDA tier (tests/gpu/cuda_checks.py)" + (" as a CPU dry run" if args.dry_run else ""),
+    fixed = {"command": harness.command_line(),
+             "what": "make test-gpu: the CUDA tier (tests/gpu/cuda_checks.py)" + (" as a CPU dry run" if args.dry_run else ""),
              "device": device_block(device), "machine": harness.machine()}
 
     def write(status: int | None) -> None:  # None: still running (the report so far)

@@ -1,26 +1,22 @@
 """The benchmark harness: what the scripts of benchmarks/ share apart from their workloads, written once.
 
-- process: ``set_one_thread``, and ``status_mib`` (a memory figure of this process, /proc/self/status);
-- relaunch: ``torchrun`` (the command for N local ranks), ``run_bounded`` (a child process with one
-  thread, a clean environment and a timeout) and ``scratch_path`` (where the child writes its result);
-- provenance: ``git_head``, ``git_dirty``, ``git_label``, ``package_sha256`` (every file of the package),
-  and ``provenance`` / ``machine``, the blocks a result file records;
-- ``StageClock``: the time a run spends in each named stage, by wrappers around its calls;
-- verdicts: ``decide`` (the one met / not met rule) and ``verdict`` (its words);
-- result files: ``write_json``, ``read_json`` and ``write_gathered`` (every rank's result, by rank 0);
-  ``summed_over_ranks`` (a block's CPU seconds over the ranks);
-- memory cap: ``cap_address_space``, ``train_under_cap``, ``finish_capped``, ``launch_capped``,
-  ``capped_summary`` (a model
-  trained, or not, under a per-process cap on its address space);
-- interleaving: contenders taking turns (``order_for``, ``rotation``, ``interleaved``, ``rotating``)
-  and the intervals read from them (``paired_ratio``, ``bootstrap_ci``, ``ratio_of_sums``).
+- command line and results: ``parser`` (every script's, with ``--out``), ``command_line``, ``write_result`` (a
+  result file naming the command that rewrites it), ``write_json``, ``read_json``, ``write_gathered``;
+- process and launches: ``setup``, ``set_one_thread``, ``status_mib``, ``torchrun``, ``run_bounded``,
+  ``scratch_path``, ``launch`` (a script as 1 process or N ranks, its result read back), ``rotated``,
+  ``free_port``;
+- provenance: ``git_head``, ``git_dirty``, ``git_label``, ``package_sha256``, ``provenance``, ``machine``;
+- ``StageClock``; verdicts ``decide`` / ``verdict``; ``table`` (markdown);
+- memory cap: ``cap_address_space``, ``train_under_cap``, ``finish_capped``, ``launch_capped``, ``capped_summary``;
+- interleaving: ``order_for``, ``rotation``, ``interleaved``, ``rotating``, and ``paired_ratio``,
+  ``bootstrap_ci``, ``ratio_of_sums``, ``summed_over_ranks``.
 
-Loading it imports only the standard library (torch and numpy are imported by the functions that
-use them), so a worker can load it before it measures its own memory.
+Loading it imports only the standard library, so a worker can load it before it measures its own memory.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import hashlib
@@ -28,8 +24,10 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -40,9 +38,60 @@ from typing import Any, Callable, Iterator, Sequence
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PACKAGE = os.path.join(ROOT, "fabric_learner")
+RESULTS = os.path.join(HERE, "results")
 
 
-# ---- process -------------------------------------------------------------------------------------
+# ---- command line and result files ---------------------------------------------------------------
+
+
+def parser(doc: str | None, out: str | None = None, **kwargs) -> argparse.ArgumentParser:
+    """A script's parser, described by its docstring's first line, with ``--out`` (default ``results/<out>``
+    when ``out`` is given, else no default)."""
+    p = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0], **kwargs)
+    p.add_argument("--out", default=os.path.join(RESULTS, out) if out else None, help="the result file")
+    return p
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command this process runs, as written from the repository root: ``python benchmarks/x.py ARGS``."""
+    argv = sys.argv if argv is None else argv
+    script = os.path.relpath(os.path.abspath(argv[0]), ROOT) if argv else "?"
+    return shlex.join(["python", script, *argv[1:]])
+
+
+def write_result(path: str | os.PathLike, data: dict, *, indent: int | None = 1) -> None:
+    """``write_json`` of ``data`` with its ``command`` (``command_line()`` unless it names one): every stored
+    result says what rewrites it."""
+    write_json(path, {"command": command_line(), **data}, indent=indent)
+
+
+def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> None:
+    """Writes ``data`` to ``path`` as JSON (folder made if missing), whole: beside it, then renamed onto it."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=indent)
+    os.replace(path + ".tmp", path)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_gathered(path: str | os.PathLike, result: Any) -> None:
+    """Every rank's ``result``, a list by rank, written by rank 0 (a collective); ``[result]`` without a group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return write_json(path, [result], indent=None)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        write_json(path, gathered, indent=None)
+
+
+# ---- process and launches ------------------------------------------------------------------------
 
 
 def set_one_thread() -> None:
@@ -53,9 +102,18 @@ def set_one_thread() -> None:
     torch.set_num_threads(1)
 
 
+def setup() -> None:
+    """A benchmark process: one thread, torchrl's and Python's warnings off."""
+    import warnings
+
+    os.environ.setdefault("RL_WARNINGS", "False")
+    warnings.filterwarnings("ignore")
+    set_one_thread()
+
+
 def status_mib(field: str) -> float:
-    """This process's ``field`` of /proc/self/status in MiB (``VmRSS`` resident now, ``VmHWM`` its peak,
-    ``VmSize`` / ``VmPeak`` address space now / at most); raises ``KeyError`` when there is no such field."""
+    """``field`` of /proc/self/status in MiB (``VmRSS``, ``VmHWM`` its peak, ``VmSize``, ``VmPeak``); ``KeyError``
+    when there is no such field."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -63,7 +121,11 @@ def status_mib(field: str) -> float:
     raise KeyError(field)
 
 
-# ---- relaunch ------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 # what an enclosing launch (torchrun, ``fabric run``) sets; a child that kept them would join it
 LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED",
@@ -77,15 +139,12 @@ def torchrun(nproc: int, *argv: str) -> list[str]:
 
 def run_bounded(cmd: list[str], timeout_s: float, what: str, *, check: bool = True,
                 **extra_env: str) -> subprocess.CompletedProcess:
-    """Runs ``cmd`` from the repository root and returns it finished, its stdout and stderr together in
-    ``stdout``.
+    """Runs ``cmd`` from the repository root, finished, its stdout and stderr together in ``stdout``.
 
-    The child gets one thread per process, torchrl's warnings off, this checkout first on its path (then
-    this process's ``PYTHONPATH``), no variable of an enclosing launch, and ``extra_env``. It runs in its
-    own session, and its whole process group is killed when it ends, so nothing it started outlives it. ``RuntimeError`` (with
-    the output's tail) when it runs past ``timeout_s`` or, with ``check``, exits non-zero.
+    The child gets one thread per process, torchrl's warnings off, this checkout first on its path, no
+    variable of an enclosing launch, and ``extra_env``; its whole process group is killed when it ends.
+    ``RuntimeError`` (with the output's tail) past ``timeout_s`` or, with ``check``, on a non-zero exit.
     """
-    # this checkout first, then what this process's path held (the GPU machine's --target folder of wheels)
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=path, **extra_env)
     for key in LAUNCH_VARIABLES:
@@ -99,10 +158,8 @@ def run_bounded(cmd: list[str], timeout_s: float, what: str, *, check: bool = Tr
         log, _ = proc.communicate()
         raise RuntimeError(f"{what} did not finish in {timeout_s}s:\n{log[-3000:]}") from None
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     if check and proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{log[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, log)
@@ -110,8 +167,7 @@ def run_bounded(cmd: list[str], timeout_s: float, what: str, *, check: bool = Tr
 
 @contextlib.contextmanager
 def scratch_path(name: str = "result.json") -> Iterator[str]:
-    """A path in a fresh temporary folder, not yet a file (a child writes its result there); the
-    folder goes when the block ends."""
+    """A path in a fresh temporary folder (a child writes its result there); the folder goes with the block."""
     folder = tempfile.mkdtemp(prefix="fl_bench_")
     try:
         yield os.path.join(folder, name)
@@ -119,11 +175,35 @@ def scratch_path(name: str = "result.json") -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def launch(argv: Sequence[str], *, ranks: int | None = None, timeout_s: float = 600, what: str | None = None,
+           out_flag: str = "--out", **extra_env: str) -> Any:
+    """Runs ``argv`` (a script and its arguments, ``OUT_FLAG PATH`` appended) as one process or, given ``ranks``,
+    as that many under torchrun (``run_bounded``), and returns the JSON it wrote at ``PATH``."""
+    with scratch_path() as out:
+        cmd = [*argv, out_flag, out]
+        cmd = [sys.executable, *cmd] if ranks is None else torchrun(ranks, *cmd)
+        run_bounded(cmd, timeout_s, what or " ".join(map(str, argv[:3])), **extra_env)
+        return read_json(out)
+
+
+def rotated(kinds: Sequence[str], repeats: int, run: Callable[[str], dict], show: Callable[[dict], str] = str
+            ) -> list[dict]:
+    """``repeats`` rounds of ``run(kind)`` for every kind, each round rotated by one (``rotation``): every run, in
+    order, as ``{"kind", **run(kind)}`` with its ``seconds`` unless it has its own, each printed with ``show``."""
+    runs = []
+    for rep in range(repeats):
+        for kind in rotation(rep, kinds):
+            start = time.monotonic()
+            runs.append({"kind": kind, **run(kind)})
+            runs[-1].setdefault("seconds", time.monotonic() - start)
+            print(f"{kind:27s} {show(runs[-1])} ({runs[-1]['seconds']:.0f} s)", flush=True)
+    return runs
+
+
 # ---- provenance ----------------------------------------------------------------------------------
 
 
 def _git(*args: str) -> str | None:
-    """``git``'s output in the repository root, stripped; ``None`` when git cannot answer."""
     try:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
@@ -148,9 +228,8 @@ def git_label(*paths: str) -> str:
 
 
 def package_sha256() -> str:
-    """16 hex digits of a sha256 over every file under fabric_learner/, at any depth, taken in the order of
-    their relative paths, each with its path: any change to any of them changes it. Bytecode caches
-    (``__pycache__``) are left out; they follow the sources."""
+    """16 hex digits of a sha256 over every file under fabric_learner/ (``__pycache__`` left out), each with its
+    relative path, in path order: any change to any of them changes it."""
     files = []
     for folder, subfolders, names in os.walk(PACKAGE):
         subfolders[:] = [d for d in subfolders if d != "__pycache__"]
@@ -178,11 +257,8 @@ def machine() -> dict[str, Any]:
     import torchrl
 
     cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     return {**provenance(), "cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "tensordict": tensordict.__version__,
             "torchrl": torchrl.__version__, "lightning": lightning.__version__}
@@ -194,23 +270,20 @@ def machine() -> dict[str, Any]:
 class StageClock:
     """Time spent in each named stage, summed over the calls it wraps, on each of its timers.
 
-    ``StageClock()`` sums wall seconds (``time.perf_counter``) in ``seconds`` and process CPU
-    seconds (``time.process_time``) in ``cpu``; ``StageClock(ns=time.thread_time_ns)`` sums thread
-    CPU nanoseconds in ``ns``. Each timer's sums are an attribute of that name, a dict stage ->
-    sum, which may be reset by assigning a new dict. ``calls[stage]`` lists each wrapped call's
-    duration on the first timer. A stage entered inside another adds its time to its own name
-    (both are counted); for ``count_calls`` the calls inside it belong to the outer stage.
+    ``StageClock()`` sums wall seconds in ``seconds`` and process CPU seconds in ``cpu``;
+    ``StageClock(ns=time.thread_time_ns)`` thread CPU nanoseconds in ``ns``: each a dict stage -> sum (reset by
+    assigning a new dict). ``calls[stage]`` lists each wrapped call's duration on the first timer. A stage
+    entered inside another adds its time to its own name too; for ``count_calls`` the calls inside it belong
+    to the outer stage. ``origin`` (the timers at a run's start, set by its caller) starts "setup", which
+    lasts until the first item a wrapped iterator is asked for.
     """
 
     def __init__(self, **timers: Callable[[], float]) -> None:
         timers = timers or {"seconds": time.perf_counter, "cpu": time.process_time}
-        self._names = tuple(timers)
-        self._readers = tuple(timers.values())
+        self._names, self._readers = tuple(timers), tuple(timers.values())
         for name in self._names:
             setattr(self, name, {})
         self.calls: dict[str, list[float]] = {}
-        # the timers' readings at the start of a run (set by its caller): "setup" then lasts until the
-        # first item a wrapped iterator is asked for
         self.origin: tuple[float, ...] | None = None
         self.stage: str | None = None  # the outermost stage running now, for count_calls
         self.python_calls: dict[str, int] | None = None
@@ -218,53 +291,29 @@ class StageClock:
     def _read(self) -> list[float]:
         return [read() for read in self._readers]
 
-    def _enter(self, stage: str) -> str | None:
-        outer, self.stage = self.stage, self.stage or stage
-        return outer
-
     def _add(self, stage: str, end: Sequence[float], start: Sequence[float]) -> float:
-        """Adds ``end - start`` of every timer to ``stage``; returns the first timer's difference."""
         for name, stop, begin in zip(self._names, end, start):
             sums = getattr(self, name)
             sums[stage] = sums.get(stage, 0) + (stop - begin)
         return end[0] - start[0]
 
     def count_calls(self) -> None:
-        """From now on counts Python and C function calls per stage (a profile hook: slow, but exact);
-        calls outside every stage count as "setup" until a setup time is recorded, "rest" after."""
-        self.python_calls = {}
-        counts = self.python_calls
-        first = self._names[0]
+        """From now on counts Python and C function calls per stage (a profile hook: slow but exact); calls
+        outside every stage count as "setup" until a setup time is recorded, "rest" after."""
+        counts = self.python_calls = {}
 
         def hook(frame, event, arg):
             if event == "call" or event == "c_call":
-                stage = self.stage or ("rest" if "setup" in getattr(self, first) else "setup")
+                stage = self.stage or ("rest" if "setup" in getattr(self, self._names[0]) else "setup")
                 counts[stage] = counts.get(stage, 0) + 1
         sys.setprofile(hook)
 
     def wrap(self, stage: str, fn: Callable) -> Callable:
         """``fn``, its every call timed into ``stage``."""
         calls = self.calls.setdefault(stage, [])
-        if len(self._readers) == 1:
-            # One timer (the update profile's): only what it needs around the call, since the wrapper's own
-            # cost lands in that profile's "rest + wrappers" row.
-            read, name = self._readers[0], self._names[0]
-
-            def timed_once(*args, **kwargs):
-                outer = self._enter(stage)
-                start = read()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    took = read() - start
-                    sums = getattr(self, name)
-                    sums[stage] = sums.get(stage, 0) + took
-                    calls.append(took)
-                    self.stage = outer
-            return timed_once
 
         def timed(*args, **kwargs):
-            outer = self._enter(stage)
+            outer, self.stage = self.stage, self.stage or stage
             start = self._read()
             try:
                 return fn(*args, **kwargs)
@@ -274,15 +323,15 @@ class StageClock:
         return timed
 
     def wrap_iterator(self, stage: str, make_iterator: Callable[[], Iterator]) -> Callable[[], Iterator]:
-        """``make_iterator``, its iterators' every ``next`` timed into ``stage``; with ``origin`` set, the
-        time from it to the first ``next`` goes to "setup"."""
+        """``make_iterator``, its iterators' every ``next`` timed into ``stage`` (and, with ``origin`` set, the
+        time before the first into "setup")."""
         def timed_iterator():
             it = make_iterator()
             while True:
                 start = self._read()
                 if self.origin is not None and "setup" not in getattr(self, self._names[0]):
                     self._add("setup", start, self.origin)
-                outer = self._enter(stage)
+                outer, self.stage = self.stage, self.stage or stage
                 try:
                     item = next(it)
                 except StopIteration:
@@ -294,17 +343,15 @@ class StageClock:
         return timed_iterator
 
 
-# ---- verdicts ------------------------------------------------------------------------------------
+# ---- verdicts and tables -------------------------------------------------------------------------
 
 
 def decide(ci: tuple[float, float], goal: float | None, *, at_least: bool = False) -> bool | None:
-    """The one rule for both answers: ``True`` (met) when the whole interval lies within the goal,
-    ``False`` (not met) when the whole interval lies beyond it, ``None`` (undecided) when it
-    straddles the goal or there is none.
+    """The one rule for both answers: ``True`` (met) when the whole interval lies within the goal, ``False``
+    (not met) when it lies wholly beyond it, ``None`` (undecided) when it straddles it or there is none.
 
-    The goal is a ceiling (met at or under it) unless ``at_least``, which makes it a floor (met at
-    or over it): the mirror image, so noise never helps either way. The point estimate is reported
-    beside the verdict and never moves it.
+    The goal is a ceiling unless ``at_least`` makes it a floor: the mirror image, so noise never helps either
+    way. The point estimate is reported beside the verdict and never moves it.
     """
     if goal is None:
         return None
@@ -315,8 +362,7 @@ def decide(ci: tuple[float, float], goal: float | None, *, at_least: bool = Fals
 
 
 def verdict(ci: tuple[float, float], goal: float | None, *, at_least: bool = False) -> str:
-    """``decide``'s answer in words: "met", "NOT met", "undecided (...)", or "-" without a goal; the goal
-    is a ceiling, or a floor with ``at_least``."""
+    """``decide``'s answer in words: "met", "NOT met", "undecided (...)", or "-" without a goal."""
     if goal is None:
         return "-"
     met = decide(ci, goal, at_least=at_least)
@@ -325,63 +371,24 @@ def verdict(ci: tuple[float, float], goal: float | None, *, at_least: bool = Fal
     return "met" if met else "NOT met"
 
 
-# ---- result files --------------------------------------------------------------------------------
-
-
-def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> None:
-    """Writes ``data`` to ``path`` as JSON, making its folder if missing. The file appears whole: it is
-    written beside ``path`` and renamed onto it, so a reader finds the old file or the new one."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=indent)
-    os.replace(tmp, path)
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    with open(path) as f:
-        return json.load(f)
-
-
-def write_gathered(path: str | os.PathLike, result: Any) -> None:
-    """Every rank's ``result``, as a list by rank, written to ``path`` by rank 0 (a collective: every rank
-    calls it); one process without a process group writes ``[result]``."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        write_json(path, [result], indent=None)
-        return
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        write_json(path, gathered, indent=None)
-
-
-def summed_over_ranks(samples: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Each block's samples (CPU seconds) summed over the ranks, the same on every rank (a collective);
-    ``samples`` itself without a process group."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return samples
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, samples)
-    return {name: [sum(block) for block in zip(*(rank[name] for rank in every), strict=True)] for name in samples}
+def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table of ``rows`` under ``head``, columns padded to their widest cell."""
+    lines = [list(map(str, head)), *(list(map(str, r)) for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
+    return "\n".join([out[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *out[1:]])
 
 
 # ---- memory cap ----------------------------------------------------------------------------------
-# A model that does not fit one process under a cap on its address space, trained sharded under the same
-# cap: the worker calls ``cap_address_space`` just before it builds the model, ``train_under_cap``
-# around building and training, and ``finish_capped`` to report; ``launch_capped`` starts one process or
-# N ranks; ``capped_summary`` reads the launches.
+# A model that does not fit one process under a cap on its address space, trained sharded under the same cap:
+# the worker calls ``cap_address_space`` just before it builds the model, ``train_under_cap`` around building and
+# training, and ``finish_capped`` to report; ``launch_capped`` starts 1 process or N ranks; ``capped_summary``.
 
 
 def cap_address_space(baseline_mib: float, n_params: int, copies: float) -> dict[str, float]:
-    """Caps this process's address space (``RLIMIT_AS``) at ``baseline_mib`` (its ``VmSize`` taken before
-    the model) plus ``copies`` fp32 copies of ``n_params`` parameters; ``copies=0`` sets no cap (to
-    calibrate). Returns the figures a result records. Parameters, gradients and Adam's two moments are
-    4 copies, so a cap under 4 leaves one process unable to hold its training state."""
+    """Caps this process's address space (``RLIMIT_AS``) at ``baseline_mib`` (``VmSize`` before the model) plus
+    ``copies`` fp32 copies of ``n_params`` parameters (0: no cap, to calibrate); the figures a result records.
+    Parameters, gradients and Adam's moments are 4 copies: under 4, one process cannot hold its training state."""
     import resource
 
     copy_mib = n_params * 4 / 2**20
@@ -392,9 +399,9 @@ def cap_address_space(baseline_mib: float, n_params: int, copies: float) -> dict
 
 
 def train_under_cap(result: dict, steps: Iterator[float]) -> None:
-    """Runs ``steps`` (a generator that builds what it trains, then yields each update's loss) and records in
-    ``result`` how many updates it trained, the last loss, the allocation error the cap caused (or
-    ``None``), and the peaks: address space over ``result["baseline_vmsize_mib"]`` and resident memory."""
+    """Runs ``steps`` (builds what it trains, then yields each update's loss); records in ``result`` the updates
+    trained, the last loss, the allocation error the cap caused (or ``None``) and the peaks: address space over
+    ``result["baseline_vmsize_mib"]`` and resident memory."""
     done = 0
     try:
         for loss in steps:
@@ -416,12 +423,10 @@ def train_under_cap(result: dict, steps: Iterator[float]) -> None:
 
 
 def finish_capped(path: str, result: dict) -> None:
-    """Writes this rank's ``result`` beside ``path`` (``PATH.rankN``: no collective, so a rank whose peer died
-    still reports). A rank that failed under the cap then exits at once (status 3), after a moment for a
-    peer that failed alike to write its own: torchrun then stops the ranks left waiting in a collective
-    for the failed one, which would otherwise wait for the process group's timeout."""
-    rank = int(os.environ.get("RANK", 0))
-    write_json(f"{path}.rank{rank}", result, indent=None)
+    """Writes this rank's ``result`` to ``PATH.rankN`` (no collective: a rank whose peer died still reports). A
+    rank that failed then exits (status 3) after a moment for a peer to write its own, so that torchrun stops
+    the ranks left waiting for it in a collective."""
+    write_json(f"{path}.rank{int(os.environ.get('RANK', 0))}", result, indent=None)
     if result["error"] is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         sys.stdout.flush()
         time.sleep(2)
@@ -429,14 +434,10 @@ def finish_capped(path: str, result: dict) -> None:
 
 
 def launch_capped(kind: str, argv: list[str], ranks: int, timeout_s: float = 600, **extra_env: str) -> dict:
-    """Runs ``argv`` (a script and its arguments; ``--out PATH`` is appended) as one process (``ranks=1``) or
-    under torchrun, with ``extra_env``; each process reports through ``finish_capped``. Never raises for
-    the worker's failure: the ranks that wrote nothing are missing from ``ranks``, and the output's tail
-    is kept.
-
-    ``MALLOC_ARENA_MAX=1``: glibc otherwise reserves a 64 MiB arena of address space per thread that
-    allocates (gloo's threads too), which counts against ``RLIMIT_AS`` without being used.
-    """
+    """Runs ``argv`` (``--out PATH`` appended) as 1 process or ``ranks`` under torchrun, each reporting through
+    ``finish_capped``; never raises for the worker's failure (ranks that wrote nothing are missing, the output's
+    tail is kept). ``MALLOC_ARENA_MAX=1``: glibc otherwise reserves 64 MiB of address space per allocating
+    thread (gloo's too), which counts against ``RLIMIT_AS`` unused."""
     with scratch_path() as out:
         cmd = [*argv, "--out", out]
         cmd = [sys.executable, *cmd] if ranks == 1 else torchrun(ranks, *cmd)
@@ -448,8 +449,8 @@ def launch_capped(kind: str, argv: list[str], ranks: int, timeout_s: float = 600
 
 
 def capped_summary(runs: list[dict], updates: int) -> dict[str, bool]:
-    """Prints each launch's ranks (parameters, cap, updates trained, peak address space, error) and returns
-    by kind whether every rank reported, having trained all ``updates`` without an error."""
+    """Prints each launch's ranks and returns by kind whether every rank reported, having trained all ``updates``
+    without an error."""
     for r in runs:
         for x in r["ranks"]:
             print(f"{r['kind']:21s} rank {x['rank']}: {x.get('n_params', 0) / 1e6:.1f}M params, cap "
@@ -466,12 +467,9 @@ def capped_summary(runs: list[dict], updates: int) -> dict[str, bool]:
 
 
 def order_for(rep: int, names: Sequence[str]) -> list[str]:
-    """A random order of ``names`` for repetition ``rep``: the same on every rank and every run.
-
-    Shuffled rather than rotated: in a rotation each contender nearly always follows the same
-    one, and what a block leaves in the caches then biases its successor (an A/A pair of
-    identical loops measured 0.99 that way, 1.00 shuffled).
-    """
+    """A random order of ``names`` for repetition ``rep``, the same on every rank and run. Shuffled, not rotated:
+    in a rotation each contender nearly always follows the same one, whose traces in the caches bias it (an A/A
+    pair measured 0.99 rotated, 1.00 shuffled)."""
     return random.Random(rep).sample(list(names), len(names))
 
 
@@ -481,35 +479,23 @@ def rotation(rep: int, names: Sequence[str]) -> list[str]:
     return list(names[k:]) + list(names[:k])
 
 
-def interleaved(
-    contenders: dict[str, Callable[[int], None]],
-    *,
-    reps: int,
-    inner: int,
-    warmup: int,
-    sync: Callable[[], None] | None = None,
-    cpu: dict[str, list[float]] | None = None,
-) -> dict[str, list[float]]:
+def interleaved(contenders: dict[str, Callable[[int], None]], *, reps: int, inner: int, warmup: int,
+                sync: Callable[[], None] | None = None, cpu: dict[str, list[float]] | None = None
+                ) -> dict[str, list[float]]:
     """Per-call wall seconds of each contender, ``reps`` samples each.
 
-    ``contenders[name](i)`` does the i-th unit of work. Each repetition runs every contender
-    once, ``inner`` calls timed together with ``time.perf_counter``, in the order ``order_for``
-    gives. ``sync`` (a barrier) runs before and after each timed block when given (multi-rank).
-    When ``cpu`` is a dict, it receives the same samples in process CPU seconds
-    (``time.process_time``), which leave out the time this process waited for a core.
-
-    The garbage collector runs once per repetition, between repetitions, never inside one: what
-    the warm-up left alive is frozen out of its scans (``gc.freeze``), so a collection costs
-    little and many short repetitions (``inner=1``) are affordable; many short, paired blocks
-    resolve a difference far better than a few long ones on a noisy machine. A contender that
-    allocates more Python objects is therefore not charged for the extra collections it causes.
+    ``contenders[name](i)`` does the i-th unit of work. Each repetition runs every contender once, ``inner``
+    calls timed together, in ``order_for``'s order; ``sync`` (a barrier) runs before and after each block; a
+    ``cpu`` dict receives the same samples in process CPU seconds. The garbage collector runs between
+    repetitions, never inside one, with what the warm-up left alive frozen out of its scans (``gc.freeze``), so
+    many short paired blocks are affordable (a contender is not charged for the collections it causes).
     """
     names = list(contenders)
     for name in names:
         for i in range(warmup):
             contenders[name](i)
     samples: dict[str, list[float]] = {n: [] for n in names}
-    counters = {n: warmup for n in names}
+    counters = dict.fromkeys(names, warmup)
     was_enabled = gc.isenabled()
     gc.collect()
     gc.freeze()
@@ -518,18 +504,15 @@ def interleaved(
             gc.collect()
             gc.disable()
             for name in order_for(rep, names):
-                fn = contenders[name]
+                fn, i0 = contenders[name], counters[name]
                 if sync is not None:
                     sync()
-                i0 = counters[name]
-                c0 = time.process_time()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 for i in range(i0, i0 + inner):
                     fn(i)
                 if sync is not None:
                     sync()
-                t1 = time.perf_counter()
-                c1 = time.process_time()
+                t1, c1 = time.perf_counter(), time.process_time()
                 samples[name].append((t1 - t0) / inner)
                 if cpu is not None:
                     cpu.setdefault(name, []).append((c1 - c0) / inner)
@@ -549,15 +532,10 @@ INSTANCES = 5  # copies of each contender, taking turns (``rotating``); coprime 
 def rotating(build: Callable[[], Any], batches: Sequence[Any], instances: int = INSTANCES) -> Callable[[int], None]:
     """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``.
 
-    Two identical contenders, built the same way from the same seeds, can differ by 1-3% for
-    their whole life, most likely from where their tensors land in memory (not isolated here):
-    in one full run with three copies, LocalLearner's copies measured 1.003, 1.014 and 1.032 of
-    the hand loop on PPO, and under DDP the A/A twin's copies 0.972, 0.977 and 1.017 on DQN. More
-    repetitions of one copy do not average that away; several copies taking turns do, and
-    ``bootstrap_ci(..., copies=...)`` counts how many there were. Every contender gets the same
-    number of copies and sees the same batch on the same call, so call ``i`` of two contenders
-    is still the same work; with ``inner=1`` and a warm-up that is a multiple of ``instances``,
-    repetition ``r`` is copy ``r % instances``.
+    Two identical contenders can differ by 1-3% for their whole life (LocalLearner's copies measured 1.003,
+    1.014 and 1.032 of the hand loop in one run), which more repetitions of one copy do not average away;
+    several copies taking turns do, and ``bootstrap_ci(..., copies=...)`` counts them. With ``inner=1`` and a
+    warm-up that is a multiple of ``instances``, repetition ``r`` is copy ``r % instances``.
     """
     updates = [build().update for _ in range(instances)]
     k = len(batches)
@@ -575,12 +553,8 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
 
 def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: int = 0,
                  copies: int = 1) -> tuple[float, float]:
-    """95% bootstrap interval of ``paired_ratio``: how far noise alone moves it.
-
-    With ``copies`` > 1 (samples from ``rotating``: sample ``r`` came from copy ``r % copies``) it
-    resamples in two stages, copies and then repetitions within each, so the interval also holds
-    the copy-to-copy spread, which repetitions of the same copies cannot shrink.
-    """
+    """95% bootstrap interval of ``paired_ratio``. With ``copies`` > 1 (sample ``r`` from copy ``r % copies``,
+    ``rotating``) it resamples copies, then repetitions within each, so it holds the copy-to-copy spread too."""
     rng = random.Random(seed)
     ratios = [a / b for a, b in zip(num, den, strict=True)]
     groups = [group for group in (ratios[c::copies] for c in range(copies)) if group]
@@ -596,13 +570,9 @@ def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed
 
 def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000,
                   seed: int = 0) -> tuple[float, tuple[float, float]]:
-    """sum(num) / sum(den) over every repetition's paired segments, and its 95% bootstrap interval.
-
-    Resampled in two stages: repetitions, then segments in pairs within each, because a run
-    keeps its speed relative to the others for its whole life (runs of the same code differed by
-    2-5% per repetition where their paired segments alone gave intervals of ±1%), so the interval
-    must see how many runs it rests on, not only how many segments.
-    """
+    """sum(num) / sum(den) over every repetition's paired segments, and its 95% bootstrap interval, resampling
+    repetitions and then segments in pairs within each (a run keeps its relative speed for its whole life, so
+    the interval must see how many runs it rests on)."""
     import numpy
 
     rng = numpy.random.default_rng(seed)
@@ -619,3 +589,14 @@ def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000,
     boot.sort()
     total = sum(a.sum() for a, _ in reps) / sum(b.sum() for _, b in reps)
     return float(total), (float(boot[int(0.025 * n)]), float(boot[int(0.975 * n) - 1]))
+
+
+def summed_over_ranks(samples: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each block's samples (CPU seconds) summed over the ranks (a collective); ``samples`` without a group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return samples
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, samples)
+    return {name: [sum(block) for block in zip(*(rank[name] for rank in every), strict=True)] for name in samples}

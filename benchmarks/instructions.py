@@ -1,38 +1,21 @@
-"""Instructions per update, counted by valgrind's callgrind: the learner's own work against the
-hand-written loop's, in a measure that nothing else running on the machine can change.
+"""Instructions per update, counted by valgrind's callgrind: the learner's own work against the hand-written loop's.
 
     python benchmarks/instructions.py                          # PPO, DQN, SAC: ~30 min on 2 cores
     python benchmarks/instructions.py --workloads ppo --reps 2
 
-Why: case a of ``run.py`` times the learner against the hand loop to about ±1%, but on a shared
-host two identical copies of one contender differ by 1-3% in time for their whole life, so a
-learner that adds 1.5% cannot be told from one that adds 2.5% there. The number of instructions a
-block of updates executes does not depend on the host's load: the hand loop's A/A twin lands
-within a few tenths of a percent of it.
-
-What it does not see: instructions are not time. Cache misses, branch mispredictions and stalls
-cost cycles that are not counted, and the learner's extra Python calls need not run at the
-loss's instructions per cycle. Read these ratios as the work the learner adds, beside case a's
-time ratios, not instead of them.
-
-How: the script starts itself again under ``valgrind --tool=callgrind --instr-atstart=no``, so
-imports and set-up run uninstrumented (an update still takes about a second there, several
-hundred times native, as every one under valgrind does). A four-line C helper, compiled at run
-time with gcc against valgrind's ``callgrind.h``, switches instrumentation on around each block
-of ``--updates`` updates and dumps that block's count under its name. The contenders are case
-a's (same losses, seeds, batches, clipping, five copies each taking turns) with the hand loop's
-A/A twin; each copy takes ``--warmup`` updates first (default 2; the first creates Adam's
-state), then the blocks take turns in a random order drawn anew each repetition
-(``harness.order_for``), the garbage collector running between repetitions and never inside a
-block, as in case a. The report is the median ratio over paired blocks and the blocks' range
-(a bootstrap interval over three nearly equal blocks would be that range anyway). Needs valgrind
-with its headers (Debian's ``valgrind`` package) and gcc. Results:
-``benchmarks/results/instructions.json``.
+Case a of ``run.py`` times the learner to about ±1%, but two identical copies of a contender differ by 1-3% in
+time on a shared host; the instructions a block of updates executes do not depend on the host's load (the A/A twin
+lands within a few tenths of a percent). Instructions are not time (cache misses, mispredictions and stalls are not
+counted): read these ratios beside case a's, not instead of them. The script starts itself again under
+``valgrind --tool=callgrind --instr-atstart=no``; a four-line C helper (compiled with gcc against
+``callgrind.h``) switches instrumentation on around each block of ``--updates`` updates and dumps its count. The
+contenders are case a's (five copies each, taking turns) with the hand loop's twin; after ``--warmup`` updates per
+copy the blocks take turns in ``harness.order_for``'s order, the garbage collector running between repetitions.
+Reported: the median ratio over paired blocks and their range. Needs valgrind (with its headers) and gcc; writes
+``results/instructions.json``.
 """
-
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import glob
@@ -166,20 +149,24 @@ def _report(name: str, per_update: dict[str, list[float]], rows: list[dict], rep
     return "\n".join(lines)
 
 
+def parser():
+    p = harness.parser(__doc__, "instructions.json")
+    p.add_argument("--workloads", default="ppo,dqn,sac")
+    p.add_argument("--reps", type=int, default=3, help="blocks per contender (default 3)")
+    p.add_argument("--updates", type=int, default=harness.INSTANCES,
+                   help="updates per block, a multiple of the copies (default: one per copy)")
+    p.add_argument("--warmup", type=int, default=2, help="updates per copy before counting (default 2)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="workloads counted at once")
+    p.add_argument("--timeout", type=int, default=2400, help="seconds allowed per workload's run")
+    p.add_argument("--child", help="the helper library: count one workload, under valgrind")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="ppo,dqn,sac")
-    parser.add_argument("--reps", type=int, default=3, help="blocks per contender (default 3)")
-    parser.add_argument("--updates", type=int, default=harness.INSTANCES,
-                        help="updates per block, a multiple of the copies (default: one per copy)")
-    parser.add_argument("--warmup", type=int, default=2, help="updates per copy before counting (default 2)")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "instructions.json"))
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="workloads counted at once")
-    parser.add_argument("--timeout", type=int, default=2400, help="seconds allowed per workload's run")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.updates % harness.INSTANCES:
-        parser.error(f"--updates must be a multiple of the {harness.INSTANCES} copies, so that every block "
+        p.error(f"--updates must be a multiple of the {harness.INSTANCES} copies, so that every block "
                      "holds each copy equally often")
     if args.child:
         _child(args.child, args.workloads, args.reps, args.updates, args.warmup)
@@ -215,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
               "reps": args.reps, "updates": args.updates, "warmup": args.warmup,
               "seconds": round(time.time() - started), "machine": machine,
               "valgrind": subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()}
-    harness.write_json(args.out, result)
+    harness.write_result(args.out, result)
     print(f"wrote {args.out} ({result['seconds']} s)")
     return 1 if result["failed"] else 0
 

@@ -6,33 +6,18 @@
     python benchmarks/learning.py run --algo sac --contender learner --seed 1 --frames 4000   # a smoke run
     PYTHONPATH=.:/work/mpl python benchmarks/learning.py report              # summary, curves, docs/results.md
 
-Contenders (``CONTENDERS``), each on HalfCheetah-v5 with the recipe's hyper-parameters:
+Contenders on HalfCheetah-v5 with the recipe's hyper-parameters (docs/results.md): ``torchrl`` (torchrl's own loop
+by hand, one process, ``learning_loops.py``), ``learner`` (``examples/ppo_mujoco.py``; SAC: torchrl's
+``SACTrainer`` through ``learner_trainer``, ``examples/sac_mujoco.py``), ``ddp`` and ``fsdp`` (the same on 2 CPU
+ranks, each rank collecting its own batch: the same total frames in half the updates) and ``ddp_split`` (PPO:
+2 ranks sharing the recipe's batch, advantages standardised over both: the recipe's own updates).
 
-- ``torchrl``: torchrl's own loop, by hand, in one process (``learning_loops.py``);
-- ``learner``: the recipe on ``fabric_learner.Trainer`` + ``FabricLearner`` in one process (PPO:
-  ``examples/ppo_mujoco.py``; SAC: torchrl's ``SACTrainer`` through ``learner_trainer``,
-  ``examples/sac_mujoco.py``);
-- ``ddp``, ``fsdp``: the same on 2 CPU ranks under DDP / FSDP;
-- ``ddp_split`` (PPO only, added after the first DDP run): DDP on 2 ranks sharing the recipe's batch,
-  each rank collecting 1024 frames and taking minibatches of 32 with advantages standardised over
-  both ranks (``examples/ppo_mujoco.py --advantage-norm global``): the recipe's own updates.
-
-Frames are counted over all ranks and every contender collects the same total: on 2 ranks (but
-``ddp_split``) each rank collects its own batch (PPO 2048, SAC 1000 frames), so a batch holds twice
-the frames and the run takes half as many batches and updates (each update averages the ranks'
-gradients over twice the samples); SAC's random warm-up (25,000 frames) is split between the ranks.
-
-A run records, at every batch (before that batch's updates), the frames so far, the wall-clock
-seconds since the run started (setup included) and the returns of the training episodes that
-ended in the batch, on every rank. From them: the final return (the mean of the last 10 finished
-episodes), the curve of that running mean against frames and against seconds, and the first
-second at which it reaches ``THRESHOLD``. Each completed run writes
-``results/learning/<algo>-<contender>-s<seed>.json`` with its provenance (commit, whether the code
-differed from it, the package hash, machine, load average at start and end, CPU seconds summed over
-ranks, and each segment's ``host_probe``: how fast its host ran a fixed piece of work). ``--frames``
-below the full length makes a smoke run, written under the system's temporary folder (or
-``--out-dir``), never into ``results/learning``. ``report`` rebuilds ``results/learning.json``, the
-curves ``docs/learning_<algo>.png`` and the table of ``docs/results.md`` from whatever run files exist.
+A run records at every batch the frames so far (all ranks), the seconds since it started and the returns of the
+episodes that ended; from them the final return (mean of the last 10), the curve, and the first second at which
+it reaches ``THRESHOLD``. A completed run writes ``results/learning/<algo>-<contender>-s<seed>.json`` with its
+provenance and each segment's ``host_probe``; ``--frames`` below the full length makes a smoke run, written
+under the temporary folder (or ``--out-dir``), never into ``results/learning``. ``report`` rebuilds
+``results/learning.json``, ``docs/learning_<algo>.png`` and the table of ``docs/results.md`` from the run files.
 """
 
 from __future__ import annotations
@@ -74,10 +59,8 @@ PAGE = ROOT / "docs" / "results.md"
 BEGIN, END = "<!-- learning-table:begin (benchmarks/learning.py report) -->", "<!-- learning-table:end -->"
 # a run's "code_dirty": these differ from its commit (result files, the run's own and its neighbours', are not code)
 CODE = ("fabric_learner", "benchmarks", "examples", ":(exclude)benchmarks/results")
-# Estimated wall-clock seconds of one full run on this project's 2-core machine, from one short run of each
-# contender on HalfCheetah on 2026-12-02 (PPO 20,480 frames, SAC 4,000 with 4,000 update steps per rank
-# count), the machine shared with another session (load average 2.3-4.7): (seconds - setup) per batch
-# with updates, times the full run's such batches, plus setup. docs/results.md, "Estimated run times".
+# Estimated seconds of one full run on this project's 2-core machine, from one short run of each contender on
+# 2026-12-02 (docs/results.md, "Estimated run times")
 ESTIMATE_S = {
     ("ppo", "torchrl"): 3400, ("ppo", "learner"): 3800, ("ppo", "ddp"): 2600, ("ppo", "fsdp"): 5400,
     ("ppo", "ddp_split"): 2400,  # its short run alone: 57 s for 10 batches of 2048, 2026-12-02
@@ -97,13 +80,9 @@ def _all_runs() -> int:
 
 
 class Recorder:
-    """Per batch: ``[frames over all ranks, seconds since start, [returns of the episodes that ended]]``;
-    and the run's segments (a SAC run stopped at its time budget and resumed is several).
-
-    ``record`` is a collective under a process group (every rank's ended episodes reach every rank).
-    Seconds run on across segments: each segment counts from its process's start (its own setup and
-    the checkpoint it reloads included); the time between segments is not counted.
-    """
+    """Per batch: ``[frames over all ranks, seconds since start, [returns of the episodes that ended]]``. ``record``
+    is a collective under a process group. Seconds run on across the segments of a run stopped at its time budget
+    and resumed, each counting from its process's start; the time between segments is not counted."""
 
     def __init__(self, start: float) -> None:
         self.start = start  # this segment's process start (perf_counter)
@@ -418,7 +397,8 @@ def summarize(runs: list[dict]) -> dict:
                          "hours_to_threshold_mean": _round(_mean([e["seconds_to_threshold"] for e in mine]) / 3600, 3)
                          if any(e["seconds_to_threshold"] is not None for e in mine) else None,
                          "commits": sorted({e["git_head"] for e in mine})})
-    return {"threshold": THRESHOLD, "goals": {"final_return": FINAL_GOAL, "seconds_to_threshold": WALL_GOAL},
+    return {"command": "python benchmarks/learning.py report", "threshold": THRESHOLD,
+            "goals": {"final_return": FINAL_GOAL, "seconds_to_threshold": WALL_GOAL},
             "runs": entries, "rows": rows, "verdicts": verdicts(entries)}
 
 
@@ -575,8 +555,8 @@ def report(results_dir: Path = RESULTS_DIR, summary_path: Path = SUMMARY, page: 
     return summary
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="one run")
     r.add_argument("--algo", choices=ALGOS, required=True)
@@ -592,7 +572,11 @@ def main(argv=None) -> None:
     sub.add_parser("plan", help="the runs missing, with estimated times")
     sub.add_parser("probe", help="this host's speed as each run records it (host_probe), nothing else running")
     sub.add_parser("report", help="results/learning.json, docs/learning_<algo>.png, docs/results.md")
-    opts = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    opts = parser().parse_args(argv)
     if opts.command == "run":
         run(opts)
     elif opts.command == "plan":

@@ -1,23 +1,12 @@
 """torchrl's own loops for the learning benchmark (``benchmarks/learning.py``): the "torchrl" contender.
 
-Each is the loop torchrl's sota recipe writes, by hand, in one process, over the recipe's own
-pieces (``examples/ppo_mujoco.py``, ``examples/sac_mujoco.py``), so that the only difference from
-the learner's contenders is the loop and the optimisation step:
-
-- ``ppo_loop``: torchrl's ``sota-implementations/ppo/ppo_mujoco.py`` as ``tests/test_ppo_recipe.py``
-  rewrites it (and shows to update as the port for 20 updates): collect 2048 frames; per epoch, GAE,
-  refill the buffer, 32 minibatches without replacement, the learning rate annealed before each
-  update, actor and critic losses backpropagated into their own Adams.
-- ``sac_loop``: torchrl's ``sota-implementations/sac/sac.py``: collect 1000 frames (random actions for
-  the first 25,000), extend the replay buffer, then (past the warm-up) 1000 updates of 256 samples
-  each: the three losses summed and backpropagated, the three Adams (grouped) stepped, the target
-  critics Polyak-averaged after every update.
-
-Each collected batch is recorded (``record(frames, batch)``, ``recorder.record``) before its updates,
-as the Trainer's ``pre_steps_log`` hook does, so both kinds of contender time their curves alike.
-``sac_loop`` also stops at a time budget and resumes from its checkpoint, as the learners' Trainer does.
+The loops torchrl's sota recipes write, by hand, in one process, over the recipes' own pieces
+(``examples/ppo_mujoco.py``, ``examples/sac_mujoco.py``), so that only the loop and the optimisation step differ
+from the learner's contenders: ``ppo_loop`` (``sota-implementations/ppo/ppo_mujoco.py`` as
+``tests/test_ppo_recipe.py`` rewrites it) and ``sac_loop`` (``sota-implementations/sac/sac.py``). Each batch is
+recorded before its updates, as the Trainer's ``pre_steps_log`` hook does; ``sac_loop`` also stops at a time budget
+and resumes from its checkpoint, as the learners' Trainer does.
 """
-
 from __future__ import annotations
 
 import os

@@ -1,70 +1,23 @@
 """GRPO on a Qwen2-architecture model, 2 CPU ranks: the learner against the FSDP2 loop a user writes by hand.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py            # ~6 min on 2 quiet cores (estimated; 876 s busy)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py --quick    # ~2.5 min on 2 busy cores: does it run?
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py            # ~6 min on 2 quiet cores (876 s busy)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py --quick    # tiny models: does it run? (~2.5 min)
     .venv/bin/python benchmarks/llm_update.py --strategy ddp --parts speed # against hand DDP; --reps N: more or fewer
 
-Both contenders train torchrl's ``GRPOLoss`` (``masking_strategy="rlhf"``, token mean) over a
-``TransformersWrapper`` around a ``Qwen2ForCausalLM`` built from a ``Qwen2Config`` (random weights,
-seed 0, :func:`fabric_learner.testing.tiny_tokenizer`'s vocabulary of 300), AdamW (lr 1e-5), gradients
-clipped at norm 1.0, 2 micro-batches per optimizer step on each rank. A micro-batch is a lazy stack of
-chats of different lengths (:func:`fabric_learner.testing.grpo_batch`: the sample log-probs are the
-policy's own), different on each rank; both contenders get the same ones.
-
-- ``learner``: ``FabricLearner(loss, AdamW factory, strategy="fsdp", devices=2, accelerator="cpu",
-  grad_accum_steps=2, clip_grad_norm=1.0)``.
-- ``hand``: ``fully_shard`` on each of ``model.model.layers``, then on the model; AdamW over its
-  parameters. Each micro-batch backpropagates its loss (the sum of the ``loss_*`` entries, token means)
-  times its token count (the assistant tokens the loss averages over), that is its token sum, the
-  first without gradient sync (``set_requires_gradient_sync(False)``); at the window's end the count is
-  all-reduced over the ranks, the gradients scaled by ``world_size / total``, clipped
-  (``clip_grad_norm_``), stepped, zeroed. That is the learner's token normalisation
-  (``fabric_learner/llm/counts.py``), so both take the same step: the script checks that their pre-clip
-  gradient norms agree at every step. With ``--strategy ddp`` the learner runs DDP and the hand loop is
-  ``DistributedDataParallel`` (``no_sync`` for the first micro-batch), the same otherwise.
-
-Four parts, each its own ``torchrun`` launches (``--parts``):
-
-1. ``speed``: both contenders in one launch, ``--copies`` copies of each taking turns
-   (``harness.rotating``); each repetition times one optimizer step of each, in a random order
-   (``harness.interleaved``, barrier around every block). Reported: trained tokens per second over both
-   ranks, and the ratio learner / hand: the median of the per-repetition ratios with its two-stage
-   bootstrap interval, in wall time and in CPU time summed over the ranks; the goal (at least 0.97) is
-   met only when both intervals are at or above it (as ``run.py``'s case b).
-2. ``memory``: each contender its own launches (``--repeats`` each, rotated, as ``fsdp_peak.py``): a
-   rank's peak resident memory (``VmHWM``) over its resident memory before the model is built, after
-   ``--memory-updates`` optimizer steps on the larger model; a launch counts its worst rank. Ratio of
-   the medians learner / hand (goal at most 1.05), decided on the range over launches (the largest
-   and smallest ratio of one launch of each).
-3. ``capped``: the larger model under a cap on each process's address space (``harness``'s memory cap,
-   as ``fsdp_capped.py``: its address space before the model plus ``--cap-copies`` model copies,
-   3.5 while parameters, gradients and AdamW's moments are 4): ``one_process`` (``LocalLearner``) is
-   expected to fail to allocate, ``learner`` and ``hand`` on 2 ranks to train.
-
-4. ``batching``: the same long-tailed global batches (the law is stated on :class:`Cut`: reply words
-   log-normal, median 12, sigma 0.9, clipped to [2, 160]) stepped four ways by ``FabricLearner(strategy=
-   "fsdp")`` on 2 ranks, one copy each, in one launch: ``fixed`` (halves by sample count, micro-batches of
-   4 samples in the drawn order: torchrl's grpo-sync recipe), ``budget`` (``update_by_tokens``, halves by
-   sample count), ``balanced`` (``share_of_rank`` by tokens, then ``update_by_tokens``), ``packed`` (the
-   same with ``pack_sequences``). ``max_tokens`` is the fixed contender's largest possible micro-batch
-   (4 x the longest sample). Reported per contender: the pad fraction (1 - real tokens / tokens the
-   forwards ran on, counting padding, packed rows' unused tails and the empty work of a rank with fewer
-   micro-batches), tokens/s
-   (every token of the global batch over the step's wall time; ratio to ``fixed`` as the median of
-   paired ratios, ``harness.interleaved``), a step's peak resident memory over the resident size before
-   it (``VmHWM`` reset through ``/proc/self/clear_refs`` after ``malloc_trim``; the median of 3 rotated
-   rounds; worst rank), the slowest rank's tokens over
-   the mean, and a check that the four take the same step (pre-clip gradient norms). Goals: pad at
-   most 15% (budget) and 3% (packed); tokens/s at least 1.5x fixed; peak memory not above fixed's.
-
-Writes ``benchmarks/results/llm_update.json`` (``--out``): settings, machine and git provenance, every
-sample and launch, the ratios and verdicts. Sizes: ``--quick`` trains tiny models with few repetitions
-(its numbers say nothing). One thread per rank; no test asserts on timing.
+torchrl's ``GRPOLoss`` (token mean) over ``common.grpo_loss``'s Qwen2 (random weights, seed 0), AdamW (lr 1e-5),
+clipping at 1.0, 2 micro-batches per optimizer step on each rank of chats of different lengths
+(``fabric_learner.testing.grpo_batch``), different on each rank, the same for both contenders. ``learner``:
+``FabricLearner(strategy="fsdp", devices=2, grad_accum_steps=2, clip_grad_norm=1.0)``; ``hand``: ``HandLoop``
+(``fully_shard`` per decoder layer, then the model, the learner's token normalisation by hand; DDP with
+``--strategy ddp``). Both take the same step: their pre-clip gradient norms must agree at every step, else the
+ratio is invalid. Parts (``--parts``, each its own launches; benchmarks/README.md): ``speed`` (tokens/s, learner /
+hand, goal >= 0.97 in wall and CPU time), ``memory`` (peak per rank over the pre-model baseline, <= 1.05),
+``capped`` (training under ``RLIMIT_AS``, as ``fsdp_capped.py``), ``batching`` (four ways to cut the same
+long-tailed batches, ``Cut``). Writes ``results/llm_update.json``. ``--quick``: its numbers say nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -73,6 +26,7 @@ import statistics
 import time
 
 import harness
+from common import grpo_loss, grpo_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LR, CLIP, ACCUM = 1e-5, 1.0, 2
@@ -80,8 +34,7 @@ CONTENDERS = ("learner", "hand")
 CAPPED_KINDS = ("one_process", "learner", "hand")
 TOKENS_GOAL, MEMORY_GOAL = 0.97, 1.05
 SAME_STEP = 1e-4  # the largest relative gap of the contenders' pre-clip gradient norms, any step, any copy
-# the memory parts' environment: a fixed mmap threshold, so that glibc returns freed tensors of 1 MiB and
-# more (this model's weights are 1-8 MiB) instead of keeping them in its heap (docs/fsdp.md)
+# the memory parts: a fixed mmap threshold, so glibc returns freed tensors of 1 MiB and more (docs/fsdp.md)
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
 
 
@@ -109,57 +62,19 @@ QUICK = Mode(hidden=64, layers=2, samples=2, reply_words=(3, 12), pairs=1, copie
              big_hidden=512, big_layers=8, big_reply_words=(3, 8), memory_updates=1, repeats=1)
 
 
-# ---- model, batches and the contenders (run in the ranks) -----------------------------------------
-
-
-def _tokenizer():
-    from fabric_learner.testing import tiny_tokenizer
-
-    return tiny_tokenizer()
-
-
-def _model(hidden: int, layers: int):
-    """``tiny_causal_lm``'s Qwen2 (4 heads, 2 key/value heads, MLP 2x hidden, untied head) at this size, seed 0."""
-    from fabric_learner.testing import tiny_causal_lm
-
-    return tiny_causal_lm(0, tokenizer=_tokenizer(), hidden_size=hidden, num_layers=layers)
-
-
-def n_params(hidden: int, layers: int) -> int:
-    """The model's parameter count, from a copy on the meta device (no memory)."""
-    import torch
-    from transformers import Qwen2ForCausalLM  # noqa: F401  (a first import under "meta" would run there)
-
-    _tokenizer()
-    with torch.device("meta"):
-        return sum(p.numel() for p in _model(hidden, layers).parameters())
-
-
-def grpo_loss(hidden: int, layers: int):
-    """``(GRPOLoss, model)``: a fresh model with seed 0's weights, wrapped for the loss."""
-    from torchrl.modules.llm import TransformersWrapper
-    from torchrl.objectives.llm import GRPOLoss
-
-    model = _model(hidden, layers)
-    policy = TransformersWrapper(model, tokenizer=_tokenizer(), input_mode="history", generate=False,
-                                 return_log_probs=True, pad_output=False)
-    return GRPOLoss(policy, masking_strategy="rlhf"), model
+# ---- batches and the contenders (run in the ranks) ----------------------------------------------------
 
 
 def make_pairs(loss, rank: int, mode: Mode, words: tuple[int, int]) -> list[tuple]:
-    """This rank's ``mode.pairs`` optimizer steps, each 2 micro-batches of ``mode.samples`` chats whose
-    replies have ``words`` lengths, drawn per rank; log-probs from ``loss``'s policy (unsharded)."""
+    """This rank's ``mode.pairs`` optimizer steps of 2 micro-batches of ``mode.samples`` chats with replies of
+    ``words`` lengths; log-probs from ``loss``'s (unsharded) policy."""
     import torch
 
     from fabric_learner.testing import grpo_batch
 
-    generator = torch.Generator().manual_seed(1000 + rank)
-    pairs = []
-    for p in range(mode.pairs):
-        pairs.append(tuple(
-            grpo_batch(loss.actor_network, torch.randint(*words, (mode.samples,), generator=generator).tolist(),
-                       seed=100 * rank + 10 * p + m) for m in range(ACCUM)))
-    return pairs
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [tuple(grpo_batch(loss.actor_network, torch.randint(*words, (mode.samples,), generator=g).tolist(),
+                             seed=100 * rank + 10 * p + m) for m in range(ACCUM)) for p in range(mode.pairs)]
 
 
 def trained_tokens(batch) -> int:
@@ -172,8 +87,8 @@ def all_tokens(batch) -> int:
 
 
 class LearnerSteps:
-    """One optimizer step of a learner per ``update(pair)``: ``ACCUM`` calls. ``strategy`` "fsdp" or "ddp":
-    ``FabricLearner`` on 2 CPU ranks; "one_process": ``LocalLearner``."""
+    """One optimizer step (``ACCUM`` calls) per ``update(pair)``: ``FabricLearner`` on 2 CPU ranks under
+    ``strategy``, or ``LocalLearner`` for "one_process"; ``norms`` holds each step's pre-clip gradient norm."""
 
     def __init__(self, loss, strategy: str):
         from datetime import timedelta
@@ -183,12 +98,11 @@ class LearnerSteps:
         from fabric_learner import FabricLearner, LocalLearner
 
         optimizer = functools.partial(torch.optim.AdamW, lr=LR)
-        if strategy == "one_process":
-            self.learner = LocalLearner(loss, optimizer, grad_accum_steps=ACCUM, clip_grad_norm=CLIP)
-        else:
-            self.learner = FabricLearner(loss, optimizer, strategy=strategy, devices=2, accelerator="cpu",
-                                         grad_accum_steps=ACCUM, clip_grad_norm=CLIP, timeout=timedelta(minutes=5))
-        self.norms = []  # pre-clip gradient norm of every step
+        self.learner = LocalLearner(loss, optimizer, grad_accum_steps=ACCUM, clip_grad_norm=CLIP) \
+            if strategy == "one_process" else FabricLearner(
+                loss, optimizer, strategy=strategy, devices=2, accelerator="cpu", grad_accum_steps=ACCUM,
+                clip_grad_norm=CLIP, timeout=timedelta(minutes=5))
+        self.norms = []
 
     def update(self, pair) -> None:
         for batch in pair:
@@ -200,8 +114,9 @@ class LearnerSteps:
 
 
 class HandLoop:
-    """The hand-written loop (see the module's docstring): per-layer FSDP2, or DDP, with the learner's token
-    normalisation."""
+    """The hand-written loop: per-layer FSDP2 (or DDP); each micro-batch backpropagates its token sum (the loss
+    times its assistant tokens), the first without gradient sync; at the window's end the count is all-reduced,
+    the gradients scaled by ``world_size / total``, clipped, stepped, zeroed: the learner's normalisation."""
 
     def __init__(self, loss, model, strategy: str):
         import torch
@@ -215,8 +130,7 @@ class HandLoop:
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
-            self.total = lambda batch: summed_loss(loss(batch))
-            self.no_sync = functools.partial(_unsynced, model)
+            self.total, self.no_sync = lambda batch: summed_loss(loss(batch)), functools.partial(_unsynced, model)
         else:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -265,20 +179,15 @@ def _unsynced(model):
 
 def build(kind: str, loss, model, strategy: str):
     """Contender ``kind`` ("learner", "hand", "one_process") on ``loss`` and its ``model``."""
-    if kind == "hand":
-        _init_group()
-        return HandLoop(loss, model, strategy)
-    return LearnerSteps(loss, "one_process" if kind == "one_process" else strategy)
-
-
-def _init_group() -> None:
-    """The process group for the hand loop when no learner has made it."""
+    if kind != "hand":
+        return LearnerSteps(loss, "one_process" if kind == "one_process" else strategy)
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # no learner has made the group
         dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    return HandLoop(loss, model, strategy)
 
 
 def _floats(norms) -> list[float]:
@@ -286,6 +195,21 @@ def _floats(norms) -> list[float]:
     from torch.distributed.tensor import DTensor
 
     return [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
+
+
+def _import_everything() -> None:
+    """What every contender imports, loaded before a worker takes its baseline, so it is not counted."""
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+    from torchrl.modules.llm import TransformersWrapper  # noqa: F401
+    from torchrl.objectives.llm import GRPOLoss  # noqa: F401
+    from transformers import Qwen2ForCausalLM  # noqa: F401
+
+    from fabric_learner import FabricLearner, LocalLearner  # noqa: F401
+    from fabric_learner.testing import grpo_batch, tiny_tokenizer  # noqa: F401
+
+    harness.set_one_thread()
+    tiny_tokenizer()
 
 
 def speed_worker(mode: Mode, strategy: str, out: str) -> None:
@@ -298,43 +222,22 @@ def speed_worker(mode: Mode, strategy: str, out: str) -> None:
     built = {name: [] for name in CONTENDERS}
 
     def builder(kind):
-        def make():
-            built[kind].append(build(kind, *grpo_loss(mode.hidden, mode.layers), strategy))
-            return built[kind][-1]
-        return make
+        return lambda: built[kind].append(build(kind, *grpo_loss(mode.hidden, mode.layers), strategy)) or built[kind][-1]
 
     # the learners first: the first of them starts the process group
     contenders = {kind: harness.rotating(builder(kind), pairs, mode.copies) for kind in CONTENDERS}
     cpu: dict[str, list[float]] = {}
     samples = harness.interleaved(contenders, reps=mode.reps, inner=1, warmup=mode.warmup, sync=dist.barrier, cpu=cpu)
-    cpu = harness.summed_over_ranks(cpu)
     norms = {kind: [_floats(copy.norms) for copy in built[kind]] for kind in CONTENDERS}
     gap = max(abs(a - b) / max(abs(b), 1e-12) for la, lb in zip(norms["learner"], norms["hand"], strict=True)
               for a, b in zip(la, lb, strict=True))
-    tokens = [[trained_tokens(b) for b in pair] for pair in pairs]
-    every = [[all_tokens(b) for b in pair] for pair in pairs]
-    result = {"rank": rank, "samples_s": samples, "cpu_s": cpu, "trained_tokens": tokens, "all_tokens": every,
-              "grad_norm_max_rel_gap": gap, "grad_norms": norms, "threads": torch.get_num_threads(),
-              "n_params": n_params(mode.hidden, mode.layers)}
-    harness.write_gathered(out, result)
+    harness.write_gathered(out, {
+        "rank": rank, "samples_s": samples, "cpu_s": harness.summed_over_ranks(cpu),
+        "trained_tokens": [[trained_tokens(b) for b in pair] for pair in pairs],
+        "all_tokens": [[all_tokens(b) for b in pair] for pair in pairs], "grad_norm_max_rel_gap": gap,
+        "grad_norms": norms, "threads": torch.get_num_threads(), "n_params": grpo_params(mode.hidden, mode.layers)})
     for contender in built["learner"] + built["hand"][:1]:  # the learners, then the group if still there
         contender.close()
-
-
-def _import_everything() -> None:
-    """What every contender imports, loaded before a worker takes its baseline, so it is not counted."""
-    import common  # noqa: F401
-    from torch.distributed.fsdp import fully_shard  # noqa: F401
-    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
-    from torchrl.modules.llm import TransformersWrapper  # noqa: F401
-    from torchrl.objectives.llm import GRPOLoss  # noqa: F401
-    from transformers import Qwen2ForCausalLM  # noqa: F401
-
-    from fabric_learner import FabricLearner, LocalLearner  # noqa: F401
-    from fabric_learner.testing import grpo_batch  # noqa: F401
-
-    harness.set_one_thread()
-    _tokenizer()
 
 
 def memory_worker(kind: str, mode: Mode, strategy: str, out: str) -> None:
@@ -346,16 +249,15 @@ def memory_worker(kind: str, mode: Mode, strategy: str, out: str) -> None:
     contender = build(kind, loss, model, strategy)
     for step in range(mode.memory_updates):
         contender.update(pairs[step % len(pairs)])
-    result = {"rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": harness.status_mib("VmHWM") - baseline,
-              "n_params": n_params(mode.big_hidden, mode.big_layers)}
-    harness.write_gathered(out, result)
+    result = {"rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": harness.status_mib("VmHWM") - baseline}
+    harness.write_gathered(out, {**result, "n_params": grpo_params(mode.big_hidden, mode.big_layers)})
     contender.close()
 
 
 def capped_worker(kind: str, mode: Mode, strategy: str, cap_copies: float, out: str) -> None:
     _import_everything()
+    count = grpo_params(mode.big_hidden, mode.big_layers)  # before the baseline: what it loads is then counted in
     rank = int(os.environ.get("RANK", 0))
-    count = n_params(mode.big_hidden, mode.big_layers)  # before the baseline: what it loads is then counted in
     result = {"kind": kind, "rank": rank, "baseline_vmsize_mib": harness.status_mib("VmSize")}
     built = []
 
@@ -386,7 +288,15 @@ MEMORY_ROUNDS = 3  # measured steps per contender for the peak memory (median)
 class Cut:
     """The batching part's sizes. Reply lengths follow a long-tailed law: words drawn log-normal with median
     ``median_words`` and sigma ``sigma``, clipped to ``words`` (with the chat template and a 2-6 word prompt,
-    about 3 tokens a word: samples of about 15 to 500 tokens)."""
+    about 3 tokens a word: samples of about 15 to 500 tokens).
+
+    Four contenders, ``FabricLearner(strategy="fsdp")`` on 2 ranks, one launch: ``fixed`` (halves by sample count,
+    micro-batches of ``fixed`` samples in the drawn order: torchrl's grpo-sync recipe), ``budget``
+    (``update_by_tokens``), ``balanced`` (``share_of_rank`` by tokens, then ``update_by_tokens``), ``packed`` (the
+    same with ``pack_sequences``); ``max_tokens`` is the fixed contender's largest micro-batch. Reported: the pad
+    fraction, tokens/s (paired against ``fixed``), a step's peak resident memory over the size before it (median
+    of 3 rotated rounds, worst rank), the slowest rank's tokens over the mean; the four must take the same step.
+    """
 
     hidden: int = 256
     layers: int = 4
@@ -407,15 +317,8 @@ def reply_words(cut: Cut, seed: int) -> list[int]:
     """One global batch's reply lengths in words, from the law stated on :class:`Cut`."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    drawn = (torch.randn(cut.samples, generator=g) * cut.sigma).exp() * cut.median_words
+    drawn = (torch.randn(cut.samples, generator=torch.Generator().manual_seed(seed)) * cut.sigma).exp() * cut.median_words
     return [int(w) for w in drawn.round().clamp(*cut.words)]
-
-
-def max_tokens_for(lengths: list[int], cut: Cut) -> int:
-    """The token budget: the fixed contender's largest possible micro-batch (``fixed`` x the longest sample),
-    so that no budgeted micro-batch is larger than a fixed one can be."""
-    return cut.fixed * max(lengths)
 
 
 def shares(kind: str, batch, rank: int):
@@ -430,35 +333,28 @@ def shares(kind: str, batch, rank: int):
 
 def processed_tokens(kind: str, share_lengths: list[list[int]], cut: Cut, max_tokens: int,
                      crossover: float) -> list[int]:
-    """The tokens each rank's forward runs on in one step: padded (or packed) micro-batches, plus the empty
-    work of a rank with fewer micro-batches (its shortest sample, once per missing micro-batch)."""
+    """The tokens each rank's forward runs on in one step: padded (or packed: rows times their width, as the
+    model's hook lays them out) micro-batches, plus the empty work of a rank with fewer micro-batches (its
+    shortest sample, once per missing micro-batch)."""
     from fabric_learner.llm.batching import _groups
+    from fabric_learner.llm.packing import packed_rows
 
     sizes = []
     for lengths in share_lengths:
-        if kind == "fixed":
-            groups = [list(range(i, min(i + cut.fixed, len(lengths)))) for i in range(0, len(lengths), cut.fixed)]
+        groups = [list(range(i, min(i + cut.fixed, len(lengths)))) for i in range(0, len(lengths), cut.fixed)] \
+            if kind == "fixed" else _groups(lengths, max_tokens, kind == "packed")
+        if kind == "packed":
+            rows = [packed_rows([lengths[i] for i in g], crossover) for g in groups]
+            sizes.append([len(r[2]) * r[0] for r in rows])
         else:
-            groups = _groups(lengths, max_tokens, kind == "packed")
-        sizes.append([_packed_size([lengths[i] for i in g], crossover) if kind == "packed"
-                      else len(g) * max(lengths[i] for i in g) for g in groups])
+            sizes.append([len(g) * max(lengths[i] for i in g) for g in groups])
     most = max(len(s) for s in sizes)
     return [sum(s) + (most - len(s)) * min(lengths) for s, lengths in zip(sizes, share_lengths)]
 
 
-def _packed_size(lengths: list[int], crossover: float) -> int:
-    """The tokens a packed micro-batch's forward runs on: its rows times their width (``packed_rows``, with the
-    model's ``attention_crossover``, as the model's hook lays them out)."""
-    from fabric_learner.llm.packing import packed_rows
-
-    width, _, rows = packed_rows(lengths, crossover)
-    return len(rows) * width
-
-
 class CutSteps:
     """``FabricLearner(strategy="fsdp")`` on 2 CPU ranks stepping on one global batch per ``update``, cut as
-    ``kind`` says: ``fixed`` micro-batches of ``cut.fixed`` samples in the drawn order (``grad_accum_steps``
-    = share / fixed), or ``update_by_tokens`` (``packed``: through ``pack_sequences``)."""
+    ``kind`` says: ``fixed`` micro-batches in the drawn order, or ``update_by_tokens`` (``packed``: packed)."""
 
     def __init__(self, kind: str, cut: Cut, max_tokens: int):
         from datetime import timedelta
@@ -487,23 +383,16 @@ class CutSteps:
             out = update_by_tokens(self.learner, share, self.max_tokens, packed=self.kind == "packed")
         self.norms.append(out.get("grad_norm"))
 
-    def close(self) -> None:
-        self.learner.close()
 
-
-def _reset_peak() -> None:
-    """Start VmHWM afresh at the current resident size (Linux: ``clear_refs`` 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _trim_heap() -> None:
-    """Hand the heap's free memory back to the system (glibc ``malloc_trim``; nothing elsewhere)."""
+def _fresh_peak() -> None:
+    """The heap's free memory handed back (glibc ``malloc_trim``), then VmHWM started afresh (``clear_refs`` 5)."""
     import ctypes
     import ctypes.util
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def batching_worker(cut: Cut, out: str) -> None:
@@ -520,51 +409,43 @@ def batching_worker(cut: Cut, out: str) -> None:
     policy = grpo_loss(cut.hidden, cut.layers)[0].actor_network
     batches = [grpo_batch(policy, reply_words(cut, 7 + s), seed=7 + s) for s in range(cut.steps)]  # same on both ranks
     lengths = [sample_lengths(b) for b in batches]
-    max_tokens = max(max_tokens_for(x, cut) for x in lengths)
+    max_tokens = max(cut.fixed * max(x) for x in lengths)  # no budgeted micro-batch larger than a fixed one can be
     per_kind = {kind: [shares(kind, b, rank) for b in batches] for kind in CUTS}
     built = {kind: CutSteps(kind, cut, max_tokens) for kind in CUTS}  # the first starts the process group
-    # peak memory of one step over the resident size before it, each contender in turn after a warm-up step, in
-    # MEMORY_ROUNDS rotated rounds (the median kept); the heap's free memory is handed back first (malloc_trim), so
-    # that a step is not measured small for reusing what an earlier step freed
-    rounds = {kind: [] for kind in CUTS}
+    rounds = {kind: [] for kind in CUTS}  # one step's peak over the size before it, after a warm-up step each
     for kind in CUTS:
         built[kind].update(per_kind[kind][0])
     for r in range(MEMORY_ROUNDS):
         for kind in harness.rotation(r, CUTS):
             gc.collect()
-            _trim_heap()
+            _fresh_peak()  # so that a step is not measured small for reusing what an earlier step freed
             dist.barrier()
-            _reset_peak()
             before = harness.status_mib("VmRSS")
             built[kind].update(per_kind[kind][1 % cut.steps])
             rounds[kind].append(harness.status_mib("VmHWM") - before)
-    peak = {kind: statistics.median(v) for kind, v in rounds.items()}
     contenders = {kind: (lambda i, k=kind: built[k].update(per_kind[k][i % cut.steps])) for kind in CUTS}
     samples = harness.interleaved(contenders, reps=cut.reps, inner=1, warmup=cut.warmup, sync=dist.barrier)
-    norms = {kind: _floats(built[kind].norms) for kind in CUTS}
-    shares_lengths = {kind: [sample_lengths(s) for s in per_kind[kind]] for kind in CUTS}
-    harness.write_gathered(out, {"rank": rank, "samples_s": samples, "peak_step_mib": peak,
-                                 "peak_step_mib_rounds": rounds, "grad_norms": norms,
-                                 "lengths": lengths, "share_lengths": shares_lengths, "max_tokens": max_tokens,
-                                 "crossover": attention_crossover(policy.model.config),
-                                 "n_params": n_params(cut.hidden, cut.layers)})
+    harness.write_gathered(out, {
+        "rank": rank, "samples_s": samples, "peak_step_mib": {k: statistics.median(v) for k, v in rounds.items()},
+        "peak_step_mib_rounds": rounds, "grad_norms": {kind: _floats(built[kind].norms) for kind in CUTS},
+        "lengths": lengths, "share_lengths": {kind: [sample_lengths(s) for s in per_kind[kind]] for kind in CUTS},
+        "max_tokens": max_tokens, "crossover": attention_crossover(policy.model.config),
+        "n_params": grpo_params(cut.hidden, cut.layers)})
     for kind in CUTS:
-        built[kind].close()
+        built[kind].learner.close()
+
+
+def cut_of(args) -> Cut:
+    cut = QUICK_CUT if args.quick else Cut()
+    return dataclasses.replace(cut, reps=args.reps) if args.reps else cut
 
 
 def part_batching(args, mode: Mode) -> dict:
-    cut = QUICK_CUT if args.quick else Cut()
-    if args.reps:
-        cut = dataclasses.replace(cut, reps=args.reps)
-    with harness.scratch_path() as out:
-        start = time.monotonic()
-        harness.run_bounded(harness.torchrun(2, *_worker_argv(args, "batching"), "--out", out), 1800,
-                            "batching part", **MALLOC)
-        ranks = harness.read_json(out)
+    cut, start = cut_of(args), time.monotonic()
+    ranks = harness.launch(_worker_argv(args, "batching"), ranks=2, timeout_s=1800, what="batching part", **MALLOC)
     seconds = time.monotonic() - start
     r0, max_tokens = ranks[0], ranks[0]["max_tokens"]
-    real = sum(sum(x) for x in r0["lengths"])  # every token of every step's global batch
-    steps = len(r0["lengths"])
+    real, steps = sum(sum(x) for x in r0["lengths"]), len(r0["lengths"])  # every token of every step's global batch
     rows = {}
     for kind in CUTS:
         per_step = [[r["share_lengths"][kind][s] for r in ranks] for s in range(steps)]
@@ -577,33 +458,28 @@ def part_batching(args, mode: Mode) -> dict:
             "slowest_rank_over_mean": statistics.mean(max(t) / (sum(t) / len(t)) for t in rank_tokens),
             "slowest_processed_over_mean": statistics.mean(max(p) / (sum(p) / len(p)) for p in processed),
             "tokens_per_s": statistics.median(t / s for t, s in zip(rep_tokens, times)),
-            "median_step_s": statistics.median(times),
-            "peak_step_mib": max(r["peak_step_mib"][kind] for r in ranks),
-        }
+            "median_step_s": statistics.median(times), "peak_step_mib": max(r["peak_step_mib"][kind] for r in ranks)}
     for kind in CUTS:
         row = rows[kind]
         row["speedup"] = harness.paired_ratio(r0["samples_s"]["fixed"], r0["samples_s"][kind])
         row["speedup_ci"] = harness.bootstrap_ci(r0["samples_s"]["fixed"], r0["samples_s"][kind])
         row["memory_ratio"] = row["peak_step_mib"] / rows["fixed"]["peak_step_mib"]
         if kind != "fixed":
-            row["pad_met"] = row["pad_fraction"] <= PAD_GOAL[kind]
-            row["speed_verdict"] = harness.verdict(row["speedup_ci"], SPEEDUP_GOAL, at_least=True)
-            row["memory_met"] = row["memory_ratio"] <= 1.0
-    gaps = [abs(a - b) / max(abs(b), 1e-12) for kind in CUTS for a, b in zip(r0["grad_norms"][kind],
-                                                                           r0["grad_norms"]["fixed"], strict=True)]
-    result = {"what": "GRPO steps on the same long-tailed global batches, 2 FSDP ranks, four ways of cutting them",
-              "law": " ".join(Cut.__doc__.split("Reply lengths ")[1].split()), "settings": dataclasses.asdict(cut),
-              "n_params": r0["n_params"], "max_tokens": max_tokens, "tokens_per_step": [sum(x) for x in r0["lengths"]],
-              "rows": rows, "grad_norm_max_rel_gap": max(gaps), "seconds": seconds, "ranks": ranks}
-    for kind in CUTS:
-        row = rows[kind]
+            row.update(pad_met=row["pad_fraction"] <= PAD_GOAL[kind], memory_met=row["memory_ratio"] <= 1.0,
+                       speed_verdict=harness.verdict(row["speedup_ci"], SPEEDUP_GOAL, at_least=True))
         print(f"batching: {kind:8s} pad {row['pad_fraction']:6.1%}  tokens/s {row['tokens_per_s']:8.0f} "
               f"(x{row['speedup']:.2f} [{row['speedup_ci'][0]:.2f}, {row['speedup_ci'][1]:.2f}] of fixed)  "
               f"peak step {row['peak_step_mib']:7.1f} MiB (x{row['memory_ratio']:.2f})  slowest rank's tokens / mean "
               f"{row['slowest_rank_over_mean']:.3f}", flush=True)
+    gap = max(abs(a - b) / max(abs(b), 1e-12) for kind in CUTS
+              for a, b in zip(r0["grad_norms"][kind], r0["grad_norms"]["fixed"], strict=True))
     print(f"batching: {r0['n_params'] / 1e6:.1f}M parameters, max_tokens {max_tokens}; the four take the same step "
-          f"(pre-clip grad norms within {max(gaps):.1e}) ({seconds:.0f} s)", flush=True)
-    return result
+          f"(pre-clip grad norms within {gap:.1e}) ({seconds:.0f} s)", flush=True)
+    return {"what": "GRPO steps on the same long-tailed global batches, 2 FSDP ranks, four ways of cutting them",
+            "law": " ".join(Cut.__doc__.split("Reply lengths ")[1].split("\n\n")[0].split()),
+            "settings": dataclasses.asdict(cut), "n_params": r0["n_params"], "max_tokens": max_tokens,
+            "tokens_per_step": [sum(x) for x in r0["lengths"]], "rows": rows, "grad_norm_max_rel_gap": gap,
+            "seconds": seconds, "ranks": ranks}
 
 
 # ---- the parts (run from the command) ---------------------------------------------------------------
@@ -615,61 +491,43 @@ def _worker_argv(args, part: str, *extra: str) -> list[str]:
 
 
 def part_speed(args, mode: Mode) -> dict:
-    with harness.scratch_path() as out:
-        start = time.monotonic()
-        harness.run_bounded(harness.torchrun(2, *_worker_argv(args, "speed"), "--out", out), 1200, "speed part")
-        ranks = harness.read_json(out)
+    start = time.monotonic()
+    ranks = harness.launch(_worker_argv(args, "speed"), ranks=2, timeout_s=1200, what="speed part")
     seconds = time.monotonic() - start
     samples, cpu = ranks[0]["samples_s"], ranks[0]["cpu_s"]
     # repetition r of every contender ran call warmup + r, on pair (warmup + r) % pairs, on every rank
     per_pair = [sum(sum(r["trained_tokens"][p]) for r in ranks) for p in range(mode.pairs)]
-    per_pair_all = [sum(sum(r["all_tokens"][p]) for r in ranks) for p in range(mode.pairs)]
     rep_tokens = [per_pair[(mode.warmup + r) % mode.pairs] for r in range(mode.reps)]
     tokens_per_s = {k: statistics.median(t / s for t, s in zip(rep_tokens, samples[k])) for k in CONTENDERS}
     # tokens/s learner / hand = hand's time / learner's time, repetition by repetition
-    wall = (harness.paired_ratio(samples["hand"], samples["learner"]),
-            harness.bootstrap_ci(samples["hand"], samples["learner"], copies=mode.copies))
-    cpu_r = (harness.paired_ratio(cpu["hand"], cpu["learner"]),
-             harness.bootstrap_ci(cpu["hand"], cpu["learner"], copies=mode.copies))
+    wall, cpu_r = ((harness.paired_ratio(x["hand"], x["learner"]),
+                    harness.bootstrap_ci(x["hand"], x["learner"], copies=mode.copies)) for x in (samples, cpu))
     wall_met, cpu_met = (harness.decide(ci, TOKENS_GOAL, at_least=True) for _, ci in (wall, cpu_r))
     met = wall_met if wall_met is cpu_met else (False if False in (wall_met, cpu_met) else None)
     gap = max(r["grad_norm_max_rel_gap"] for r in ranks)
-    if gap > SAME_STEP:
-        met = False
-    result = {
-        "what": "trained tokens per second over 2 ranks, one optimizer step (2 micro-batches per rank) per sample",
-        "n_params": ranks[0]["n_params"], "tokens_per_step": per_pair, "all_tokens_per_step": per_pair_all,
-        "median_step_s": {k: statistics.median(samples[k]) for k in CONTENDERS},
-        "tokens_per_s": tokens_per_s, "ratio": wall[0], "ci": wall[1], "cpu_ratio": cpu_r[0], "cpu_ci": cpu_r[1],
-        "goal": TOKENS_GOAL, "met": met,
-        "verdict": f"invalid: the contenders' gradient norms differ by {gap:.1e}" if gap > SAME_STEP else
-        harness.verdict(wall[1], TOKENS_GOAL, at_least=True) if wall_met is cpu_met else
-        ("NOT met" if met is False else "undecided") + f" (wall {wall[1][0]:.3f}-{wall[1][1]:.3f}, "
-                                                        f"cpu {cpu_r[1][0]:.3f}-{cpu_r[1][1]:.3f})",
-        "grad_norm_max_rel_gap": gap, "same_step": gap <= SAME_STEP, "seconds": seconds,
-        "samples_s": samples, "cpu_s": cpu, "ranks": ranks,
-    }
-    print(f"speed: {result['n_params'] / 1e6:.1f}M parameters, {statistics.mean(per_pair):.0f} trained tokens a step; "
-          f"tokens/s learner {tokens_per_s['learner']:.0f}, hand {tokens_per_s['hand']:.0f}; "
-          f"learner / hand {wall[0]:.3f} [{wall[1][0]:.3f}, {wall[1][1]:.3f}] wall, {cpu_r[0]:.3f} "
-          f"[{cpu_r[1][0]:.3f}, {cpu_r[1][1]:.3f}] cpu (goal >= {TOKENS_GOAL}): {result['verdict']}; "
-          f"pre-clip grad norms agree within {gap:.1e} ({seconds:.0f} s)", flush=True)
-    return result
+    text = f"invalid: the contenders' gradient norms differ by {gap:.1e}" if gap > SAME_STEP else \
+        harness.verdict(wall[1], TOKENS_GOAL, at_least=True) if wall_met is cpu_met else \
+        ("NOT met" if met is False else "undecided") + (f" (wall {wall[1][0]:.3f}-{wall[1][1]:.3f}, "
+                                                        f"cpu {cpu_r[1][0]:.3f}-{cpu_r[1][1]:.3f})")
+    print(f"speed: {ranks[0]['n_params'] / 1e6:.1f}M parameters, {statistics.mean(per_pair):.0f} trained tokens a step; "
+          f"tokens/s learner {tokens_per_s['learner']:.0f}, hand {tokens_per_s['hand']:.0f}; learner / hand {wall[0]:.3f} "
+          f"[{wall[1][0]:.3f}, {wall[1][1]:.3f}] wall, {cpu_r[0]:.3f} [{cpu_r[1][0]:.3f}, {cpu_r[1][1]:.3f}] cpu "
+          f"(goal >= {TOKENS_GOAL}): {text}; pre-clip grad norms agree within {gap:.1e} ({seconds:.0f} s)", flush=True)
+    return {"what": "trained tokens per second over 2 ranks, one optimizer step (2 micro-batches per rank) per sample",
+            "n_params": ranks[0]["n_params"], "tokens_per_step": per_pair,
+            "all_tokens_per_step": [sum(sum(r["all_tokens"][p]) for r in ranks) for p in range(mode.pairs)],
+            "median_step_s": {k: statistics.median(samples[k]) for k in CONTENDERS}, "tokens_per_s": tokens_per_s,
+            "ratio": wall[0], "ci": wall[1], "cpu_ratio": cpu_r[0], "cpu_ci": cpu_r[1], "goal": TOKENS_GOAL,
+            "met": False if gap > SAME_STEP else met, "verdict": text, "grad_norm_max_rel_gap": gap,
+            "same_step": gap <= SAME_STEP, "seconds": seconds, "samples_s": samples, "cpu_s": cpu, "ranks": ranks}
 
 
 def part_memory(args, mode: Mode) -> dict:
-    runs = []
-    for rep in range(mode.repeats):
-        for kind in harness.rotation(rep, CONTENDERS):
-            with harness.scratch_path() as out:
-                start = time.monotonic()
-                harness.run_bounded(harness.torchrun(2, *_worker_argv(args, "memory", "--kind", kind), "--out", out),
-                                    600, f"memory part, {kind}", **MALLOC)
-                ranks = harness.read_json(out)
-            runs.append({"kind": kind, "seconds": time.monotonic() - start, "ranks": ranks,
-                         "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks)})
-            print(f"memory: {kind:8s} worst-rank peak {runs[-1]['worst_peak_mib']:8.1f} MiB "
-                  f"({runs[-1]['seconds']:.0f} s)", flush=True)
+    def launch(kind: str) -> dict:
+        ranks = harness.launch(_worker_argv(args, "memory", "--kind", kind), ranks=2, what=f"memory part, {kind}", **MALLOC)
+        return {"ranks": ranks, "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks)}
+
+    runs = harness.rotated(CONTENDERS, mode.repeats, launch, lambda r: f"worst-rank peak {r['worst_peak_mib']:8.1f} MiB")
     peaks = {k: [r["worst_peak_mib"] for r in runs if r["kind"] == k] for k in CONTENDERS}
     median = {k: statistics.median(v) for k, v in peaks.items()}
     ratio = median["learner"] / median["hand"]
@@ -699,21 +557,24 @@ def part_capped(args, mode: Mode) -> dict:
 PARTS = {"speed": part_speed, "memory": part_memory, "capped": part_capped, "batching": part_batching}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny models, few repetitions: does it run?")
-    parser.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp",
-                        help="the learner's strategy and the hand loop's (per-layer FSDP2, or DDP)")
-    parser.add_argument("--parts", default=",".join(PARTS), help="some of: " + ",".join(PARTS))
-    parser.add_argument("--cap-copies", type=float, default=3.5, help="the capped part's cap, in model copies")
-    parser.add_argument("--reps", type=int, help="the speed part's repetitions (default: the mode's)")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "llm_update.json"))
-    parser.add_argument("--worker", choices=tuple(PARTS), help=argparse.SUPPRESS)
-    parser.add_argument("--kind", choices=CAPPED_KINDS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    mode = QUICK if args.quick else FULL
-    if args.reps:
-        mode = dataclasses.replace(mode, reps=args.reps)
+def parser():
+    p = harness.parser(__doc__, "llm_update.json")
+    p.add_argument("--quick", action="store_true", help="tiny models, few repetitions: does it run?")
+    p.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp",
+                   help="the learner's strategy and the hand loop's (per-layer FSDP2, or DDP)")
+    p.add_argument("--parts", default=",".join(PARTS), help="some of: " + ",".join(PARTS))
+    p.add_argument("--cap-copies", type=float, default=3.5, help="the capped part's cap, in model copies")
+    p.add_argument("--reps", type=int, help="the speed (or batching) part's repetitions (default: the mode's)")
+    p.add_argument("--merge", action="store_true", help="keep the other parts of an existing --out file")
+    p.add_argument("--worker", choices=tuple(PARTS), help="one rank of a part (under torchrun)")
+    p.add_argument("--kind", choices=CAPPED_KINDS, help="the worker's contender")
+    return p
+
+
+def main(argv=None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
+    mode = dataclasses.replace(QUICK if args.quick else FULL, **({"reps": args.reps} if args.reps else {}))
     if args.worker == "speed":
         return speed_worker(mode, args.strategy, args.out)
     if args.worker == "memory":
@@ -721,12 +582,10 @@ def main() -> None:
     if args.worker == "capped":
         return capped_worker(args.kind, mode, args.strategy, args.cap_copies, args.out)
     if args.worker == "batching":
-        cut = QUICK_CUT if args.quick else Cut()
-        return batching_worker(dataclasses.replace(cut, reps=args.reps) if args.reps else cut, args.out)
-    parts = [p for p in args.parts.split(",") if p]
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        parser.error(f"unknown parts {unknown}: choose from {','.join(PARTS)}")
+        return batching_worker(cut_of(args), args.out)
+    parts = [x for x in args.parts.split(",") if x]
+    if set(parts) - set(PARTS):
+        p.error(f"unknown parts {sorted(set(parts) - set(PARTS))}: choose from {','.join(PARTS)}")
     start = time.monotonic()
     result = {"what": __doc__.split("\n")[0], "mode": "quick" if args.quick else "full", "strategy": args.strategy,
               "settings": dataclasses.asdict(mode), "lr": LR, "clip": CLIP, "grad_accum_steps": ACCUM,
@@ -734,7 +593,11 @@ def main() -> None:
     for part in parts:
         result[part] = PARTS[part](args, mode)
     result.update(load_after=os.getloadavg(), seconds=time.monotonic() - start)
-    harness.write_json(args.out, result)
+    if args.merge and os.path.exists(args.out):  # the parts run now replace theirs; the file's command stays
+        merged = harness.read_json(args.out)
+        result = {**merged, **{part: result[part] for part in parts},
+                  "merged_commands": [*merged.get("merged_commands", []), harness.command_line()]}
+    harness.write_result(args.out, result)
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
 
 

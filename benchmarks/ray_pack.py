@@ -2,14 +2,11 @@
 
     python benchmarks/ray_pack.py RAY_WHEEL OUT.tar.xz
 
-Ray's wheel (76 MiB for 2.60 on Linux) does not fit beside the other wheels under the 64 MiB that travel
-with the work tree. What ``RemoteLearner`` uses (the core runtime: ``_raylet``, the raylet and GCS
-binaries, actors, the object store) is kept; the Java jars, RLlib, Ray Data, Serve, Tune, Train, the
-LLM library and the dashboard's web build are left out, and the rest is packed with xz (about 20 MiB).
-`make gpu-site` unpacks it into the site folder beside the wheels. The wheel's file modes are kept, so
-the binaries stay executable (``zipfile`` alone would drop them).
+Ray's wheel (76 MiB) does not fit beside the other wheels under the 64 MiB that travel with the work tree: what
+``RemoteLearner`` uses (the core runtime) is kept, the Java jars, RLlib, Data, Serve, Tune, Train, the LLM library
+and the dashboard's web build are left out, and the rest is packed with xz (about 20 MiB), the wheel's file modes
+kept (the binaries stay executable). `make gpu-site` unpacks it beside the wheels.
 """
-
 from __future__ import annotations
 
 import io

@@ -1,23 +1,16 @@
 """What crossing a process boundary costs, for the remote-learner design (docs/remote.md).
 
-    python benchmarks/remote_boundary.py --out remote.json
+    python benchmarks/remote_boundary.py --out benchmarks/results/remote_boundary.json
 
-A remote learner moves two things between processes: weights (learner -> collectors, every
-publication) and batches (collectors -> learner, every update). This times, between two CPU
-processes on this machine, each way a candidate backend moves them, as medians of interleaved
-repetitions: ``shared``: a copy into a shared-memory buffer the peer maps (torchrl's
-shared-memory weight sync), then a one-byte notification; ``pipe``: the tensor's bytes pickled
-through a pipe (what an RPC or actor call without shared memory pays); ``torch_mp``: a fresh tensor
-through ``torch.multiprocessing`` (its reducer moves the storage into shared memory and sends a
-handle: torchrl's multi-process weight sync); ``gloo``: a point-to-point
-``send``/``recv`` on a gloo process group (torch.distributed). Payloads: the 21M-parameter
-policy's weights (84 MB) and a PPO batch of 2048 MuJoCo-like frames.
+Times, between two CPU processes, each way a candidate backend moves weights (learner -> collectors) and batches
+(collectors -> learner), medians of interleaved repetitions: ``shared`` (a copy into a shared-memory buffer the
+peer maps, then a one-byte notification: torchrl's shared-memory weight sync), ``pipe`` (the bytes pickled through
+a pipe, as an RPC without shared memory), ``torch_mp`` (a fresh tensor through ``torch.multiprocessing``: its
+storage moved to shared memory, a handle sent) and ``gloo`` (``send``/``recv`` on a gloo group). Payloads: the
+21M-parameter policy's weights (84 MB) and a PPO batch of 2048 MuJoCo-like frames.
 """
-
 from __future__ import annotations
 
-import argparse
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -29,12 +22,6 @@ import torch.multiprocessing as mp
 
 PAYLOADS = {"weights_21M": 21_000_000, "ppo_batch_2048": 2048 * (2 * 17 + 6 + 1 + 1 + 1 + 1 + 1)}
 REPS = 9
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _peer(conn, port: int, shared: dict[str, torch.Tensor]) -> None:
@@ -58,12 +45,14 @@ def _peer(conn, port: int, shared: dict[str, torch.Tensor]) -> None:
     dist.destroy_process_group()
 
 
+def parser():
+    return harness.parser(__doc__)
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     torch.set_num_threads(1)
-    port = _free_port()
+    port = harness.free_port()
     shared = {k: torch.zeros(n).share_memory_() for k, n in PAYLOADS.items()}
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -105,7 +94,7 @@ def main(argv=None) -> dict:
         result[key] = {"median_ms": round(ms, 2), "MB_per_s": round(PAYLOADS[name] * 4 / 1e6 / (ms / 1e3))}
         print(f"{key:28s} {ms:9.2f} ms  {result[key]['MB_per_s']:7d} MB/s", flush=True)
     if args.out:
-        harness.write_json(args.out, {"reps": REPS, "payload_floats": PAYLOADS, "results": result})
+        harness.write_result(args.out, {"reps": REPS, "payload_floats": PAYLOADS, "results": result})
     return result
 
 

@@ -1,38 +1,25 @@
 """Collection apart from learning: frames/s with 1, 2 and 4 collector processes against in-process collection.
 
-    python benchmarks/remote_collection.py [--repeats 3] [--batches 30] [--step-ms 2]
-                                           [--out benchmarks/results/remote_collection.json]
+    python benchmarks/remote_collection.py [--repeats 3] [--batches 30] [--step-ms 2] [--out ...]
 
-The environment is gymnasium's CartPole-v1 whose every step also sleeps ``--step-ms`` milliseconds (an
-environment whose step costs real time, as a simulator's does). The learner is one process
-(``LocalLearner``, DQN on a 64-unit Q-network, one update per batch, so learning is never what
-limits collection). Contenders, interleaved within each repeat:
-
-- ``in-process``: torchrl's ``Collector`` in the learner's process, the synchronous Trainer loop;
-- ``remote-M`` (M = 1, 2, 4): ``RemoteCollectors(local=True)``: M ``fabric_learner.collect`` processes on
-  this host, torchrl's ``DistributedCollector`` between them and the learner, asynchronous collection.
-
-Every collector returns 64 frames per batch; a run lasts ``--batches`` batches per collector. Frames/s
-is measured in steady state, from the first batch the Trainer receives to the last (start-up, which
-is mostly importing torch in new processes, is reported apart). The bound M collectors can reach is
-M times the in-process rate (each collector stepping as fast as the in-process one) and, on a machine
-of C cores, C / (CPU seconds per frame, steady state, summed over the learner, the driver, the collectors
-and their nodes, read from /proc): the report gives the ratio to the lower.
+CartPole-v1 whose every step also sleeps ``--step-ms`` ms (``remote_collection_env.py``: a step that costs real
+time, as a simulator's); one ``LocalLearner`` (DQN, 64-unit Q-network, one update per batch, so learning never
+limits collection). Contenders, rotated within each repeat, each a fresh process: ``in-process`` (torchrl's
+``Collector`` in the learner's process, the synchronous Trainer loop) and ``remote-M`` (``RemoteCollectors(
+local=True)``: M ``fabric_learner.collect`` processes, asynchronous collection). 64 frames a batch, ``--batches``
+per collector; frames/s in steady state (first batch received to last; start-up reported apart), against its
+bound: M times the in-process rate or C cores / (CPU seconds per frame over the whole process tree).
 """
-
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import os
 import statistics
-import sys
 import time
 
 import harness
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMES_PER_BATCH = 64
 
 
@@ -113,40 +100,32 @@ def one_run(contender: str, batches: int, step_ms: float, port: int) -> dict:
             "remote": collector.stats() if collectors else None}
 
 
-def child(args) -> None:
-    """One run in a fresh process (the process tree whose CPU time it reads is the run's own)."""
-    harness.set_one_thread()
-    result = one_run(args.contender, args.batches, args.step_ms, args.port)
-    harness.write_json(args.result, result)
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser():
+    p = harness.parser(__doc__, "remote_collection.json")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--step-ms", type=float, default=2.0)
     p.add_argument("--contenders", default="in-process,remote-1,remote-2,remote-4")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "remote_collection.json"))
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--contender", help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        return child(args)
+    p.add_argument("--contender", help="one run of this contender, in this process (a child)")
+    p.add_argument("--port", type=int, default=0, help="the child's driver port")
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.contender:  # one run in a fresh process: the process tree whose CPU time it reads is the run's own
+        harness.set_one_thread()
+        return harness.write_json(args.out, one_run(args.contender, args.batches, args.step_ms, args.port))
     names = args.contenders.split(",")
-    runs = []
-    for rep in range(args.repeats):
-        for name in harness.rotation(rep, names):
-            with harness.scratch_path() as path:
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", "--contender", name, "--batches",
-                       str(args.batches), "--step-ms", str(args.step_ms), "--port", str(_free_port()), "--result", path]
-                harness.run_bounded(cmd, 600, name)  # spawned collectors inherit sys.path: they find this folder
-                run = harness.read_json(path)
-            run["repeat"] = rep
-            runs.append(run)
-            print(f"repeat {rep} {name}: {run['steady_fps']:.0f} frames/s steady, start-up {run['startup_s']:.1f} s, "
-                  f"{run['cpu_per_frame_ms']:.2f} ms CPU/frame", flush=True)
+    def launch(name: str) -> dict:  # spawned collectors inherit sys.path: they find this folder
+        return harness.launch([__file__, "--contender", name, "--batches", str(args.batches), "--step-ms",
+                               str(args.step_ms), "--port", str(harness.free_port())], what=name)
+
+    runs = harness.rotated(names, args.repeats, launch, lambda run: (
+        f"{run['steady_fps']:.0f} frames/s steady, start-up {run['startup_s']:.1f} s, "
+        f"{run['cpu_per_frame_ms']:.2f} ms CPU/frame"))
+    for i, run in enumerate(runs):
+        run["repeat"] = i // len(names)
     summary = {}
     inproc = [r for r in runs if r["contender"] == "in-process"]
     base_fps = statistics.median(r["steady_fps"] for r in inproc)
@@ -163,18 +142,10 @@ def main(argv=None) -> None:
                          "cpu_per_frame_ms": 1000 * cpu_frame}
         print(f"{name}: {fps:.0f} frames/s = {fps / base_fps:.2f} x in-process, {fps / bound:.2f} of its bound "
               f"({summary[name]['bound_is']}), start-up {summary[name]['startup_s']:.1f} s", flush=True)
-    harness.write_json(args.out, {"config": {"step_ms": args.step_ms, "batches": args.batches, "repeats": args.repeats,
+    harness.write_result(args.out, {"config": {"step_ms": args.step_ms, "batches": args.batches, "repeats": args.repeats,
                                              "frames_per_batch": FRAMES_PER_BATCH, "cores": cores},
                                   "provenance": harness.provenance(), "machine": harness.machine(),
                                   "summary": summary, "runs": runs})
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -1,39 +1,28 @@
-"""The fabric_learner benchmark suite: every case, side by side, in one command.
+"""The benchmark suite (every case beside its hand-written loop, in one command), and the list of every benchmark.
 
-    python benchmarks/run.py            # full mode (~10-15 minutes on 2 busy cores)
-    python benchmarks/run.py --quick    # under 5 minutes on 2 cores
-    python benchmarks/run.py --only a,d # a subset of cases (a b c d e f compile)
-    python benchmarks/run.py --only a --workloads ppo --reps 61   # one case, one workload, more repetitions
-    python benchmarks/run.py --smoke    # 2 repetitions: checks that the suite runs, numbers meaningless
+    python benchmarks/run.py              # full mode (~11-13 min on 2 busy cores): results/latest.json and .png
+    python benchmarks/run.py --quick      # ~2 min (make bench); --smoke: 2 repetitions, numbers meaningless
+    python benchmarks/run.py --only a,d --workloads ppo --reps 61 --set inner=2   # some cases, settings changed
+    python benchmarks/run.py --list       # every benchmark script and the stored results whose command runs it
 
-Each case compares a learner call with the code a user would write by hand for the same work,
-same seeds, same data. Contenders take turns: every repetition runs each of them once (``inner``
-calls timed together with ``time.perf_counter``; one update per block in case a and, in full
-mode, b), in a random order, so slow phases of a noisy machine hit all of them; the garbage
-collector runs between repetitions, never inside one (``harness.interleaved``). In cases a and b
-each contender is five copies taking turns (``harness.rotating``) and the intervals resample copies,
-then repetitions; case b reports process CPU time summed over the ranks and meets a goal only when
-its CPU and its wall interval both do. Reported: the median per call over the repetitions,
-``ratio`` = learner median / hand-written median, and ``paired`` = the median of the
-per-repetition ratios (adjacent blocks, so it cancels shared noise best). Results go to
-``benchmarks/results/latest.json`` and ``benchmarks/results/latest.png``.
-
-Cases: a) one process, one thread, update(): PPO, DQN, SAC; b) DDP on 2 gloo ranks, update();
-d) checkpoint save/load; e) get_weights of a 20M+ parameter policy (1 process and DDP);
-f) updates/second per rank at 1 and 2 ranks; c) memory per rank, FSDP vs DDP (``fsdp_memory.py``,
-full mode or ``--only c``). compile) ``compile=True`` learners vs the eager hand loop (a HOOK below).
+Cases (benchmarks/README.md, "What is compared"): a) one process, update(); b) DDP on 2 gloo ranks (this script's
+``--ddp-worker`` under torchrun); c) memory per rank, FSDP vs DDP (``fsdp_memory.py``; full mode or ``--only c``);
+d) save/load; e) get_weights of a 21M-parameter policy; f) updates/s per rank at 1 and 2 ranks; compile)
+``compile=True`` learners. Contenders take turns (``harness.interleaved``); ratio = learner median / hand median,
+paired = median of the per-repetition ratios with its bootstrap interval, which ``harness.decide`` reads. Any run
+but a full run of every case writes results/partial.json unless given ``--out``.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
+import glob
 import os
+import shlex
 import sys
 import tempfile
 import time
-import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: one thread, here and in every rank
@@ -48,25 +37,21 @@ from tensordict import TensorDict  # noqa: E402
 
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results")
+TWIN = "A/A control: two identical loops; its distance from 1 is this run's noise floor"
 
 
 @dataclass(frozen=True)
 class Config:
     quick: bool
-    # case a: single-process update()
-    reps: int
+    reps: int  # case a (and compile): repetitions, updates per block, warm-up
     inner: int
     warmup: int
-    # case b/f: DDP update()
-    ddp_reps: int
+    ddp_reps: int  # cases b/f
     ddp_inner: int
     ddp_timeout_s: int
-    # case d: checkpoints
-    ckpt_reps: int
+    ckpt_reps: int  # case d
     ckpt_inner: int
-    # case e: get_weights
-    gw_reps: int
+    gw_reps: int  # case e
     gw_inner: int
     workloads: tuple[str, ...] = common.WORKLOADS
     explicit: tuple = ()  # cases named with --only; quick mode runs c and compile only then
@@ -77,21 +62,15 @@ QUICK = Config(quick=True, reps=150, inner=1, warmup=5, ddp_reps=10, ddp_inner=4
 FULL = Config(quick=False, reps=600, inner=1, warmup=10, ddp_reps=600, ddp_inner=1, ddp_timeout_s=600,
               ckpt_reps=10, ckpt_inner=2, gw_reps=10, gw_inner=2)
 SMOKE = Config(quick=True, reps=2, inner=2, warmup=1, ddp_reps=2, ddp_inner=2, ddp_timeout_s=200,
-               ckpt_reps=2, ckpt_inner=1, gw_reps=2, gw_inner=1)  # checks the suite runs; numbers meaningless
+               ckpt_reps=2, ckpt_inner=1, gw_reps=2, gw_inner=1)
 
 
 @dataclass
 class Row:
-    """One comparison: ``contender`` (a learner call) against ``baseline`` (hand-written).
-
-    ``ratio`` = contender median / baseline median, in the row's ``measure``: wall clock, or
-    process CPU time (case b, summed over the ranks). ``paired`` = median over repetitions of the
-    per-repetition ratio, with its 95% bootstrap interval ``ci``, which the verdict reads (case b:
-    with ``wall_ci``);
-    ``cpu_ratio`` = the ratio of medians in process CPU time, which leaves out the time spent
-    waiting for a core on a shared machine. A CPU-time row keeps its wall-clock ``paired`` and
-    ``ci`` in ``wall_paired`` and ``wall_ci``.
-    """
+    """One comparison: ``contender`` (a learner call) against ``baseline`` (hand-written), in ``measure`` (wall, or
+    process CPU time summed over the ranks in case b, which keeps its wall figures in ``wall_paired`` /
+    ``wall_ci``). ``ratio`` = ratio of medians, ``paired`` = median per-repetition ratio with its interval ``ci``
+    (the verdict's), ``cpu_ratio`` = ratio of medians in process CPU time."""
 
     case: str
     workload: str
@@ -118,20 +97,14 @@ class Row:
 def compare(case: str, workload: str, samples_s: dict[str, list[float]], contender: str, baseline: str,
             goal: float | None, *, unit: str = "ms", note: str = "",
             cpu_s: dict[str, list[float]] | None = None, by_cpu: bool = False, copies: int = 1) -> Row:
-    """A Row from interleaved per-call samples in seconds (reported in milliseconds).
-
-    The verdict is ``harness.decide`` on the bootstrap interval of the wall-clock samples (over ``copies``
-    copies of each contender, see ``harness.rotating``). With ``by_cpu`` (case b, where a block's
-    wall time also holds the barrier's wait for the other rank) the row reports process CPU time,
-    and a goal is met only when both the CPU and the wall interval meet it: CPU time alone would
-    not see a cost that is spent waiting.
-    """
+    """A Row from interleaved per-call samples in seconds (reported in ms), decided by ``harness.decide`` on the
+    bootstrap interval over ``copies`` copies. ``by_cpu`` (case b) reports CPU time and meets a goal only when the
+    CPU and the wall interval both do: CPU time alone would not see a cost spent waiting."""
     wall_c, wall_b = samples_s[contender], samples_s[baseline]
     c, b = (cpu_s[contender], cpu_s[baseline]) if by_cpu else (wall_c, wall_b)
     cm, bm = harness.median(c) * 1e3, harness.median(b) * 1e3
     ci = harness.bootstrap_ci(c, b, copies=copies)
-    cpu_ratio = None
-    cpu_samples = {}
+    cpu_ratio, cpu_samples = None, {}
     if cpu_s and contender in cpu_s and baseline in cpu_s:
         cpu_ratio = harness.median(cpu_s[contender]) / harness.median(cpu_s[baseline])
         cpu_samples = {k: [x * 1e3 for x in cpu_s[k]] for k in (contender, baseline)}
@@ -155,47 +128,92 @@ def compare(case: str, workload: str, samples_s: dict[str, list[float]], contend
 def case_a(cfg: Config) -> list[Row]:
     rows = []
     for name in cfg.workloads:
-        batches = common.make_batches(name)
-        cpu: dict[str, list[float]] = {}
+        batches, cpu = common.make_batches(name), {}
         samples = harness.interleaved(
             {label: harness.rotating(build, batches) for label, build in common.case_a_contenders(name).items()},
-            reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu,
-        )
+            reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu)
         assert torch.get_num_threads() == 1, torch.get_num_threads()
-        note = common.WORKLOAD_DESC[name]
-        row = functools.partial(compare, "a", name, samples, unit="ms/update", cpu_s=cpu, copies=harness.INSTANCES)
-        rows += [
-            row("LocalLearner.update", "hand torchrl loop", 1.03, note=note),
-            row("FabricLearner(cpu,1).update", "hand torchrl loop", 1.02, note=note),
-            row("FabricLearner(cpu,1).update", "hand Fabric loop", 1.03, note=note),
-            row("hand Fabric loop", "hand torchrl loop", None, note="reference: what Fabric itself costs"),
-            row("hand torchrl loop (twin)", "hand torchrl loop", None,
-                note="A/A control: two identical loops; its distance from 1 is this run's noise floor"),
-        ]
+        row = functools.partial(compare, "a", name, samples, unit="ms/update", cpu_s=cpu, copies=harness.INSTANCES,
+                                note=common.WORKLOAD_DESC[name])
+        rows += [row("LocalLearner.update", "hand torchrl loop", 1.03),
+                 row("FabricLearner(cpu,1).update", "hand torchrl loop", 1.02),
+                 row("FabricLearner(cpu,1).update", "hand Fabric loop", 1.03),
+                 row("hand Fabric loop", "hand torchrl loop", None, note="reference: what Fabric itself costs"),
+                 row("hand torchrl loop (twin)", "hand torchrl loop", None, note=TWIN)]
     return rows
 
 
-# ---- cases b, e (DDP) and f: multi-rank launches --------------------------------------------------
+# ---- cases b, e (DDP) and f: multi-rank launches of ddp_worker -------------------------------------
+
+
+def ddp_worker(cfg: Config, out: str) -> None:
+    """One torchrun rank of cases b, e and f: ``FabricLearner(strategy="ddp")`` against a hand-written
+    ``DistributedDataParallel`` loop and its A/A twin (5 copies each, barrier around every block, same seeds and
+    per-rank batches), and ``get_weights()`` of the 21M policy against the raw clones; rank 0 writes the JSON."""
+    import torch.distributed as dist
+
+    harness.setup()
+    results: dict = {"updates": {}, "get_weights": None}
+    rank = int(os.environ.get("RANK", "0"))
+    for name in cfg.workloads:
+        batches = common.make_batches(name, seed=1 + 7919 * rank)
+        learners, hands = [], []
+
+        def built(kind, into):
+            into.append(FabricLearner(common.make_loss(name)[0], None, clip_grad_norm=common.CLIP, accelerator="cpu",
+                                      strategy="ddp") if kind == "learner" else common.HandDDP(common.make_loss(name)[0]))
+            return into[-1]
+
+        contenders = {"FabricLearner(ddp)": harness.rotating(lambda: built("learner", learners), batches),
+                      "hand DDP": harness.rotating(lambda: built("hand", hands), batches),
+                      "hand DDP (twin)": harness.rotating(lambda: built("hand", []), batches)}
+        cpu: dict[str, list[float]] = {}
+        samples = harness.interleaved(contenders, reps=cfg.ddp_reps, inner=cfg.ddp_inner, warmup=cfg.warmup,
+                                      sync=dist.barrier, cpu=cpu)
+        same = None  # DQN is deterministic: each learner copy and its hand copy took the same steps
+        if name == "dqn":
+            same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for copy, h in zip(learners, hands, strict=True)
+                       for a, b in zip(copy.loss_module.parameters(), h.ddp.module.loss.parameters(), strict=True))
+        results["updates"][name] = {"samples_s": samples, "cpu_s": harness.summed_over_ranks(cpu),
+                                    "same_weights": same, "threads": torch.get_num_threads()}
+    if cfg.gw_reps:
+        loss, policy = common.make_loss("ppo_big_actor")
+        learner = FabricLearner(loss, None, policy=policy, accelerator="cpu", strategy="ddp")
+        cpu = {}
+        samples = harness.interleaved(
+            {"FabricLearner(ddp).get_weights": lambda i: learner.get_weights(), **raw_clones(policy)},
+            reps=cfg.gw_reps, inner=cfg.gw_inner, warmup=1, sync=dist.barrier, cpu=cpu)
+        results["get_weights"] = {"samples_s": samples, "cpu_s": cpu, "policy_params": common.count_params(policy)}
+    results.update(rank=rank, world_size=dist.get_world_size())
+    dist.barrier()
+    if rank == 0:
+        harness.write_json(out, results, indent=None)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def raw_clones(policy) -> dict[str, Callable[[int], Any]]:
+    return {RAW: lambda i: TensorDict.from_module(policy).data.clone(),
+            "raw {k: v.detach().clone() for state_dict}": lambda i: {
+                k: v.detach().clone() for k, v in policy.state_dict().items()}}
+
+
+RAW = "raw TensorDict.from_module(policy).data.clone()"
 
 
 def launch_ranks(nproc: int, cfg: Config, *, get_weights: bool) -> dict[str, Any]:
-    """Run ``ddp_case.py`` under torchrun on ``nproc`` gloo ranks, one thread each; its JSON."""
-    with harness.scratch_path() as out:
-        cmd = harness.torchrun(
-            nproc, os.path.join(HERE, "ddp_case.py"), "--out", out, "--workloads", ",".join(cfg.workloads),
-            "--reps", str(cfg.ddp_reps), "--inner", str(cfg.ddp_inner), "--warmup", str(cfg.warmup),
-            "--gw-reps", str(cfg.gw_reps if get_weights else 0), "--gw-inner", str(cfg.gw_inner))
-        harness.run_bounded(cmd, cfg.ddp_timeout_s, f"{nproc}-rank launch")
-        return harness.read_json(out)
+    """``ddp_worker`` on ``nproc`` gloo ranks under torchrun, one thread each: rank 0's results."""
+    settings = {"ddp_reps": cfg.ddp_reps, "ddp_inner": cfg.ddp_inner, "warmup": cfg.warmup,
+                "gw_reps": cfg.gw_reps if get_weights else 0, "gw_inner": cfg.gw_inner}
+    return harness.launch([__file__, "--ddp-worker", "--workloads", ",".join(cfg.workloads), "--set",
+                           ",".join(f"{k}={v}" for k, v in settings.items())], ranks=nproc,
+                          timeout_s=cfg.ddp_timeout_s, what=f"{nproc}-rank launch")
 
 
 def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
                with_f: bool = True) -> tuple[list[Row], list[dict]]:
-    """One 2-rank launch (b, and e under DDP); for f in full mode, one 1-rank launch of the same worker.
-
-    Quick mode skips the 1-rank DDP launch (its start-up alone is ~30 s on 2 busy cores): its
-    1-rank reference is then the single-process, no-DDP time of case a.
-    """
+    """One 2-rank launch (b, and e under DDP); in full mode for f also a 1-rank launch (quick mode takes case a's
+    single-process time as the 1-rank reference: a launch's start-up alone is ~30 s on 2 busy cores)."""
     two = launch_ranks(2, cfg, get_weights=with_e)
     one = launch_ranks(1, cfg, get_weights=False) if with_f and not cfg.quick else None
     rows = []
@@ -204,25 +222,23 @@ def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
                 + ("" if res["same_weights"] is not False else "; WEIGHTS DIFFER"))
         row = functools.partial(compare, "b", name, res["samples_s"], unit="ms/update (cpu, both ranks)",
                                 cpu_s=res["cpu_s"], by_cpu=True, copies=harness.INSTANCES)
-        rows.append(row("FabricLearner(ddp)", "hand DDP", 1.05, note=note))
-        rows.append(row("hand DDP (twin)", "hand DDP", None,
-                        note="A/A control: two identical loops; its distance from 1 is this run's noise floor"))
-    gw = two.get("get_weights")
-    if gw:
+        rows += [row("FabricLearner(ddp)", "hand DDP", 1.05, note=note), row("hand DDP (twin)", "hand DDP", None, note=TWIN)]
+    if two.get("get_weights"):
+        gw = two["get_weights"]
         rows.append(compare("e", f"ppo actor {gw['policy_params'] / 1e6:.1f}M params", gw["samples_s"],
-                            "FabricLearner(ddp).get_weights", "raw TensorDict.from_module(policy).data.clone()",
-                            None, unit="ms/call", note="DDP, 2 ranks (rank 0's clock)", cpu_s=gw.get("cpu_s")))
-    scaling = []
+                            "FabricLearner(ddp).get_weights", RAW, None, unit="ms/call",
+                            note="DDP, 2 ranks (rank 0's clock)", cpu_s=gw.get("cpu_s")))
     if not with_f:
-        return rows, scaling
+        return rows, []
     single = {(r.workload, r.contender): r.contender_median for r in single_rows if r.case == "a"}
     single.update({(r.workload, r.baseline): r.baseline_median for r in single_rows if r.case == "a"})
+    scaling = []
     for name in two["updates"]:
         for contender in ("FabricLearner(ddp)", "hand DDP"):
             ms2 = harness.median(two["updates"][name]["samples_s"][contender]) * 1e3
             ms1 = None if one is None else harness.median(one["updates"][name]["samples_s"][contender]) * 1e3
-            ref = "FabricLearner(cpu,1).update" if contender == "FabricLearner(ddp)" else "hand torchrl loop"
-            ms0 = single.get((name, ref))
+            ms0 = single.get((name, "FabricLearner(cpu,1).update" if contender == "FabricLearner(ddp)"
+                              else "hand torchrl loop"))
             base = ms1 if ms1 is not None else ms0  # the 1-rank time efficiency is measured against
             scaling.append({
                 "workload": name, "contender": contender,
@@ -231,83 +247,64 @@ def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
                 "ddp_2rank_updates_per_s_per_rank": 1e3 / ms2,
                 "efficiency_vs": "DDP 1 rank" if ms1 is not None else "1 process, no DDP",
                 "per_rank_efficiency": None if base is None else base / ms2,  # 1.0 = perfect weak scaling
-                "total_speedup_2_vs_1": None if base is None else 2 * base / ms2,
-            })
+                "total_speedup_2_vs_1": None if base is None else 2 * base / ms2})
     return rows, scaling
 
 
-# ---- case d: checkpoints -----------------------------------------------------------------------------
+# ---- cases d (checkpoints) and e (get_weights, one process) ---------------------------------------
 
 
 def case_d(cfg: Config) -> list[Row]:
-    name, cells = "ppo", (1024, 1024, 1024)
-    batches = common.make_batches(name, count=2)
-    loss_h = common.make_loss(name, cells=cells)[0]
-    opt_h = torch.optim.Adam(loss_h.parameters())
-    local = LocalLearner(common.make_loss(name, cells=cells)[0])
-    fabric = FabricLearner(common.make_loss(name, cells=cells)[0], accelerator="cpu", devices=1)
-    for td in batches:  # populate Adam's state, as in a real checkpoint
-        common.summed_loss(loss_h(td)).backward()
-        opt_h.step()
-        opt_h.zero_grad()
-        local.update(td)
-        fabric.update(td)
-    nparams = common.count_params(loss_h)
-    workload = f"ppo MLP[1024]x3, {nparams / 1e6:.1f}M params + Adam"
+    cells, batches = (1024, 1024, 1024), common.make_batches("ppo", count=2)
+    hand = common.HandTorchrl(common.make_loss("ppo", cells=cells)[0])
+    local = LocalLearner(common.make_loss("ppo", cells=cells)[0])
+    fabric = FabricLearner(common.make_loss("ppo", cells=cells)[0], accelerator="cpu", devices=1)
+    for td in batches:  # Adam's state populated, as in a real checkpoint
+        for each in (hand, local, fabric):
+            each.update(td)
     tmp = tempfile.mkdtemp(prefix="fl_bench_ckpt_")
     paths = {k: os.path.join(tmp, f"{k}.pt") for k in ("hand", "atomic", "local", "fabric")}
 
-    def hand_save(i):
-        torch.save({"model": loss_h.state_dict(), "optimizer": opt_h.state_dict()}, paths["hand"])
+    def hand_save(path):
+        torch.save({"model": hand.loss.state_dict(), "optimizer": hand.opt.state_dict()}, path)
 
     def hand_atomic_save(i):  # what the learner's durability costs when written by hand
-        part = paths["atomic"] + ".partial"
-        with open(part, "wb") as f:
-            torch.save({"model": loss_h.state_dict(), "optimizer": opt_h.state_dict()}, f)
+        with open(paths["atomic"] + ".partial", "wb") as f:
+            hand_save(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(part, paths["atomic"])
+        os.replace(paths["atomic"] + ".partial", paths["atomic"])
 
     def hand_load(i):
         state = torch.load(paths["hand"], map_location="cpu", weights_only=True)
-        loss_h.load_state_dict(state["model"])
-        opt_h.load_state_dict(state["optimizer"])
+        hand.loss.load_state_dict(state["model"])
+        hand.opt.load_state_dict(state["optimizer"])
 
     cpu: dict[str, list[float]] = {}
+    timed = functools.partial(harness.interleaved, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1, cpu=cpu)
     try:
-        save = harness.interleaved({
-            "torch.save(state_dicts)": hand_save,
-            "torch.save + fsync + rename": hand_atomic_save,
-            "LocalLearner.save": lambda i: local.save(paths["local"]),
-            "FabricLearner.save": lambda i: fabric.save(paths["fabric"]),
-        }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1, cpu=cpu)
-        load = harness.interleaved({
-            "torch.load + load_state_dicts": hand_load,
-            "LocalLearner.load": lambda i: local.load(paths["local"]),
-            "FabricLearner.load": lambda i: fabric.load(paths["fabric"]),
-        }, reps=cfg.ckpt_reps, inner=cfg.ckpt_inner, warmup=1, cpu=cpu)
+        save = timed({"torch.save(state_dicts)": lambda i: hand_save(paths["hand"]),
+                      "torch.save + fsync + rename": hand_atomic_save,
+                      "LocalLearner.save": lambda i: local.save(paths["local"]),
+                      "FabricLearner.save": lambda i: fabric.save(paths["fabric"])})
+        load = timed({"torch.load + load_state_dicts": hand_load, "LocalLearner.load": lambda i: local.load(paths["local"]),
+                      "FabricLearner.load": lambda i: fabric.load(paths["fabric"])})
         size_mb = os.path.getsize(paths["local"]) / 2**20
     finally:
         for p in paths.values():
             if os.path.exists(p):
                 os.unlink(p)
         os.rmdir(tmp)
-    w = f"{workload}, {size_mb:.0f} MB file"
-    return [
-        compare("d", w, save, "LocalLearner.save", "torch.save(state_dicts)", 1.2, unit="ms/call", cpu_s=cpu),
-        compare("d", w, save, "FabricLearner.save", "torch.save(state_dicts)", 1.2, unit="ms/call", cpu_s=cpu),
-        compare("d", w, save, "torch.save + fsync + rename", "torch.save(state_dicts)", None, unit="ms/call",
-                note="reference: the cost of an atomic, durable write by hand", cpu_s=cpu),
-        compare("d", w, save, "LocalLearner.save", "torch.save + fsync + rename", None, unit="ms/call",
-                note="reference: learner vs an equally durable hand-written save", cpu_s=cpu),
-        compare("d", w, load, "LocalLearner.load", "torch.load + load_state_dicts", 1.2, unit="ms/call",
-                cpu_s=cpu),
-        compare("d", w, load, "FabricLearner.load", "torch.load + load_state_dicts", 1.2, unit="ms/call",
-                cpu_s=cpu),
-    ]
-
-
-# ---- case e: get_weights, one process ----------------------------------------------------------
+    w = f"ppo MLP[1024]x3, {common.count_params(hand.loss) / 1e6:.1f}M params + Adam, {size_mb:.0f} MB file"
+    row = functools.partial(compare, "d", w, unit="ms/call", cpu_s=cpu)
+    return [row(save, "LocalLearner.save", "torch.save(state_dicts)", 1.2),
+            row(save, "FabricLearner.save", "torch.save(state_dicts)", 1.2),
+            row(save, "torch.save + fsync + rename", "torch.save(state_dicts)", None,
+                note="reference: the cost of an atomic, durable write by hand"),
+            row(save, "LocalLearner.save", "torch.save + fsync + rename", None,
+                note="reference: learner vs an equally durable hand-written save"),
+            row(load, "LocalLearner.load", "torch.load + load_state_dicts", 1.2),
+            row(load, "FabricLearner.load", "torch.load + load_state_dicts", 1.2)]
 
 
 def case_e(cfg: Config) -> list[Row]:
@@ -315,96 +312,58 @@ def case_e(cfg: Config) -> list[Row]:
     local = LocalLearner(loss, policy=policy)
     fabric = FabricLearner(loss, policy=policy, accelerator="cpu", devices=1)
     cpu: dict[str, list[float]] = {}
-    samples = harness.interleaved({
-        "raw TensorDict.from_module(policy).data.clone()": lambda i: TensorDict.from_module(policy).data.clone(),
-        "raw {k: v.detach().clone() for state_dict}": lambda i: {
-            k: v.detach().clone() for k, v in policy.state_dict().items()},
-        "LocalLearner.get_weights": lambda i: local.get_weights(),
-        "FabricLearner(cpu,1).get_weights": lambda i: fabric.get_weights(),
-    }, reps=cfg.gw_reps, inner=cfg.gw_inner, warmup=1, cpu=cpu)
-    w = f"ppo actor {common.count_params(policy) / 1e6:.1f}M params"
-    base = "raw TensorDict.from_module(policy).data.clone()"
-    return [
-        compare("e", w, samples, "LocalLearner.get_weights", base, None, unit="ms/call", note="1 process",
-                cpu_s=cpu),
-        compare("e", w, samples, "FabricLearner(cpu,1).get_weights", base, None, unit="ms/call", note="1 process",
-                cpu_s=cpu),
-        compare("e", w, samples, "raw {k: v.detach().clone() for state_dict}", base, None, unit="ms/call",
-                note="reference: the two raw calls", cpu_s=cpu),
-    ]
+    samples = harness.interleaved({**raw_clones(policy), "LocalLearner.get_weights": lambda i: local.get_weights(),
+                                   "FabricLearner(cpu,1).get_weights": lambda i: fabric.get_weights()},
+                                  reps=cfg.gw_reps, inner=cfg.gw_inner, warmup=1, cpu=cpu)
+    row = functools.partial(compare, "e", f"ppo actor {common.count_params(policy) / 1e6:.1f}M params", samples,
+                            baseline=RAW, goal=None, unit="ms/call", cpu_s=cpu)
+    return [row("LocalLearner.get_weights", note="1 process"), row("FabricLearner(cpu,1).get_weights", note="1 process"),
+            row("raw {k: v.detach().clone() for state_dict}", note="reference: the two raw calls")]
 
 
-# ======================================================================================================
-# HOOKS: cases other engineers add. Each is ``fn(cfg) -> list[Row] | None``; ``None`` means "not
-# implemented yet" and is listed as skipped. Build rows with ``compare(case, workload, samples_s,
-# contender, baseline, goal, unit=...)`` from ``harness.interleaved(...)`` samples (seconds), or
-# construct ``Row`` directly for non-time metrics (e.g. unit="MiB" for memory; ratio = learner/hand).
-# Multi-rank hooks should follow ``launch_ranks``/``ddp_case.py`` (``harness.torchrun`` and
-# ``harness.run_bounded``: one thread, timeout; barrier + destroy_process_group at the end).
-# ======================================================================================================
+# ---- HOOKS: ``fn(cfg) -> list[Row] | None`` (None: skipped); rows from ``compare`` or a ``Row`` built directly --
 
 
 def case_c_fsdp_memory(cfg: Config) -> list[Row] | None:
-    """HOOK, case c: memory per rank of ``FabricLearner`` under FSDP vs under DDP (2 CPU ranks).
-
-    Runs ``fsdp_memory.py`` (by the FSDP work; a 21M-parameter PPO loss, a few Adam updates) once
-    per strategy: tensor bytes each rank holds (parameters + gradients + Adam state + buffers) and
-    peak RSS, again with glibc's mmap threshold fixed (four 2-rank launches, ~2 minutes); ``--only c``
-    runs it alone.
-    Goal-less: the ideal state ratio on 2 ranks is 0.5.
-    """
+    """Case c: memory per rank of ``FabricLearner`` under FSDP vs DDP (``fsdp_memory.py``, 2 CPU ranks, the 21M
+    PPO loss): tensor state and peak RSS, again with glibc's mmap threshold fixed; goal-less (0.5 is ideal)."""
     if cfg.quick and "c" not in cfg.explicit:
         return None
-    got = {}
-    # the default allocator, and glibc's mmap threshold fixed at 1 MiB (see fsdp_memory.py)
-    for strategy, threshold in (("ddp", None), ("fsdp", None), ("ddp", "1048576"), ("fsdp", "1048576")):
-        with harness.scratch_path() as out:
-            harness.run_bounded([sys.executable, os.path.join(HERE, "fsdp_memory.py"), "--strategy", strategy,
-                                 "--out", out], cfg.ddp_timeout_s, f"fsdp_memory.py --strategy {strategy}",
-                                **({"MALLOC_MMAP_THRESHOLD_": threshold} if threshold else {}))
-            got[strategy, threshold] = harness.read_json(out)
-    n = got["ddp", None][0]["n_params"]
+    got = {(strategy, threshold): harness.launch(
+        [os.path.join(HERE, "fsdp_memory.py"), "--strategy", strategy], timeout_s=cfg.ddp_timeout_s,
+        what=f"fsdp_memory.py --strategy {strategy}", **({"MALLOC_MMAP_THRESHOLD_": threshold} if threshold else {}))
+        for strategy, threshold in (("ddp", None), ("fsdp", None), ("ddp", "1048576"), ("fsdp", "1048576"))}
     rows = []
     for metric, key, threshold in (
             ("tensor state per rank (params+grads+Adam+buffers)", "total_mib", None),
             ("peak RSS per rank", "peak_rss_mib", None),
             ("peak RSS over the pre-model baseline, glibc mmap threshold 1 MiB", "peak_over_baseline_mib", "1048576")):
-        f_mib = max(r[key] for r in got["fsdp", threshold])
-        d_mib = max(r[key] for r in got["ddp", threshold])
+        f_mib, d_mib = (max(r[key] for r in got[s, threshold]) for s in ("fsdp", "ddp"))
         ratio = f_mib / d_mib
-        rows.append(Row("c", f"ppo actor {n / 1e6:.1f}M params: {metric}", "FabricLearner(fsdp)", "FabricLearner(ddp)",
-                        "MiB", f_mib, d_mib, ratio, ratio, (ratio, ratio), None, None, None, "-",
-                        "max over the 2 ranks, one measurement; ideal state ratio 0.5",
-                        {"FabricLearner(fsdp)": [r[key] for r in got["fsdp", threshold]],
-                         "FabricLearner(ddp)": [r[key] for r in got["ddp", threshold]]}))
+        rows.append(Row("c", f"ppo actor {got['ddp', None][0]['n_params'] / 1e6:.1f}M params: {metric}",
+                        "FabricLearner(fsdp)", "FabricLearner(ddp)", "MiB", f_mib, d_mib, ratio, ratio, (ratio, ratio),
+                        None, None, None, "-", "max over the 2 ranks, one measurement; ideal state ratio 0.5",
+                        {f"FabricLearner({s})": [r[key] for r in got[s, threshold]] for s in ("fsdp", "ddp")}))
     return rows
 
 
 def case_compile(cfg: Config) -> list[Row] | None:
-    """HOOK, issue "compile=True": ``LocalLearner``/``FabricLearner(compile=True).update`` vs the eager hand loop.
-
-    As case a, one process, one thread. Goal (PPO): at least 1.5x faster than the hand-written eager
-    torchrl loop, i.e. ratio <= 0.667; DQN and SAC are reported. Full mode adds a hand-written
-    ``torch.compile(loss)`` loop (fused Adam) as a reference. Compilation happens in an explicit
-    warm-up before timing (two passes over the batches: the loss writes keys into them on the
-    first, which is a second graph variant); its time goes into each row's note, apart from the
-    steady-state medians.
-    """
+    """``LocalLearner``/``FabricLearner(compile=True).update`` against the eager hand loop (goal for PPO: 1.5x
+    faster, ratio <= 0.667) and against a hand ``torch.compile(loss)`` loop with fused Adam. Each contender first
+    takes two passes over the batches, which compile (their time goes into each row's note)."""
     if cfg.quick and "compile" not in cfg.explicit:  # compiling alone takes 1-2 minutes here
         return None
-    rows = []
+    rows, base, hand_compiled = [], "hand torchrl loop", "hand torch.compile loop"
     for name in cfg.workloads:
         batches = common.make_batches(name)
         k = len(batches)
         contenders: dict[str, Any] = {
-            "hand torchrl loop": common.HandTorchrl(common.make_loss(name)[0]),
+            base: common.HandTorchrl(common.make_loss(name)[0]),
             "LocalLearner(compile).update": LocalLearner(common.make_loss(name)[0], clip_grad_norm=common.CLIP,
                                                          compile=True),
             "FabricLearner(cpu,1,compile).update": FabricLearner(
                 common.make_loss(name)[0], clip_grad_norm=common.CLIP, accelerator="cpu", devices=1, compile=True),
-        }
-        # the second baseline of the row: the same compiled loss by hand, with the same fused Adam
-        contenders["hand torch.compile loop"] = common.HandCompiled(common.make_loss(name)[0])
+            hand_compiled: common.HandCompiled(common.make_loss(name)[0])}
         compile_s = {}
         for label, obj in contenders.items():
             calls = []
@@ -414,128 +373,89 @@ def case_compile(cfg: Config) -> list[Row] | None:
                 calls.append(time.perf_counter() - t)
             compile_s[label] = (max(calls), sum(calls))
         cpu: dict[str, list[float]] = {}
-        samples = harness.interleaved(
-            {label: (lambda i, obj=obj: obj.update(batches[i % k])) for label, obj in contenders.items()},
-            reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu,
-        )
+        samples = harness.interleaved({label: (lambda i, obj=obj: obj.update(batches[i % k]))
+                                       for label, obj in contenders.items()},
+                                      reps=cfg.reps, inner=cfg.inner, warmup=cfg.warmup, cpu=cpu)
         assert torch.get_num_threads() == 1, torch.get_num_threads()
-        goal = 1 / 1.5 if name == "ppo" else None
-        base = "hand torchrl loop"
 
         def note(label: str) -> str:
-            slowest, total = compile_s[label]
             shared = "; FabricLearner reuses LocalLearner's graph" if "Fabric" in label else ""
-            return (f"{common.WORKLOAD_DESC[name]}; warm-up (compiling) {total:.1f} s, "
-                    f"slowest call {slowest:.1f} s{shared}")
+            return (f"{common.WORKLOAD_DESC[name]}; warm-up (compiling) {compile_s[label][1]:.1f} s, "
+                    f"slowest call {compile_s[label][0]:.1f} s{shared}")
 
-        for label in contenders:
-            if label not in (base, "hand torch.compile loop"):
-                rows.append(compare("compile", name, samples, label, base, goal if "Learner" in label else None,
-                                    unit="ms/update", note=note(label), cpu_s=cpu))
-        for label in ("LocalLearner(compile).update", "FabricLearner(cpu,1,compile).update"):
-            rows.append(compare("compile", name, samples, label, "hand torch.compile loop", 1.03,
-                                unit="ms/update", cpu_s=cpu,
-                                note="the learner around the same compiled loss and the same fused Adam"))
+        row = functools.partial(compare, "compile", name, samples, unit="ms/update", cpu_s=cpu)
+        rows += [row(label, base, (1 / 1.5 if name == "ppo" else None) if "Learner" in label else None,
+                     note=note(label)) for label in contenders if label not in (base, hand_compiled)]
+        rows += [row(label, hand_compiled, 1.03, note="the learner around the same compiled loss and the same fused Adam")
+                 for label in ("LocalLearner(compile).update", "FabricLearner(cpu,1,compile).update")]
     return rows
 
 
 HOOKS: dict[str, Callable[[Config], list[Row] | None]] = {"c": case_c_fsdp_memory, "compile": case_compile}
 
-# ======================================================================================================
+
+# ---- report ----------------------------------------------------------------------------------------
 
 
 def fmt_table(rows: list[Row]) -> str:
-    head = ("case", "workload", "contender", "baseline", "unit", "contender", "baseline", "ratio", "paired [95% CI]",
-            "cpu ratio", "goal", "verdict")
-    lines = [head]
-    for r in rows:
-        lines.append((r.case, r.workload, r.contender, r.baseline, r.unit, f"{r.contender_median:.3f}",
-                      f"{r.baseline_median:.3f}", f"{r.ratio:.3f}", f"{r.paired:.3f} [{r.ci[0]:.2f}, {r.ci[1]:.2f}]",
-                      "-" if r.cpu_ratio is None else f"{r.cpu_ratio:.3f}",
-                      "-" if r.goal is None else f"<= {r.goal:.2f}", r.verdict))
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
-    out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
-    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(out)
+    return harness.table(
+        ("case", "workload", "contender", "baseline", "unit", "contender", "baseline", "ratio", "paired [95% CI]",
+         "cpu ratio", "goal", "verdict"),
+        [(r.case, r.workload, r.contender, r.baseline, r.unit, f"{r.contender_median:.3f}", f"{r.baseline_median:.3f}",
+          f"{r.ratio:.3f}", f"{r.paired:.3f} [{r.ci[0]:.2f}, {r.ci[1]:.2f}]",
+          "-" if r.cpu_ratio is None else f"{r.cpu_ratio:.3f}", "-" if r.goal is None else f"<= {r.goal:.2f}",
+          r.verdict) for r in rows])
 
 
 def fmt_scaling(scaling: list[dict]) -> str:
     def num(x, f="{:.1f}"):
         return "-" if x is None else f.format(x)
 
-    head = ("workload", "contender", "1 proc, no DDP", "DDP 1 rank", "DDP 2 ranks (per rank)", "per-rank eff.",
-            "total speedup", "efficiency vs")
-    lines = [head]
-    for s in scaling:
-        lines.append((s["workload"], s["contender"], num(s["no_ddp_1proc_updates_per_s"]),
-                      num(s["ddp_1rank_updates_per_s"]), num(s["ddp_2rank_updates_per_s_per_rank"]),
-                      num(s["per_rank_efficiency"], "{:.2f}"), num(s["total_speedup_2_vs_1"], "{:.2f}x"),
-                      s["efficiency_vs"]))
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
-    out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
-    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "updates/second per rank, 1 thread per rank:\n" + "\n".join(out)
+    return "updates/second per rank, 1 thread per rank:\n" + harness.table(
+        ("workload", "contender", "1 proc, no DDP", "DDP 1 rank", "DDP 2 ranks (per rank)", "per-rank eff.",
+         "total speedup", "efficiency vs"),
+        [(s["workload"], s["contender"], num(s["no_ddp_1proc_updates_per_s"]), num(s["ddp_1rank_updates_per_s"]),
+          num(s["ddp_2rank_updates_per_s_per_rank"]), num(s["per_rank_efficiency"], "{:.2f}"),
+          num(s["total_speedup_2_vs_1"], "{:.2f}x"), s["efficiency_vs"]) for s in scaling])
 
 
 def plot(rows: list[Row], scaling: list[dict], path: str, title: str) -> None:
+    """Ratios with their goals (left), updates/s per rank (right), to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(16, max(6, 0.38 * len(rows) + 2)),
-                             gridspec_kw={"width_ratios": [3, 2]})
-    ax = axes[0]
-    def short(r: Row) -> str:
-        return r.workload.split(": ")[-1].split(" (")[0] if r.case == "c" else r.workload.split(",")[0][:22]
-
-    labels = [f"{r.case} {short(r)}: {r.contender} / {r.baseline}"[:90] for r in rows]
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(16, max(6, 0.38 * len(rows) + 2)), gridspec_kw={"width_ratios": [3, 2]})
+    short = [r.workload.split(": ")[-1].split(" (")[0] if r.case == "c" else r.workload.split(",")[0][:22] for r in rows]
     y = list(range(len(rows)))[::-1]
-    colors = ["tab:gray" if r.met is None else ("tab:green" if r.met else "tab:red") for r in rows]
-    ax.barh(y, [r.ratio for r in rows], color=colors)
+    ax.barh(y, [r.ratio for r in rows], color=["tab:gray" if r.met is None else ("tab:green" if r.met else "tab:red")
+                                               for r in rows])
     ax.scatter([r.paired for r in rows], y, color="black", marker="|", s=120, zorder=3, label="paired ratio")
     for yi, r in zip(y, rows):
         if r.goal is not None:
             ax.plot([r.goal, r.goal], [yi - 0.4, yi + 0.4], color="tab:blue", lw=2)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_yticks(y)
-    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_yticklabels([f"{r.case} {s}: {r.contender} / {r.baseline}"[:90] for r, s in zip(rows, short)], fontsize=7)
     ax.set_xlabel("ratio of medians (contender / hand-written); blue tick = goal; grey = no goal")
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("learner vs hand-written (lower is better)")
-    ax = axes[1]
     if scaling:
-        names = [f"{s['workload']}\n{s['contender'].replace('FabricLearner', 'Learner')}" for s in scaling]
-        x = range(len(scaling))
-        w = 0.27
-        ax.bar([i - w for i in x], [s["no_ddp_1proc_updates_per_s"] or 0 for s in scaling], w,
-               label="1 process, no DDP")
-        ax.bar(list(x), [s["ddp_1rank_updates_per_s"] or 0 for s in scaling], w, label="DDP, 1 rank")
-        ax.bar([i + w for i in x], [s["ddp_2rank_updates_per_s_per_rank"] for s in scaling], w,
-               label="DDP, 2 ranks (per rank)")
-        ax.set_xticks(list(x))
-        ax.set_xticklabels(names, fontsize=7)
-        ax.set_ylabel("updates / second / rank")
-        ax.legend(fontsize=8)
-    ax.set_title("case f: scaling, 1 thread per rank")
+        x, w = range(len(scaling)), 0.27
+        for dx, key, label in ((-w, "no_ddp_1proc_updates_per_s", "1 process, no DDP"), (0, "ddp_1rank_updates_per_s",
+                               "DDP, 1 rank"), (w, "ddp_2rank_updates_per_s_per_rank", "DDP, 2 ranks (per rank)")):
+            right.bar([i + dx for i in x], [s[key] or 0 for s in scaling], w, label=label)
+        right.set_xticks(list(x))
+        right.set_xticklabels([f"{s['workload']}\n{s['contender'].replace('FabricLearner', 'Learner')}"
+                               for s in scaling], fontsize=7)
+        right.set_ylabel("updates / second / rank")
+        right.legend(fontsize=8)
+    right.set_title("case f: scaling, 1 thread per rank")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def replot(path: str) -> int:
-    saved = harness.read_json(path)
-    rows = [Row(**{**r, "ci": tuple(r["ci"])}) for r in saved["rows"]]
-    meta = saved["meta"]
-    print(fmt_table(rows))
-    if saved["scaling"]:
-        print()
-        print(fmt_scaling(saved["scaling"]))
-    png = os.path.splitext(path)[0] + ".png"
-    plot(rows, saved["scaling"], png, _title(meta))
-    print(f"wrote {png}")
-    return 0
 
 
 def _title(meta: dict[str, Any]) -> str:
@@ -543,43 +463,91 @@ def _title(meta: dict[str, Any]) -> str:
             f"({meta['machine']['cpu']}), load {meta['loadavg_before'][0]:.1f}; torch {meta['machine']['torch']}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer repetitions: under 5 minutes on 2 cores")
+def replot(path: str) -> int:
+    saved = harness.read_json(path)
+    rows = [Row(**{**r, "ci": tuple(r["ci"])}) for r in saved["rows"]]
+    print(fmt_table(rows) + ("\n\n" + fmt_scaling(saved["scaling"]) if saved["scaling"] else ""))
+    png = os.path.splitext(path)[0] + ".png"
+    plot(rows, saved["scaling"], png, _title(saved["meta"]))
+    print(f"wrote {png}")
+    return 0
+
+
+def listing() -> dict[str, dict]:
+    """Every benchmark script (all of benchmarks/*.py but the harness and the shared workloads): its docstring's
+    first line and, by path, the stored results under results/ whose ``command`` runs it."""
+    import ast
+
+    scripts = {os.path.basename(p): {"what": (ast.get_docstring(ast.parse(open(p).read())) or "").split("\n")[0],
+                                     "results": {}}
+               for p in sorted(glob.glob(os.path.join(HERE, "*.py")))
+               if os.path.basename(p) not in ("harness.py", "common.py")}
+    for path in sorted(glob.glob(os.path.join(harness.RESULTS, "**", "*.json"), recursive=True)):
+        relative = os.path.relpath(path, HERE)
+        if "partial" in relative.split(os.sep):  # a stopped learning run's checkpoint, not a result
+            continue
+        data = harness.read_json(path)
+        command = data.get("command") if isinstance(data, dict) else None
+        script = os.path.basename(shlex.split(command)[1]) if command else "(no command)"
+        scripts.setdefault(script, {"what": "", "results": {}})["results"][relative] = command
+    return scripts
+
+
+def print_listing() -> int:
+    for script, entry in listing().items():
+        print(f"{script}: {entry['what']}")
+        for path, command in entry["results"].items():
+            print(f"    {path}: {command}")
+    return 0
+
+
+def parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions: about 2 minutes on 2 cores")
     p.add_argument("--smoke", action="store_true", help="2 repetitions: only checks that the suite runs")
     p.add_argument("--only", default="a,b,d,e,f," + ",".join(HOOKS),
-                   help="comma-separated cases to run (b, DDP get_weights and f share one launch)")
-    p.add_argument("--workloads", default=",".join(common.WORKLOADS),
-                   help=f"comma-separated workloads for cases a, b, f and compile (of {', '.join(common.WORKLOADS)})")
+                   help="comma-separated cases (b, DDP get_weights and f share one launch)")
+    p.add_argument("--workloads", default=",".join(common.WORKLOADS), help="for cases a, b, f and compile")
     p.add_argument("--reps", type=int, default=None, help="repetitions of case a (default: the mode's)")
-    p.add_argument("--out", default=None,
-                   help="results JSON (default: results/latest.json for a full run of every case, the one the "
-                        "docs cite; results/partial.json for --quick, --smoke, --only, --workloads or --reps)")
+    p.add_argument("--set", default="", help="other settings of the mode, as name=value,... (Config's fields)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON, and print its tables")
-    args = p.parse_args(argv)
-    if args.replot:
-        return replot(args.replot)
+    p.add_argument("--list", action="store_true", help="every benchmark and the stored results it writes")
+    p.add_argument("--ddp-worker", action="store_true", help="one rank of cases b, e, f (under torchrun)")
+    return p
+
+
+def config(p, args) -> Config:
     cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.only != p.get_default("only"):
         cfg = replace(cfg, explicit=tuple(args.only.split(",")))
     workloads = tuple(w for w in args.workloads.split(",") if w)
-    unknown = sorted(set(workloads) - set(common.WORKLOADS))
-    if unknown or not workloads:
-        p.error(f"--workloads {args.workloads!r}: unknown {unknown or 'empty'}; "
-                f"choose from {', '.join(common.WORKLOADS)}")
-    if workloads != common.WORKLOADS:
-        cfg = replace(cfg, workloads=workloads)
-    if args.reps is not None:
-        if args.reps < 2:
-            p.error(f"--reps must be at least 2 (a median and an interval need repetitions), got {args.reps}")
-        cfg = replace(cfg, reps=args.reps)
-    if args.out is None:  # any change to the full configuration (mode, --only, --workloads, --reps) makes it partial
-        args.out = os.path.join(RESULTS, "latest.json" if cfg == FULL else "partial.json")
+    if not workloads or set(workloads) - set(common.WORKLOADS):
+        p.error(f"--workloads {args.workloads!r}: choose from {', '.join(common.WORKLOADS)}")
+    if args.reps is not None and args.reps < 2:
+        p.error(f"--reps must be at least 2 (a median and an interval need repetitions), got {args.reps}")
+    kinds = {f.name: f.type for f in fields(Config)}
+    settings = dict(item.split("=", 1) for item in args.set.split(",") if item)
+    if set(settings) - {k for k, t in kinds.items() if t == "int"}:
+        p.error(f"--set {args.set!r}: integer settings are {', '.join(k for k, t in kinds.items() if t == 'int')}")
+    return replace(cfg, **({"workloads": workloads} if workloads != common.WORKLOADS else {}),
+                   **({"reps": args.reps} if args.reps is not None else {}), **{k: int(v) for k, v in settings.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.list:
+        return print_listing()
+    if args.replot:
+        return replot(args.replot)
+    cfg = config(p, args)
+    if args.ddp_worker:
+        return ddp_worker(cfg, args.out)
+    # any change to the full configuration (mode, --only, --workloads, --reps, --set) makes the run partial
+    args.out = args.out or os.path.join(harness.RESULTS, "latest.json" if cfg == FULL else "partial.json")
     only = set(args.only.split(","))
-    warnings.filterwarnings("ignore")
-    harness.set_one_thread()
-    t0 = time.perf_counter()
-    load_before = os.getloadavg()
+    harness.setup()
+    t0, load_before = time.perf_counter(), os.getloadavg()
     rows: list[Row] = []
     scaling: list[dict] = []
     timings: dict[str, float] = {}
@@ -596,8 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     if "a" in only:
         rows += timed("a", lambda: case_a(cfg))
     if only & {"b", "e", "f"}:
-        ddp_rows, scaling = timed("b+e(ddp)+f", lambda: case_b_e_f(cfg, rows, with_e="e" in only,
-                                                                    with_f="f" in only))
+        ddp_rows, scaling = timed("b+e(ddp)+f", lambda: case_b_e_f(cfg, rows, with_e="e" in only, with_f="f" in only))
         rows += ddp_rows
     if "d" in only:
         rows += timed("d", lambda: case_d(cfg))
@@ -606,24 +573,16 @@ def main(argv: list[str] | None = None) -> int:
     for key, hook in HOOKS.items():
         if key in only:
             got = timed(key, lambda hook=hook: hook(cfg))
-            if got is None:
-                skipped.append(key)
-            else:
-                rows += got
+            skipped += [key] if got is None else []
+            rows += got or []
     rows.sort(key=lambda r: r.case)
-
     total = time.perf_counter() - t0
     meta = {"mode": "smoke" if args.smoke else "quick" if cfg.quick else "full", "config": asdict(cfg),
             "machine": harness.machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-            "wall_s": total, "case_wall_s": timings, "skipped_hooks": skipped,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            "wall_s": total, "case_wall_s": timings, "skipped_hooks": skipped, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     table = fmt_table(rows)
-    print()
-    print(table)
-    if scaling:
-        print()
-        print(fmt_scaling(scaling))
     goals = [r for r in rows if r.goal is not None]
+    print(f"\n{table}" + (f"\n\n{fmt_scaling(scaling)}" if scaling else ""))
     print(f"\ngoals: {sum(r.met is True for r in goals)} met, {sum(r.met is False for r in goals)} not met, "
           f"{sum(r.met is None for r in goals)} undecided, of {len(goals)}"
           + "".join(f"\n  {'NOT MET' if r.met is False else 'UNDECIDED'}: {r.case} {r.workload}: {r.contender} / "
@@ -631,11 +590,10 @@ def main(argv: list[str] | None = None) -> int:
                     for r in goals if r.met is not True))
     if skipped:
         print(f"cases skipped (quick mode runs c and compile only when named with --only): {', '.join(skipped)}")
-    print(f"mode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> "
-          f"{meta['loadavg_after'][0]:.1f}, {meta['machine']['cpus']} CPUs")
-
-    harness.write_json(args.out, {"meta": meta, "rows": [asdict(r) for r in rows], "scaling": scaling, "table": table,
-                                  "scaling_table": fmt_scaling(scaling) if scaling else ""})
+    print(f"mode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> {meta['loadavg_after'][0]:.1f}, "
+          f"{meta['machine']['cpus']} CPUs")
+    harness.write_result(args.out, {"meta": meta, "rows": [asdict(r) for r in rows], "scaling": scaling, "table": table,
+                                    "scaling_table": fmt_scaling(scaling) if scaling else ""})
     png = os.path.splitext(args.out)[0] + ".png"
     plot(rows, scaling, png, _title(meta))
     print(f"wrote {args.out} and {png}")

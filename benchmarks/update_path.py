@@ -2,14 +2,11 @@
 
     python benchmarks/update_path.py        # prints one path a line, relative to the repository root
 
-Runs ``update()`` (after a warm-up call, so one-time set-up is left out) under a profile hook that
-records the file of every Python function called inside it, on the paths the README's table times:
-``LocalLearner`` and ``FabricLearner`` on one CPU (PPO, DQN, SAC with stages, gradient accumulation),
-FSDP2 on one gloo rank (every layer its own unit) and GRPO on a tiny language model. A file of
-fabric_learner/ that any of them ran is on the update path, and so is ``NOT_RUN``; tests/test_claims.py holds the published
-table to be no older than the last change to any of them.
+Runs ``update()`` (after a warm-up call) under a profile hook recording the file of every Python function called,
+on the paths the README's table times: ``LocalLearner`` and ``FabricLearner`` on one CPU (PPO, DQN, SAC with
+stages, gradient accumulation), FSDP2 on one gloo rank and GRPO on a tiny language model; ``NOT_RUN`` is on the
+path too. tests/test_claims.py holds the published table to be no older than the last change to any of them.
 """
-
 from __future__ import annotations
 
 import functools
