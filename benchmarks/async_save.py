@@ -17,12 +17,9 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 import harness

@@ -6,6 +6,7 @@ same batches, so they do the same work.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -13,6 +14,7 @@ from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
 from torchrl.data import Bounded
+from torchrl.envs import Transform
 from torchrl.modules import MLP, ProbabilisticActor, QValueActor, TanhNormal, ValueOperator
 from torchrl.objectives import ClipPPOLoss, DQNLoss, SACLoss
 
@@ -215,6 +217,19 @@ class HandDDP:
         torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.opt.step()
         self.opt.zero_grad()
+
+
+class SleepPerStep(Transform):
+    """Sleeps ``seconds`` at every step: an environment whose step costs real time (``remote_collection.py``; here,
+    so that its collector processes import it by name)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def _step(self, tensordict, next_tensordict):
+        time.sleep(self.seconds)
+        return next_tensordict
 
 
 def case_a_contenders(name: str) -> dict[str, Callable[[], Any]]:

@@ -12,16 +12,13 @@ loss call, as before per-layer units). Writes ``results/fsdp_capped.json``.
 from __future__ import annotations
 
 import os
-import sys
 
 import harness
 
 KINDS = ("one_process", "fsdp_2_ranks", "fsdp_2_ranks_one_unit")
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def worker(kind: str, width: int, cap_copies: float, updates: int, out: str) -> None:
-    sys.path.insert(0, HERE)
     import functools
     from datetime import timedelta
 

@@ -11,11 +11,7 @@ case c reports both).
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from datetime import timedelta
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 import harness

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 
 import harness
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CONTENDERS = ("learner_fsdp", "hand_fsdp2", "learner_ddp")
 SAC_CONTENDERS = ("learner_fsdp", "learner_fsdp_ensemble_whole", "learner_ddp")
 
@@ -41,7 +39,6 @@ def shard_all_but_ensembles(module, mesh):
 
 
 def worker(kind: str, width: int, out: str, case: str = "ppo") -> None:
-    sys.path.insert(0, HERE)
     import functools
     from datetime import timedelta
 
@@ -145,7 +142,7 @@ def parser():
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     args.width = args.width or (4096 if args.case == "ppo" else 2048)
-    args.out = args.out or os.path.join(HERE, "results",
+    args.out = args.out or os.path.join(harness.RESULTS,
                                         "fsdp_peak.json" if args.case == "ppo" else "fsdp_peak_sac.json")
     if args.worker:
         return worker(args.worker, args.width, args.out, args.case)

@@ -10,13 +10,9 @@ workload and the 21M-parameter actor.
 from __future__ import annotations
 
 import functools
-import os
 import statistics
-import sys
 import time
 from datetime import timedelta
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 import harness

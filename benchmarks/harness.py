@@ -1,17 +1,7 @@
-"""The benchmark harness: what the scripts of benchmarks/ share apart from their workloads, written once.
-
-- command line and results: ``parser`` (every script's, with ``--out``), ``command_line``, ``write_result`` (a
-  result file naming the command that rewrites it), ``write_json``, ``read_json``, ``write_gathered``;
-- process and launches: ``setup``, ``set_one_thread``, ``status_mib``, ``torchrun``, ``run_bounded``,
-  ``scratch_path``, ``launch`` (a script as 1 process or N ranks, its result read back), ``rotated``,
-  ``free_port``;
-- provenance: ``git_head``, ``git_dirty``, ``git_label``, ``package_sha256``, ``provenance``, ``machine``;
-- ``StageClock``; verdicts ``decide`` / ``verdict``; ``table`` (markdown);
-- memory cap: ``cap_address_space``, ``train_under_cap``, ``finish_capped``, ``launch_capped``, ``capped_summary``;
-- interleaving: ``order_for``, ``rotation``, ``interleaved``, ``rotating``, and ``paired_ratio``,
-  ``bootstrap_ci``, ``ratio_of_sums``, ``summed_over_ranks``.
-
-Loading it imports only the standard library, so a worker can load it before it measures its own memory.
+"""The benchmark harness: what the scripts of benchmarks/ share apart from their workloads, written once: their
+parsers and result files (each naming the command that rewrites it), launches of N ranks, rotated launches,
+provenance, a stage clock, verdicts, tables, a memory cap, and contenders taking turns with the intervals read
+from them. Loading it imports only the standard library, so a worker can load it before it measures its memory.
 """
 
 from __future__ import annotations
@@ -45,8 +35,7 @@ RESULTS = os.path.join(HERE, "results")
 
 
 def parser(doc: str | None, out: str | None = None, **kwargs) -> argparse.ArgumentParser:
-    """A script's parser, described by its docstring's first line, with ``--out`` (default ``results/<out>``
-    when ``out`` is given, else no default)."""
+    """A script's parser, described by its docstring's first line, with ``--out`` (default ``results/<out>``)."""
     p = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0], **kwargs)
     p.add_argument("--out", default=os.path.join(RESULTS, out) if out else None, help="the result file")
     return p
@@ -60,8 +49,7 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 
 def write_result(path: str | os.PathLike, data: dict, *, indent: int | None = 1) -> None:
-    """``write_json`` of ``data`` with its ``command`` (``command_line()`` unless it names one): every stored
-    result says what rewrites it."""
+    """``write_json`` of ``data`` with its ``command``: ``command_line()``, unless ``data`` names one."""
     write_json(path, {"command": command_line(), **data}, indent=indent)
 
 
@@ -112,8 +100,7 @@ def setup() -> None:
 
 
 def status_mib(field: str) -> float:
-    """``field`` of /proc/self/status in MiB (``VmRSS``, ``VmHWM`` its peak, ``VmSize``, ``VmPeak``); ``KeyError``
-    when there is no such field."""
+    """``field`` of /proc/self/status in MiB (``VmRSS``, ``VmHWM`` its peak, ``VmSize``, ``VmPeak``)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -139,12 +126,9 @@ def torchrun(nproc: int, *argv: str) -> list[str]:
 
 def run_bounded(cmd: list[str], timeout_s: float, what: str, *, check: bool = True,
                 **extra_env: str) -> subprocess.CompletedProcess:
-    """Runs ``cmd`` from the repository root, finished, its stdout and stderr together in ``stdout``.
-
-    The child gets one thread per process, torchrl's warnings off, this checkout first on its path, no
-    variable of an enclosing launch, and ``extra_env``; its whole process group is killed when it ends.
-    ``RuntimeError`` (with the output's tail) past ``timeout_s`` or, with ``check``, on a non-zero exit.
-    """
+    """Runs ``cmd`` from the repository root (stdout and stderr together in ``stdout``) with one thread per process,
+    torchrl's warnings off, this checkout first on its path, no variable of an enclosing launch, and ``extra_env``;
+    its process group is killed when it ends. ``RuntimeError`` past ``timeout_s`` or, with ``check``, on failure."""
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=path, **extra_env)
     for key in LAUNCH_VARIABLES:
@@ -167,7 +151,7 @@ def run_bounded(cmd: list[str], timeout_s: float, what: str, *, check: bool = Tr
 
 @contextlib.contextmanager
 def scratch_path(name: str = "result.json") -> Iterator[str]:
-    """A path in a fresh temporary folder (a child writes its result there); the folder goes with the block."""
+    """A path in a fresh temporary folder, which goes with the block."""
     folder = tempfile.mkdtemp(prefix="fl_bench_")
     try:
         yield os.path.join(folder, name)
@@ -188,8 +172,8 @@ def launch(argv: Sequence[str], *, ranks: int | None = None, timeout_s: float = 
 
 def rotated(kinds: Sequence[str], repeats: int, run: Callable[[str], dict], show: Callable[[dict], str] = str
             ) -> list[dict]:
-    """``repeats`` rounds of ``run(kind)`` for every kind, each round rotated by one (``rotation``): every run, in
-    order, as ``{"kind", **run(kind)}`` with its ``seconds`` unless it has its own, each printed with ``show``."""
+    """``repeats`` rounds of ``run(kind)`` for every kind, rotated (``rotation``): every run as ``{"kind",
+    **run(kind)}`` with its ``seconds`` unless it has its own, printed with ``show``."""
     runs = []
     for rep in range(repeats):
         for kind in rotation(rep, kinds):
@@ -228,8 +212,7 @@ def git_label(*paths: str) -> str:
 
 
 def package_sha256() -> str:
-    """16 hex digits of a sha256 over every file under fabric_learner/ (``__pycache__`` left out), each with its
-    relative path, in path order: any change to any of them changes it."""
+    """16 hex digits of a sha256 over every file under fabric_learner/ but ``__pycache__``, each with its path."""
     files = []
     for folder, subfolders, names in os.walk(PACKAGE):
         subfolders[:] = [d for d in subfolders if d != "__pycache__"]
@@ -268,15 +251,11 @@ def machine() -> dict[str, Any]:
 
 
 class StageClock:
-    """Time spent in each named stage, summed over the calls it wraps, on each of its timers.
-
-    ``StageClock()`` sums wall seconds in ``seconds`` and process CPU seconds in ``cpu``;
-    ``StageClock(ns=time.thread_time_ns)`` thread CPU nanoseconds in ``ns``: each a dict stage -> sum (reset by
-    assigning a new dict). ``calls[stage]`` lists each wrapped call's duration on the first timer. A stage
-    entered inside another adds its time to its own name too; for ``count_calls`` the calls inside it belong
-    to the outer stage. ``origin`` (the timers at a run's start, set by its caller) starts "setup", which
-    lasts until the first item a wrapped iterator is asked for.
-    """
+    """Time spent in each named stage, summed over the calls it wraps, on each of its timers: by default wall
+    seconds in ``seconds`` and process CPU seconds in ``cpu`` (``StageClock(ns=time.thread_time_ns)``: ``ns``),
+    each a dict stage -> sum; ``calls[stage]`` lists each call's duration on the first timer. A stage inside
+    another counts in both (for ``count_calls``, in the outer). ``origin`` (the timers at a run's start) starts
+    "setup", which lasts until a wrapped iterator's first item."""
 
     def __init__(self, **timers: Callable[[], float]) -> None:
         timers = timers or {"seconds": time.perf_counter, "cpu": time.process_time}
@@ -298,8 +277,8 @@ class StageClock:
         return end[0] - start[0]
 
     def count_calls(self) -> None:
-        """From now on counts Python and C function calls per stage (a profile hook: slow but exact); calls
-        outside every stage count as "setup" until a setup time is recorded, "rest" after."""
+        """Counts Python and C function calls per stage from now on (exact, slow); outside every stage, "setup"
+        until a setup time is recorded, "rest" after."""
         counts = self.python_calls = {}
 
         def hook(frame, event, arg):
@@ -323,8 +302,7 @@ class StageClock:
         return timed
 
     def wrap_iterator(self, stage: str, make_iterator: Callable[[], Iterator]) -> Callable[[], Iterator]:
-        """``make_iterator``, its iterators' every ``next`` timed into ``stage`` (and, with ``origin`` set, the
-        time before the first into "setup")."""
+        """``make_iterator``, its iterators' every ``next`` timed into ``stage``."""
         def timed_iterator():
             it = make_iterator()
             while True:
@@ -347,12 +325,9 @@ class StageClock:
 
 
 def decide(ci: tuple[float, float], goal: float | None, *, at_least: bool = False) -> bool | None:
-    """The one rule for both answers: ``True`` (met) when the whole interval lies within the goal, ``False``
-    (not met) when it lies wholly beyond it, ``None`` (undecided) when it straddles it or there is none.
-
-    The goal is a ceiling unless ``at_least`` makes it a floor: the mirror image, so noise never helps either
-    way. The point estimate is reported beside the verdict and never moves it.
-    """
+    """The one rule: ``True`` (met) when the whole interval lies within the goal, ``False`` when it lies wholly
+    beyond it, ``None`` (undecided) when it straddles it or there is none. The goal is a ceiling, or with
+    ``at_least`` a floor: mirror images, so noise never helps either way; the point estimate never moves it."""
     if goal is None:
         return None
     lo, hi = ci
@@ -372,23 +347,20 @@ def verdict(ci: tuple[float, float], goal: float | None, *, at_least: bool = Fal
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A markdown table of ``rows`` under ``head``, columns padded to their widest cell."""
+    """A markdown table of ``rows`` under ``head``."""
     lines = [list(map(str, head)), *(list(map(str, r)) for r in rows)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
     return "\n".join([out[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *out[1:]])
 
 
-# ---- memory cap ----------------------------------------------------------------------------------
-# A model that does not fit one process under a cap on its address space, trained sharded under the same cap:
-# the worker calls ``cap_address_space`` just before it builds the model, ``train_under_cap`` around building and
-# training, and ``finish_capped`` to report; ``launch_capped`` starts 1 process or N ranks; ``capped_summary``.
+# ---- memory cap: a model one process cannot train under a cap on its address space, trained sharded ----------
 
 
 def cap_address_space(baseline_mib: float, n_params: int, copies: float) -> dict[str, float]:
     """Caps this process's address space (``RLIMIT_AS``) at ``baseline_mib`` (``VmSize`` before the model) plus
-    ``copies`` fp32 copies of ``n_params`` parameters (0: no cap, to calibrate); the figures a result records.
-    Parameters, gradients and Adam's moments are 4 copies: under 4, one process cannot hold its training state."""
+    ``copies`` fp32 copies of ``n_params`` parameters (0: no cap); the figures a result records. Parameters,
+    gradients and Adam's moments are 4 copies: under 4, one process cannot hold its training state."""
     import resource
 
     copy_mib = n_params * 4 / 2**20
@@ -400,8 +372,7 @@ def cap_address_space(baseline_mib: float, n_params: int, copies: float) -> dict
 
 def train_under_cap(result: dict, steps: Iterator[float]) -> None:
     """Runs ``steps`` (builds what it trains, then yields each update's loss); records in ``result`` the updates
-    trained, the last loss, the allocation error the cap caused (or ``None``) and the peaks: address space over
-    ``result["baseline_vmsize_mib"]`` and resident memory."""
+    trained, the last loss, the allocation error (or ``None``) and the peak address space and resident memory."""
     done = 0
     try:
         for loss in steps:
@@ -423,9 +394,8 @@ def train_under_cap(result: dict, steps: Iterator[float]) -> None:
 
 
 def finish_capped(path: str, result: dict) -> None:
-    """Writes this rank's ``result`` to ``PATH.rankN`` (no collective: a rank whose peer died still reports). A
-    rank that failed then exits (status 3) after a moment for a peer to write its own, so that torchrun stops
-    the ranks left waiting for it in a collective."""
+    """Writes this rank's ``result`` to ``PATH.rankN`` (no collective); a rank that failed then exits (status 3),
+    after a moment for a peer to write, so that torchrun stops the ranks left waiting for it."""
     write_json(f"{path}.rank{int(os.environ.get('RANK', 0))}", result, indent=None)
     if result["error"] is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         sys.stdout.flush()
@@ -435,9 +405,8 @@ def finish_capped(path: str, result: dict) -> None:
 
 def launch_capped(kind: str, argv: list[str], ranks: int, timeout_s: float = 600, **extra_env: str) -> dict:
     """Runs ``argv`` (``--out PATH`` appended) as 1 process or ``ranks`` under torchrun, each reporting through
-    ``finish_capped``; never raises for the worker's failure (ranks that wrote nothing are missing, the output's
-    tail is kept). ``MALLOC_ARENA_MAX=1``: glibc otherwise reserves 64 MiB of address space per allocating
-    thread (gloo's too), which counts against ``RLIMIT_AS`` unused."""
+    ``finish_capped``; never raises for the worker's failure. ``MALLOC_ARENA_MAX=1``: glibc otherwise reserves
+    64 MiB of address space per allocating thread, which counts against ``RLIMIT_AS`` unused."""
     with scratch_path() as out:
         cmd = [*argv, "--out", out]
         cmd = [sys.executable, *cmd] if ranks == 1 else torchrun(ranks, *cmd)
@@ -449,8 +418,7 @@ def launch_capped(kind: str, argv: list[str], ranks: int, timeout_s: float = 600
 
 
 def capped_summary(runs: list[dict], updates: int) -> dict[str, bool]:
-    """Prints each launch's ranks and returns by kind whether every rank reported, having trained all ``updates``
-    without an error."""
+    """Prints each launch's ranks; by kind, whether every rank trained all ``updates`` without an error."""
     for r in runs:
         for x in r["ranks"]:
             print(f"{r['kind']:21s} rank {x['rank']}: {x.get('n_params', 0) / 1e6:.1f}M params, cap "
@@ -467,9 +435,8 @@ def capped_summary(runs: list[dict], updates: int) -> dict[str, bool]:
 
 
 def order_for(rep: int, names: Sequence[str]) -> list[str]:
-    """A random order of ``names`` for repetition ``rep``, the same on every rank and run. Shuffled, not rotated:
-    in a rotation each contender nearly always follows the same one, whose traces in the caches bias it (an A/A
-    pair measured 0.99 rotated, 1.00 shuffled)."""
+    """A random order of ``names`` for repetition ``rep``, the same on every rank and run (not rotated: a contender
+    that always follows the same one is biased by its traces in the caches; an A/A pair measured 0.99 rotated)."""
     return random.Random(rep).sample(list(names), len(names))
 
 
@@ -482,14 +449,10 @@ def rotation(rep: int, names: Sequence[str]) -> list[str]:
 def interleaved(contenders: dict[str, Callable[[int], None]], *, reps: int, inner: int, warmup: int,
                 sync: Callable[[], None] | None = None, cpu: dict[str, list[float]] | None = None
                 ) -> dict[str, list[float]]:
-    """Per-call wall seconds of each contender, ``reps`` samples each.
-
-    ``contenders[name](i)`` does the i-th unit of work. Each repetition runs every contender once, ``inner``
-    calls timed together, in ``order_for``'s order; ``sync`` (a barrier) runs before and after each block; a
-    ``cpu`` dict receives the same samples in process CPU seconds. The garbage collector runs between
-    repetitions, never inside one, with what the warm-up left alive frozen out of its scans (``gc.freeze``), so
-    many short paired blocks are affordable (a contender is not charged for the collections it causes).
-    """
+    """Per-call wall seconds of each contender (``contenders[name](i)`` does the i-th unit of work), ``reps``
+    samples each: every repetition runs each once, ``inner`` calls timed together, in ``order_for``'s order,
+    ``sync`` (a barrier) around each block; ``cpu`` receives the same in process CPU seconds. The garbage collector
+    runs between repetitions, never inside one, the warm-up's objects frozen out of its scans."""
     names = list(contenders)
     for name in names:
         for i in range(warmup):
@@ -530,13 +493,9 @@ INSTANCES = 5  # copies of each contender, taking turns (``rotating``); coprime 
 
 
 def rotating(build: Callable[[], Any], batches: Sequence[Any], instances: int = INSTANCES) -> Callable[[int], None]:
-    """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``.
-
-    Two identical contenders can differ by 1-3% for their whole life (LocalLearner's copies measured 1.003,
-    1.014 and 1.032 of the hand loop in one run), which more repetitions of one copy do not average away;
-    several copies taking turns do, and ``bootstrap_ci(..., copies=...)`` counts them. With ``inner=1`` and a
-    warm-up that is a multiple of ``instances``, repetition ``r`` is copy ``r % instances``.
-    """
+    """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``. Two
+    identical contenders can differ by 1-3% for their whole life; copies taking turns average that away, and
+    ``bootstrap_ci(..., copies=...)`` counts them (with ``inner=1``, repetition ``r`` is copy ``r % instances``)."""
     updates = [build().update for _ in range(instances)]
     k = len(batches)
     return lambda i: updates[i % instances](batches[i % k])
@@ -553,8 +512,8 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
 
 def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: int = 0,
                  copies: int = 1) -> tuple[float, float]:
-    """95% bootstrap interval of ``paired_ratio``. With ``copies`` > 1 (sample ``r`` from copy ``r % copies``,
-    ``rotating``) it resamples copies, then repetitions within each, so it holds the copy-to-copy spread too."""
+    """95% bootstrap interval of ``paired_ratio``; with ``copies`` (``rotating``) it resamples copies, then
+    repetitions within each, so it holds the copy-to-copy spread too."""
     rng = random.Random(seed)
     ratios = [a / b for a, b in zip(num, den, strict=True)]
     groups = [group for group in (ratios[c::copies] for c in range(copies)) if group]
@@ -570,9 +529,8 @@ def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed
 
 def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000,
                   seed: int = 0) -> tuple[float, tuple[float, float]]:
-    """sum(num) / sum(den) over every repetition's paired segments, and its 95% bootstrap interval, resampling
-    repetitions and then segments in pairs within each (a run keeps its relative speed for its whole life, so
-    the interval must see how many runs it rests on)."""
+    """sum(num) / sum(den) over every repetition's paired segments, and its 95% bootstrap interval (repetitions,
+    then segments in pairs within each: a run keeps its relative speed for its whole life)."""
     import numpy
 
     rng = numpy.random.default_rng(seed)

@@ -30,10 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("RL_WARNINGS", "False")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
-import harness  # noqa: E402
+import harness
 
 HELPER = r"""
 #include <valgrind/callgrind.h>

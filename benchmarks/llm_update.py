@@ -28,7 +28,6 @@ import time
 import harness
 from common import grpo_loss, grpo_params
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LR, CLIP, ACCUM = 1e-5, 1.0, 2
 CONTENDERS = ("learner", "hand")
 CAPPED_KINDS = ("one_process", "learner", "hand")

@@ -25,7 +25,6 @@ import time
 
 import harness
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LR, CLIP = 1e-5, 1.0
 CONTENDERS = ("one_process", "fsdp4", "mesh")
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # glibc returns freed tensors of 1 MiB and more (docs/fsdp.md)

@@ -21,12 +21,10 @@ import collections
 import cProfile
 import os
 import pstats
-import sys
 import time
 
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("RL_WARNINGS", "False")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 import harness

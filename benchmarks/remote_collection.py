@@ -2,8 +2,8 @@
 
     python benchmarks/remote_collection.py [--repeats 3] [--batches 30] [--step-ms 2] [--out ...]
 
-CartPole-v1 whose every step also sleeps ``--step-ms`` ms (``remote_collection_env.py``: a step that costs real
-time, as a simulator's); one ``LocalLearner`` (DQN, 64-unit Q-network, one update per batch, so learning never
+CartPole-v1 whose every step also sleeps ``--step-ms`` ms (``common.SleepPerStep``: a step that costs real time,
+as a simulator's); one ``LocalLearner`` (DQN, 64-unit Q-network, one update per batch, so learning never
 limits collection). Contenders, rotated within each repeat, each a fresh process: ``in-process`` (torchrl's
 ``Collector`` in the learner's process, the synchronous Trainer loop) and ``remote-M`` (``RemoteCollectors(
 local=True)``: M ``fabric_learner.collect`` processes, asynchronous collection). 64 frames a batch, ``--batches``
@@ -25,7 +25,7 @@ FRAMES_PER_BATCH = 64
 
 def make_env(step_ms: float):
     """CartPole-v1 whose steps sleep ``step_ms`` milliseconds each (importable by the collectors)."""
-    from remote_collection_env import SleepPerStep
+    from common import SleepPerStep
     from torchrl.envs import GymEnv, StepCounter, TransformedEnv
 
     return TransformedEnv(GymEnv("CartPole-v1"), SleepPerStep(step_ms / 1000)).append_transform(StepCounter(500))

@@ -28,7 +28,6 @@ from typing import Any, Callable
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: one thread, here and in every rank
 os.environ.setdefault("RL_WARNINGS", "False")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 import common  # noqa: E402
 import harness  # noqa: E402
