@@ -85,6 +85,15 @@ def announce(text: str) -> None:
         pass
 
 
+def announced(rank: int) -> str | None:
+    """What ``rank`` last announced, ``None`` when nothing or when the store cannot be read; never raises."""
+    try:
+        store = _store()
+        return None if store is None else _read(store, f"{_PREFIX}last/{rank}")
+    except Exception:  # noqa: BLE001 - read on the way out of a failing process
+        return None
+
+
 def peer_announcements() -> str:
     """What every other rank last announced, in words (for an error message); never raises."""
     try:
@@ -96,18 +105,51 @@ def peer_announcements() -> str:
         for peer in range(world):
             if peer != rank:
                 said = _read(store, f"{_PREFIX}last/{peer}")
-                parts.append(f"rank {peer} is {_present(said)}" if said else
-                             f"rank {peer} has announced no collective call of the learner")
+                parts.append(f"rank {peer} {_present(said)}")
         return "; ".join(parts)
     except Exception as err:  # noqa: BLE001 - the store lives on rank 0, which may have ended
         return f"the other ranks' announcements could not be read ({type(err).__name__}: {err})"
 
 
-def _present(said: str) -> str:
+def wait_for_peers_to_end(timeout: timedelta) -> str | None:
+    """Wait until every other rank has announced that it ended (closed its learner); then ``None``.
+
+    Returns at once, in words, what makes waiting pointless: a rank that announced a failure, or the store
+    gone (rank 0 hosts it); after ``timeout``, the ranks that have not ended and what they last announced.
+    """
+    try:
+        store = _store()
+        if store is None:
+            return None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        pending = [peer for peer in range(world) if peer != rank]
+        deadline = time.monotonic() + timeout.total_seconds()
+        pause = 0.0005
+        while pending:
+            for peer in list(pending):
+                said = _read(store, f"{_PREFIX}last/{peer}")
+                if said is not None and said.startswith("failed"):
+                    return f"rank {peer} {_present(said)}"
+                if said is not None and said.startswith("ended"):
+                    pending.remove(peer)
+            if pending and time.monotonic() > deadline:
+                return ", ".join(f"rank {p} {_present(_read(store, f'{_PREFIX}last/{p}'))}" for p in pending) + \
+                    f" and did not close its learner within {timeout}"
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL)
+        return None
+    except Exception as err:  # noqa: BLE001 - the store lives on rank 0, which may have ended
+        return f"the group's store, hosted by rank 0, is gone ({type(err).__name__}: {err}): rank 0 has ended"
+
+
+def _present(said: str | None) -> str:
+    """A rank's last announcement as the predicate of "rank N ...": "is in save() ...", "has failed (...)"."""
+    if said is None:
+        return "has announced no collective call of the learner"
     if said.startswith("in "):
-        return said
+        return f"is {said}"
     if said.startswith("left "):
-        return f"past its last collective call ({said})"
+        return f"is past its last collective call ({said})"
     return f"has {said}"  # "ended (...)", "failed (...)"
 
 
@@ -170,8 +212,7 @@ def _agree(store, name: str, seq: int, rank: int, world_size: int, timeout: time
                 return
             if time.monotonic() > deadline:
                 store.set(f"{_PREFIX}call/{seq}/{rank}", f"!{name}")  # a late peer then learns it at once
-                waited = ", ".join(f"rank {p} ({_present(_read(store, f'{_PREFIX}last/{p}') or 'silent')})"
-                                   for p in pending)
+                waited = ", ".join(f"rank {p} ({_present(_read(store, f'{_PREFIX}last/{p}'))})" for p in pending)
                 note_failure(f"failed (gave up waiting in {name}())")
                 raise CallOrderError(
                     f"Rank {rank}: {label} waited {time.monotonic() - start:.0f} s (the process-group timeout "

@@ -8,12 +8,15 @@ interpreter finalization, the worker is unwound off ``take_gil`` inside a noexce
 the GIL while destroying the last process-group reference (DDP's ``Reducer``, freed when the
 wrapped module dies), ``~ProcessGroupGloo`` joins a worker that waits for that GIL: a hang.
 
-So teardown (``close()``, or the exit hook for scripts that simply return) runs: a monitored
-barrier (all ranks done, or an error naming the missing rank), release of DDP's references to
-the group, a drain that sleeps with the GIL released until every gloo worker is parked, then
-``destroy_process_group()``. A rank that dies of an uncaught exception exits at once with
-status 1 after printing its traceback (and kills the ranks it launched), so peers see the
-closed connection and fail fast instead of waiting for the group timeout. Under plain ``python``,
+So teardown (``close()``, or the exit hook for scripts that simply return) runs: a wait on the
+group's store until every rank has closed (a rank that announced its failure, or the store gone
+with rank 0, ends it at once with an error naming it), a monitored barrier, release of DDP's
+references to the group, a drain that sleeps with the GIL released until every gloo worker is
+parked, then ``destroy_process_group()``. A rank that closes while it raises (``finally:
+learner.close()``) waits for nobody: its peers may be in a collective waiting for it. A rank
+that dies of an uncaught exception exits at once with status 1 after printing its traceback
+(and kills the ranks it launched, giving one that announced its own failure a moment to end by
+itself), so peers see the closed connection and fail fast instead of waiting for the group timeout. Under plain ``python``,
 rank 0 ends the run with status 1 naming a rank it launched that failed, also when it learns of
 it through Lightning's watch over its children (``_take_over_child_observer``).
 """
@@ -85,11 +88,34 @@ def close(learner) -> None:
 
 
 def teardown_group() -> None:
+    """End the group with every rank; a failing rank, or one whose peer failed, waits for nobody.
+
+    A rank that closes while it raises (``close()`` in a ``finally`` or ``except`` block) announces its
+    failure and leaves the group to its exit: its peers may be waiting in a collective for it, and learn its
+    end from the closed connection, or, in their own ``close()``, from the announcement. Otherwise the rank
+    waits, on the store, until every peer has closed too; a peer that announced a failure, or the store gone
+    with rank 0, ends the wait at once with a ``RuntimeError`` naming it.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    raising = sys.exc_info()[1]
+    if raising is not None:
+        _call_order.announce_failure(type(raising).__name__)
+        gc.collect()
+        drain_gloo_workers()  # parked, so the process can end (the exit hook, os._exit) without an abort
+        return
     _call_order.announce("ended (closed its learner)")  # a peer still calling a collective fails at once
+    rank = dist.get_rank()
+    unreachable = _call_order.wait_for_peers_to_end(DEFAULT_TIMEOUT)
+    if unreachable is not None:
+        drain_gloo_workers()
+        _call_order.note_failure("failed (in close(): a peer could not close with it)")
+        raise RuntimeError(
+            f"Rank {rank}: close() could not end the process group with every rank: {unreachable}. This rank's "
+            "learner is closed; it did not wait for the others. See that rank's output for its own error."
+        )
     if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=DEFAULT_TIMEOUT, wait_all_ranks=True)
+        dist.monitored_barrier(timeout=DEFAULT_TIMEOUT, wait_all_ranks=True)  # every rank has ended: at once
     else:
         dist.barrier()
     gc.collect()
@@ -180,13 +206,7 @@ def _die(code: int) -> None:
     if not _dying.acquire(blocking=False):  # another thread is already ending this process
         while True:
             time.sleep(1.0)
-    for rank, proc in enumerate(_launched_children(), start=1):
-        status = proc.poll()
-        if status is None:
-            proc.kill()
-            say(f"fabric_learner: rank {rank} was still running and was killed")
-        elif status != 0:
-            say(f"fabric_learner: rank {rank} exited with status {status}")
+    _end_children(_launched_children(), _call_order.announced)
     try:
         _compat.release_semaphores()  # else the resource tracker reports them leaked (and unlinks them)
     except Exception:  # noqa: BLE001 - a courtesy on the way out, never a reason not to exit
@@ -194,6 +214,28 @@ def _die(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+#: how long a launching rank that is ending waits for a rank it started that announced its own failure (it is
+#: exiting by itself) before it kills it
+FAILING_CHILD_GRACE_S = 5.0
+
+
+def _end_children(children, announced) -> None:
+    """Kill the ranks started here that still run, naming each; one that announced its failure (``announced(rank)``,
+    its last announcement) is exiting by itself: it gets ``FAILING_CHILD_GRACE_S`` to end, then its status is named."""
+    for rank, proc in enumerate(children, start=1):
+        status = proc.poll()
+        if status is None and (announced(rank) or "").startswith("failed"):
+            try:
+                status = proc.wait(timeout=FAILING_CHILD_GRACE_S)
+            except Exception:  # noqa: BLE001 - still running: killed below
+                status = None
+        if status is None:
+            proc.kill()
+            say(f"fabric_learner: rank {rank} was still running and was killed")
+        elif status != 0:
+            say(f"fabric_learner: rank {rank} exited with status {status}")
 
 
 def _release_ddp(module) -> None:

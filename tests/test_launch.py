@@ -144,3 +144,28 @@ def test_a_failing_rank_ends_every_process_promptly(failing_runs, mode, fail_ran
     else:  # the launcher's failure summary: every rank's status, the failing one's 1, none 0
         codes = elastic_exit_codes(proc.stdout)
         assert codes.keys() == {0, 1} and codes[fail_rank] == 1 and codes[1 - fail_rank] != 0, (codes, proc.stdout[-3000:])
+
+
+def test_a_rank_ending_the_run_lets_a_rank_it_started_that_announced_its_failure_exit_and_kills_the_others(capfd):
+    """A failed launch said ``rank 1 failed (ValueError); exiting`` and then ``rank 1 was still running and was
+    killed``: rank 0 killed a rank on its way out by itself. Such a rank is now named by its exit status."""
+    import subprocess
+    import sys
+
+    from fabric_learner._teardown import _end_children
+
+    # rank 1 exits with 1 once its standard input closes (as a failing rank ends after its traceback); rank 2 waits
+    exiting = subprocess.Popen([sys.executable, "-c", "import os, sys, time; sys.stdin.read(); time.sleep(0.3); "
+                                "os._exit(1)"], stdin=subprocess.PIPE)
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        exiting.stdin.close()
+        _end_children([exiting, waiting], {1: "failed (ValueError)", 2: "in update() (collective call 3)"}.get)
+    finally:
+        for proc in (exiting, waiting):
+            proc.kill()
+            proc.wait()
+    said = capfd.readouterr().err
+    assert "fabric_learner: rank 1 exited with status 1" in said and "rank 1 was still running" not in said, said
+    assert "fabric_learner: rank 2 was still running and was killed" in said, said
+    assert exiting.returncode == 1 and waiting.returncode == -9

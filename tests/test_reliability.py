@@ -294,6 +294,9 @@ def test_a_rank_out_of_step_fails_its_peers_instead_of_hanging(out_of_step_runs,
         in proc.stdout, proc.stdout[-4000:]
     if scenario == "busy":
         assert "it timed out waiting for them" in proc.stdout and f"(0:00:{seconds:02d})" in proc.stdout
+    if scenario == "returns":  # what rank 1 last announced, as one phrase ("Rank 1 is has ended" before)
+        assert re.search(r"Rank 1 (has ended \(closed its learner\)|has announced no collective call of the learner)\. "
+                         r"Another rank", proc.stdout), proc.stdout[-4000:]
     if launcher == "python":  # rank 0 names each rank it started that exited non-zero or that it killed
         assert re.search(r"fabric_learner: rank 1 (exited with status -?[1-9]|was still running and was killed)",
                          proc.stdout), proc.stdout[-4000:]

@@ -11,7 +11,7 @@ Usage: torchrun --max-restarts=1 ... remote_checks.py OUT_DIR faults PORT
            starts a new collector for rank 1; rank 1 stops the run once it has 3 batches from the new one
        (2 ranks forked by tests/zygote.py) remote_checks.py OUT_DIR wrongport PORT
            2 DDP ranks, timeout_s=12: the test starts a collector for rank 0 and rank 1's at another port; the run
-           ends
+           ends (the program closes its learner in ``finally``, as docs/remote.md's does)
 
 The collectors are started by the test (one command each, as on other hosts); this program only builds
 the learner, ``RemoteCollectors`` and the Trainer. Each rank appends its progress to OUT_DIR/progress_rank{r}
@@ -123,6 +123,8 @@ def main(out_dir: str, mode: str, port: str) -> None:
                     json.dump({"remote": remote["c"].stats(), "batches": progress.batches}, f)
                 os.kill(os.getpid(), signal.SIGKILL)
         trainer.register_op("post_steps", die_once_restarted_and_saved)
+    if mode == "wrongport":
+        return train_closing_in_finally(trainer, learner)
     trainer.train()
     ckpt = learner.checkpoint()
     torch.save({"params": {k: v.detach().clone() for k, v in ckpt["model"].items()}, "num_updates": learner.num_updates,
@@ -130,6 +132,14 @@ def main(out_dir: str, mode: str, port: str) -> None:
                 "hook_frames": admissions.frames, "hook_max_lag": admissions.max_lag, "rb_len": len(rb),
                 "attempt": ATTEMPT}, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     learner.close()
+
+
+def train_closing_in_finally(trainer, learner) -> None:
+    """docs/remote.md's program: the learner closed in ``finally``, so also while the run's error propagates."""
+    try:
+        trainer.train()
+    finally:
+        learner.close()
 
 
 if __name__ == "__main__":
