@@ -306,6 +306,8 @@ def run_wrong_port(tmp_path):
 
 
 def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_address(wrong_port):
+    """The program closes its learner in ``finally``: the rank that raises waits in close() for no peer (it waited
+    there for a peer that was in a collective waiting for it, and the run hung past the launch's bound)."""
     proc, port, wrong, code = (wrong_port[k] for k in ("proc", "port", "wrong", "code"))
     out, address = proc.stdout, f"127.0.0.1:{port}"
     assert proc.returncode == 1 and proc.leftovers == 0, out[-6000:]
@@ -343,6 +345,27 @@ def test_a_collector_waits_for_its_build_however_long_the_learner_rank_s_driver_
     finally:
         collectors.kill_all()
     assert "collector 1 of 1" in collectors.log(0) and directory.count("rank0", "e0", "join") == 1, collectors.log(0)
+
+
+def test_the_port_a_driver_publishes_for_its_group_is_already_held_by_the_group_s_store(monkeypatch):
+    """A driver used to pick a free port and bind it only later (torchrl's init_process_group): another process took
+    it in between once (EADDRINUSE, a restart spent). Now the store binds first; the group joins it as a client."""
+    import errno
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from fabric_learner.remote.driver import _group_store
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # set by _group_store: restored after
+    store, port = _group_store("127.0.0.1")
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("", port))
+    assert taken.value.errno == errno.EADDRINUSE
+    TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30)).set("collector", "joined")
+    assert store.get("collector") == b"joined"
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # torch's tcp:// rendezvous joins it, binds nothing
 
 
 def test_status_lines_reach_stderr_in_one_write_so_ranks_sharing_a_pipe_never_split_them(monkeypatch):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -63,10 +62,21 @@ class SeededEnv:
         return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _group_store(host: str):
+    """``(store, port)``: the TCP store of this build's group, served here on a port the system picks as it binds.
+
+    A port found free and bound later could be taken in between (``EADDRINUSE``: the build failed, a restart
+    spent). torchrl's ``init_process_group`` in this process then joins the store as a client, as torchrun's
+    ranks join their agent's (``TORCHELASTIC_USE_AGENT_STORE``); the collectors join it at ``port``. Keep
+    the store for as long as the group lives.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # read by torch's tcp:// rendezvous only
+    return store, store.port
 
 
 def _wait_for_joins(directory, spec: DriverSpec, epoch: int, parent_alive) -> int:
@@ -117,7 +127,7 @@ def run(spec: DriverSpec, epoch: int, batches, weights, stop) -> None:
     nodes = _wait_for_joins(directory, spec, epoch, parent_alive)
     if not nodes:
         os._exit(0)  # told to stop while waiting
-    port = _free_port()
+    store, port = _group_store(spec.host)  # store: the group's rendezvous server, kept for the process's life
     directory.store.set(directory.key(f"rank{spec.rank}", f"e{epoch}", "group"), f"{spec.host} {port} {nodes}")
     fault_key = (f"rank{spec.rank}", f"e{epoch}", "fault")
 
