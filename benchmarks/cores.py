@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             bound = min(bounds[part], left)
             report[part] = (async_save(args.reps, bound) if part == "async_save" else
                             remote_learner(bound) if part == "remote_learner" else suite(bound))
-        report[part]["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        report[part].update(command=report["command"], when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         report[part]["part_seconds"] = round(time.perf_counter() - start, 1)
         harness.write_json(args.report, report)
         print(f"{part}: {json.dumps({k: v for k, v in report[part].items() if k != 'tail'})}")

@@ -483,7 +483,7 @@ def listing() -> dict[str, dict]:
                if os.path.basename(p) not in ("harness.py", "common.py")}
     for path in sorted(glob.glob(os.path.join(harness.RESULTS, "**", "*.json"), recursive=True)):
         relative = os.path.relpath(path, HERE)
-        if "partial" in relative.split(os.sep):  # a stopped learning run's checkpoint, not a result
+        if "partial" in relative.split(os.sep) or relative.startswith("results/partial."):  # not stored (ignored)
             continue
         data = harness.read_json(path)
         command = data.get("command") if isinstance(data, dict) else None

@@ -18,9 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
 SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(BENCH, "*.py")))
-RESULTS = sorted(os.path.relpath(p, BENCH) for p in glob.glob(os.path.join(BENCH, "results", "**", "*.json"),
-                                                                recursive=True)
-                 if "partial" not in os.path.relpath(p, BENCH).split(os.sep))  # a stopped run's checkpoint
+# the stored results: not a stopped learning run's checkpoint (learning/partial/), nor results/partial.* (ignored)
+RESULTS = sorted(path for path in (os.path.relpath(p, BENCH) for p in glob.glob(
+    os.path.join(BENCH, "results", "**", "*.json"), recursive=True))
+    if "partial" not in path.split(os.sep) and not path.startswith("results/partial."))
 
 
 class _Parsed(Exception):
@@ -59,11 +60,14 @@ def test_every_stored_result_names_the_command_that_rewrites_it_and_its_script_p
             namespace = parsed(os.path.basename(script), args, monkeypatch)
         except SystemExit:
             pytest.fail(f"{result}: {script} no longer parses {args}")
+        # where it writes, named from the repository root, is this file (a report written elsewhere, such as the
+        # GPU machine's, names where it ran and was copied in from)
         written = getattr(namespace, "out", None) or getattr(namespace, "report", None)
-        if written is not None:  # a command naming where it writes names this file
+        if written is not None and not os.path.isabs(written):
             assert os.path.abspath(os.path.join(ROOT, written)) == os.path.join(BENCH, result), (command, result)
-        if getattr(namespace, "out_dir", None) is not None:
-            assert os.path.abspath(os.path.join(ROOT, namespace.out_dir)) == os.path.dirname(os.path.join(BENCH, result))
+        folder = getattr(namespace, "out_dir", None)
+        if folder is not None and not os.path.isabs(folder):
+            assert os.path.abspath(os.path.join(ROOT, folder)) == os.path.dirname(os.path.join(BENCH, result))
 
 
 def test_a_command_with_an_argument_its_script_does_not_take_fails_to_parse(monkeypatch):
