@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NestedKey, TensorDict, TensorDictBase
 from torch import nn
 
 from fabric_learner import _rng
@@ -212,6 +212,52 @@ class Learner(nn.Module):
         with self._sync_context(False):
             result = self._micro_step(batch, samples)
         return result
+
+    def update_minibatches(self, batch: TensorDictBase, minibatch_size: int, *, epochs: int = 1, shuffle: bool = True,
+                           seed: int | None = None, normalize_advantage: bool | NestedKey = False) -> TensorDictBase:
+        """Many updates in one call: ``epochs`` passes over ``batch`` in minibatches of ``minibatch_size``, one
+        :meth:`update` each (PPO's epochs; ``shuffle=False, epochs=1``: K off-policy steps on K sampled batches).
+
+        Each epoch partitions the batch anew without replacement (``onpolicy.partition_indices``, from a
+        generator seeded ``seed + global_rank``, or torch's global one), the last ``n % minibatch_size``
+        samples of the permutation left out; ``shuffle=False`` takes the rows in order. On several ranks
+        every rank passes its own batch and takes the same number of minibatches (the smallest), and
+        ``normalize_advantage`` standardises each minibatch's advantage over every rank's minibatch. What
+        the loss writes into a minibatch (``td_error``) lands in ``batch`` at its rows. Each minibatch is one
+        optimizer step, in ``grad_accum_steps`` equal micro-batches (its loss entries their mean). A
+        ``RemoteLearner`` runs the whole loop on its ranks in one call.
+
+        Args:
+            batch (TensorDictBase): one-dimensional (``batch.reshape(-1)`` for ``[envs, time]``).
+            minibatch_size (int): samples per update.
+
+        Keyword Args:
+            epochs (int): passes over the batch (default 1).
+            shuffle (bool): a fresh partition each epoch (default) or the rows in order.
+            seed (int, optional): the partitions' generator seed (per rank: ``seed + global_rank``).
+            normalize_advantage (bool or NestedKey): standardise this entry (``True``: ``"advantage"``) per
+                minibatch, over all ranks; build the loss with ``normalize_advantage=False``.
+
+        Returns:
+            Every update's output stacked, ``[epochs * minibatches]``.
+
+        Raises:
+            ValueError, TypeError, KeyError: a bad argument, before any update.
+
+        Examples:
+        >>> import torch
+        >>> from fabric_learner import LocalLearner
+        >>> from fabric_learner.testing import dqn_example
+        >>> loss, net, batch = dqn_example()  # 8 transitions
+        >>> learner = LocalLearner(loss, lambda params: torch.optim.SGD(params, lr=0.1), policy=net)
+        >>> out = learner.update_minibatches(batch, 4, epochs=3, seed=0)
+        >>> out["loss"].shape, learner.num_updates, batch["td_error"].shape
+        (torch.Size([6]), 6, torch.Size([8, 1]))
+        """
+        from fabric_learner import _minibatches
+
+        return _minibatches.run(self, batch, minibatch_size, epochs=epochs, shuffle=shuffle, seed=seed,
+                                normalize_advantage=normalize_advantage)
 
     def _micro_step(self, batch: TensorDictBase, samples: int) -> TensorDictBase:
         """Forward and backward of one micro-batch; returns its output, detached."""

@@ -449,6 +449,166 @@ def test_full_parameters_fills_the_loss_here_with_the_group_weights_and_sends_a_
     assert fsdp.broken is None
 
 
+# ---- the loss here follows the group: a hand-written loop swaps LocalLearner for RemoteLearner ---------------
+
+
+def ppo_rollout(actor, critic, seed, steps=16):
+    """A fixed synthetic env run with ``actor`` in this process, GAE read from ``critic`` here (no hooks, no publishing)."""
+    from torchrl.objectives.value import GAE
+
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(steps + 1, rl_cases.OBS, generator=g)
+    batch = TensorDict(observation=obs[:-1], batch_size=[steps])
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        actor(batch)  # samples the action and its log-prob
+    done = (torch.arange(steps) % 8 == 7).unsqueeze(-1)
+    batch["next"] = TensorDict(observation=obs[1:], reward=-(batch["action"] - 0.3).pow(2).sum(-1, keepdim=True),
+                               done=done, terminated=done, batch_size=[steps])
+    with torch.no_grad():
+        GAE(gamma=0.9, lmbda=0.9, value_network=critic)(batch)
+    return batch
+
+
+def test_a_hand_written_ppo_loop_with_gae_here_trains_as_on_a_local_learner(fsdp):
+    """The collector's actor and GAE's critic are the loss's own modules in this process: they hold the group's
+    weights whenever they run (fetched on their first forward after an update), as on LocalLearner, where they are
+    the trained modules; nothing is fetched for a module that does not run."""
+    import copy
+
+    local = LocalLearner(make_loss("ppo")[0], SGD, grad_accum_steps=2)
+    local.load_checkpoint(fsdp.checkpoint())
+    here, theirs = fsdp.loss_module, local.loss_module
+    follower = fsdp._follower
+    for iteration in range(3):
+        mine = ppo_rollout(here.actor_network, here.critic_network, seed=900 + iteration)
+        want = ppo_rollout(theirs.actor_network, theirs.critic_network, seed=900 + iteration)
+        assert_close_state(flat_params(here), flat_params(theirs))  # actor and critic, as the collection ran them
+        assert_close_state(dict(mine.items(True, True)), dict(want.items(True, True)))
+        for a, b in zip(mine.split(8), want.split(8)):  # two micro-batches per optimizer step
+            got, expected = fsdp.update(a), local.update(b)
+            torch.testing.assert_close(got["loss_objective"], expected["loss_objective"], **TOL)
+    assert_close_state(rank_models(fsdp)[0], theirs.state_dict())
+    pulls, fetched = follower.pulls, follower.pulled_bytes
+    fsdp.update(make_batch("ppo", n=16, seed=950))
+    fsdp.update(make_batch("ppo", n=16, seed=951))
+    assert (follower.pulls, follower.pulled_bytes) == (pulls, fetched)  # nothing runs here: nothing moves
+    with torch.no_grad():
+        here.actor_network(make_batch("ppo", n=4))
+        here.actor_network(make_batch("ppo", n=4))  # once per update, only the module that runs
+    actor_bytes = sum(p.numel() * p.element_size() for p in here.actor_network.parameters())
+    assert (follower.pulls, follower.pulled_bytes) == (pulls + 1, fetched + actor_bytes)
+    with pytest.warns(RuntimeWarning, match="copied from the RemoteLearner's loss"):
+        copy.deepcopy(here.actor_network)(make_batch("ppo", n=4))
+    # a buffer written here while the parameters are behind the group: refused, nothing sent
+    fsdp.update(make_batch("ppo", n=16, seed=952))
+    here.entropy_coeff.fill_(0.5)
+    with pytest.raises(RuntimeError, match="earlier update.*Nothing was sent"):
+        fsdp.update(make_batch("ppo", n=16, seed=953))
+    with fsdp.full_parameters():
+        assert here.entropy_coeff.item() == pytest.approx(0.01)  # the group's value came back
+    fsdp.update(make_batch("ppo", n=16, seed=953))  # still usable (and its accumulation window complete)
+    assert fsdp.broken is None
+
+
+def test_a_hand_written_dqn_loop_with_a_replay_buffer_and_soft_updates_trains_as_on_a_local_learner(ddp):
+    """The policy acts here, the prioritized buffer and SoftUpdate live here: td_error comes back for the
+    priorities, the target network moved here reaches the ranks, and the loss here follows after each update."""
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+    from torchrl.objectives import SoftUpdate
+
+    from fabric_learner import TorchPrioritizedSampler
+
+    local = local_dqn()
+    local.load_checkpoint(ddp.checkpoint())
+    with ddp.full_parameters():  # the updater copies the online network: built on current weights
+        updater = SoftUpdate(ddp.loss_module, eps=0.8)
+    local_updater = SoftUpdate(local.loss_module, eps=0.8)
+    sides = []
+    for learner, step in ((ddp, updater), (local, local_updater)):
+        buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(64), batch_size=16, priority_key="td_error",
+                                        sampler=TorchPrioritizedSampler(64, alpha=0.7, beta=0.5),
+                                        generator=torch.Generator().manual_seed(7))  # the same draws on both sides
+        sides.append((learner, learner.policy, buffer, step))
+    for iteration in range(3):
+        collected = []
+        for learner, policy, buffer, _ in sides:
+            batch = make_batch("dqn", n=16, seed=1000 + iteration).exclude("action")
+            with torch.no_grad():
+                policy(batch)  # greedy actions from the Q-network here
+            buffer.extend(batch)
+            collected.append(batch)
+        assert torch.equal(collected[0]["action"], collected[1]["action"])
+        for update in range(2):
+            outs = []
+            for learner, _, buffer, step in sides:
+                # torchrl's DQN divides by the sum of the priority weights: per rank under DDP, which one process does
+                # over the whole batch (not the same step); the weights stay out of this comparison
+                sample = buffer.sample().exclude("priority_weight")
+                outs.append((learner.update(sample), sample))
+                buffer.update_tensordict_priority(sample)
+                step.step()
+            (got, mine), (want, theirs) = outs
+            torch.testing.assert_close(got["loss"], want["loss"], **TOL)
+            torch.testing.assert_close(mine["td_error"], theirs["td_error"], **TOL)
+    model = rank_models(ddp)[0]
+    assert_close_state(model, local.loss_module.state_dict())  # the target network too
+    assert_close_state(local.loss_module.state_dict(), ddp.loss_module.state_dict())  # and the loss here
+
+
+# ---- many updates in one call --------------------------------------------------------------------------------
+
+
+def test_ppo_epochs_over_minibatches_run_on_the_ranks_in_one_call_equal_one_process_on_the_same_partitions(fsdp):
+    """Each rank partitions its half anew each epoch (generator seed + rank), the advantage standardised over both
+    ranks' minibatch, one optimizer step (two micro-batches) per minibatch: one process on the union of the ranks'
+    i-th minibatches is the oracle."""
+    from fabric_learner.onpolicy import normalize_advantage, partition_indices
+
+    local = LocalLearner(make_loss("ppo")[0], SGD, grad_accum_steps=2)
+    local.load_checkpoint(fsdp.checkpoint())
+    batch = make_batch("ppo", n=32, seed=960)
+    start = fsdp.num_updates
+    got = fsdp.update_minibatches(batch.clone(), 16, epochs=3, seed=5, normalize_advantage=True)
+    assert fsdp.num_updates == start + 6 and got.batch_size == (6,)
+    halves = batch.split(16)
+    generators = [torch.Generator().manual_seed(5 + rank) for rank in range(2)]
+    want = []
+    for _ in range(3):
+        parts = [partition_indices(16, 8, generator=g) for g in generators]
+        for j in range(2):
+            minibatch = torch.cat([halves[rank][parts[rank][j]] for rank in range(2)])
+            normalize_advantage(minibatch)
+            outs = [local.update(micro) for micro in minibatch.split(8)]
+            want.append((outs[0]["loss_objective"] + outs[1]["loss_objective"]) / 2)
+    torch.testing.assert_close(got["loss_objective"], torch.stack(want), **TOL)
+    assert_close_state(rank_models(fsdp)[0], local.loss_module.state_dict())
+    assert fsdp.last_transfer["sent_bytes"] == batch.bytes()  # the batch once, 6 steps
+    with pytest.raises(ValueError, match="the minibatch by 4"):  # 2 ranks x 2 micro-batches
+        fsdp.update_minibatches(batch, 6)
+    with pytest.raises(KeyError, match="lacks"):
+        fsdp.update_minibatches(batch.exclude("advantage"), 16, normalize_advantage=True)
+    assert fsdp.num_updates == start + 6 and fsdp.broken is None
+
+
+def test_k_off_policy_updates_in_one_call_equal_k_updates_of_one_process_and_bring_each_td_error_back(ddp):
+    """Three sampled batches, concatenated, in order (shuffle=False): rank r takes the r-th half of each, so step i
+    trains on sample i as LocalLearner's update(sample i) does; the td_errors land at their rows for the priorities."""
+    local = local_dqn()
+    local.load_checkpoint(ddp.checkpoint())
+    samples = [make_batch("dqn", n=16, seed=970 + k) for k in range(3)]
+    mine = torch.cat(samples)
+    start = ddp.num_updates
+    got = ddp.update_minibatches(mine, 16, shuffle=False)
+    want = [local.update(sample) for sample in samples]
+    assert ddp.num_updates == start + 3
+    torch.testing.assert_close(got["loss"], torch.stack([w["loss"] for w in want]), **TOL)
+    torch.testing.assert_close(mine["td_error"], torch.cat([s["td_error"] for s in samples]), **TOL)
+    assert_close_state(rank_models(ddp)[0], local.loss_module.state_dict())
+    with pytest.raises(ValueError, match="whole minibatches"):
+        ddp.update_minibatches(mine[:40], 16, shuffle=False)
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict
 
-from fabric_learner.remote._wire import packed, unpacked
+from fabric_learner.remote._wire import _NUMPY_DTYPES, packed, unpacked
 
 
 class LearnerRank:
@@ -101,6 +101,24 @@ class LearnerRank:
             written = (packed(share.select(*new)), in_place) if new else None
         return packed(out), learner.num_updates, learner.skipped_updates, weight, written, seconds
 
+    def update_minibatches(self, share, write_back: bool, minibatch_size: int, epochs: int, shuffle: bool,
+                           seed, normalize_advantage) -> tuple[Any, int, int, float, Any, float]:
+        """``FabricLearner.update_minibatches`` on this rank's share; answers as :meth:`update` does, the output
+        stacked over the steps and ``written`` covering the whole share."""
+        self._thread = threading.get_ident()
+        learner = self.learner
+        share = unpacked(share)
+        leaves = _leaves(share) if write_back else None
+        start = time.perf_counter()
+        out = learner.update_minibatches(share, minibatch_size, epochs=epochs, shuffle=shuffle, seed=seed,
+                                         normalize_advantage=normalize_advantage)
+        seconds = time.perf_counter() - start
+        written = None
+        if write_back:
+            new, in_place = _written(leaves, _leaves(share))
+            written = (packed(share.select(*new)), in_place) if new else None
+        return packed(out), learner.num_updates, learner.skipped_updates, float(share.batch_size[0]), written, seconds
+
     def get_weights(self):
         self._thread = threading.get_ident()
         weights = self.learner.get_weights(cpu_offload=True)
@@ -133,6 +151,17 @@ class LearnerRank:
             if self.rank != 0:
                 return None
             return {k: v.detach().to("cpu", copy=True) for k, v in learner.loss_module.state_dict().items()}
+
+    def loss_entries(self, names: list[str]):
+        """Rank 0's values of the named loss state entries, as numpy arrays where numpy holds the dtype (a
+        tensor otherwise); gathered under FSDP (every rank is called), else ``None`` on other ranks."""
+        self._thread = threading.get_ident()
+        learner = self.learner
+        with learner.full_parameters() if learner.capabilities.sharded else contextlib.nullcontext():
+            if self.rank != 0:
+                return None
+            state = learner.loss_module.state_dict()
+            return {k: _plain(state[k]) for k in names}
 
     def load_loss_entries(self, entries: dict) -> None:
         """Copy ``entries`` (loss state names to tensors) into this rank's loss, all or none."""
@@ -172,6 +201,11 @@ class LearnerRank:
             return "idle"
         stack = traceback.extract_stack(frame)[-3:]
         return " <- ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in reversed(stack))
+
+
+def _plain(value: torch.Tensor):
+    value = value.detach().to("cpu", copy=True)
+    return value.numpy() if value.dtype in _NUMPY_DTYPES else value
 
 
 def _leaves(td) -> dict:

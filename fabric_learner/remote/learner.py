@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from fabric_learner.learner import Capabilities, Learner
+from fabric_learner.learner import Capabilities, Learner, plain_weights
 from fabric_learner.remote import _runtime, _shares
 from fabric_learner.remote._wire import arrays_of, packed, unpacked, wire_bytes, with_arrays
 from fabric_learner.remote.faults import LearnerLostError, LearnerTimeoutError, gather
@@ -129,6 +129,7 @@ class RemoteLearner(Learner):
         setup_timeout: float = 300.0,
         max_in_flight: int = 2,
         on_lost_rank: str = "raise",
+        follow: bool = True,
     ) -> None:
         nn.Module.__init__(self)
         payload = _payload(loss_module, policy)
@@ -146,6 +147,8 @@ class RemoteLearner(Learner):
             raise ValueError(f"on_lost_rank must be 'raise' or 'rebuild', got {on_lost_rank!r}.")
         if num_cpus_per_learner < 0 or num_gpus_per_learner < 0:
             raise ValueError("num_cpus_per_learner and num_gpus_per_learner must be >= 0.")
+        if not isinstance(follow, bool):
+            raise TypeError(f"follow must be True or False, got {follow!r}.")
         object.__setattr__(self, "loss_module", loss_module if isinstance(loss_module, nn.Module) else None)
         object.__setattr__(self, "policy", policy)
         self.num_learners = num_learners
@@ -168,6 +171,7 @@ class RemoteLearner(Learner):
         self._sharded = False
         self.on_lost_rank = on_lost_rank
         self._last_save: tuple[str, int] | None = None  # (path, num_updates) of the last save(): where a rebuild starts
+        self._follower = None  # the loss here following the group's weights (remote/following.py)
         accelerator = "cuda" if num_gpus_per_learner > 0 else "cpu"
         options = {"strategy": strategy, "accelerator": accelerator, "precision": precision,
                    "clip_grad_norm": clip_grad_norm, "grad_accum_steps": grad_accum_steps,
@@ -185,6 +189,10 @@ class RemoteLearner(Learner):
                 _runtime.leave()
             self._closed = True
             raise
+        if follow and self.loss_module is not None:  # hooks after the loss was pickled for the ranks
+            from fabric_learner.remote.following import Follower
+
+            self._follower = Follower(self, self.loss_module, policy)
 
     # ---- the group ------------------------------------------------------------------------------
 
@@ -263,6 +271,7 @@ class RemoteLearner(Learner):
                 self.num_updates = self._call("load", self._last_save[0], what="load() after a rebuild")[0]
             else:
                 self.num_updates = 0
+            self._moved()
         except BaseException as again:  # noqa: BLE001 - the rebuild failed: the group stays ended, both told
             self._broken = err
             self._end_group()
@@ -319,9 +328,69 @@ class RemoteLearner(Learner):
         """
         self._check_usable()
         shares, groups = _shares.split(batch, self.num_learners)
+        return self._submit(batch, shares, groups is None, "update", (), wait)
+
+    def update_minibatches(self, batch: TensorDictBase, minibatch_size: int, *, epochs: int = 1, shuffle: bool = True,
+                           seed: int | None = None, normalize_advantage=False, wait: bool = True):
+        """``Learner.update_minibatches`` run by the ranks in one call: each rank its share, every step there.
+
+        With ``shuffle=True`` (PPO's epochs) each rank takes an equal contiguous share of ``batch`` and
+        partitions it each epoch into minibatches of ``minibatch_size / num_learners`` (generator
+        ``seed + rank``), so step ``i`` trains on the union of the ranks' ``i``-th minibatches, the
+        advantage standardised over it with ``normalize_advantage``: the loop an SPMD program runs. With
+        ``shuffle=False`` (K updates on K sampled batches, concatenated) rank ``r`` takes the ``r``-th part
+        of every minibatch, so step ``i`` trains on rows ``[i * minibatch_size, (i + 1) * minibatch_size)``
+        of ``batch``, as ``LocalLearner`` does. Returns every step's combined output, stacked; what the
+        loss writes (``td_error``) lands in ``batch`` at its rows.
+
+        Raises:
+            ValueError: ``batch`` or ``minibatch_size`` does not divide by ``num_learners``, ``shuffle=False``
+                with a batch that is not whole minibatches, a lazy stack dealt by tokens, or a bad argument
+                (nothing is sent).
+        """
+        from fabric_learner import _minibatches
+
+        self._check_usable()
+        _minibatches.check_arguments(minibatch_size, epochs, shuffle, seed, normalize_advantage)
+        ranks = self.num_learners
+        n = batch.batch_size[0] if isinstance(batch, TensorDictBase) and batch.batch_dims == 1 else None
+        if n is None:
+            raise ValueError("update_minibatches() takes a TensorDict of one batch dimension (batch.reshape(-1) for "
+                             "[envs, time]). Nothing was sent.")
+        if minibatch_size % (ranks * self.grad_accum_steps) or n % ranks:
+            raise ValueError(f"update_minibatches() gives each of the {ranks} ranks an equal part of the batch ({n}) and "
+                             f"of every minibatch ({minibatch_size}), in grad_accum_steps={self.grad_accum_steps} equal "
+                             f"micro-batches: the batch must divide by num_learners={ranks}, the minibatch by "
+                             f"{ranks * self.grad_accum_steps}. Nothing was sent.")
+        if n < minibatch_size:
+            raise ValueError(f"The batch holds {n} samples, fewer than one minibatch of {minibatch_size}. Nothing was sent.")
+        key = _minibatches.advantage_key(normalize_advantage)
+        if key is not None and key not in batch.keys(include_nested=True):
+            raise KeyError(f"normalize_advantage names {key!r}, which the batch lacks. Nothing was sent.")
+        order = None
+        if shuffle:
+            shares, groups = _shares.split(batch, ranks)
+            if groups is not None:
+                raise ValueError("update_minibatches() cuts equal shares; a lazy stack of samples of different lengths "
+                                 "is dealt by tokens: call update() per minibatch. Nothing was sent.")
+        else:
+            if n % minibatch_size:
+                raise ValueError(f"With shuffle=False the batch must be whole minibatches: {n} samples are not a multiple "
+                                 f"of {minibatch_size}. Nothing was sent.")
+            part = minibatch_size // ranks
+            steps = torch.arange(n // minibatch_size).unsqueeze(1) * minibatch_size
+            rows = [(steps + r * part + torch.arange(part)).reshape(-1) for r in range(ranks)]
+            shares, order = [batch[r] for r in rows], torch.cat(rows)
+        extra = (minibatch_size // ranks, epochs, shuffle, seed, normalize_advantage)
+        return self._submit(batch, shares, True, "update_minibatches", extra, wait, order)
+
+    def _submit(self, batch, shares, write_back: bool, method: str, extra: tuple, wait: bool, order=None):
+        """Send each rank its share for ``method`` (``update`` or ``update_minibatches``); see :meth:`update`."""
         while len(self._in_flight) >= self.max_in_flight:
             self._in_flight[0].result()
         self._check_usable()  # an earlier update may have ended the group
+        if self._follower is not None:
+            self._follower.push()  # a target network moved here reaches the ranks before they read it
         import ray
 
         # arrays over the batch's own memory, or bytes: Ray copies them (into the call, or by ray.put) before
@@ -334,9 +403,10 @@ class RemoteLearner(Learner):
         # a small share rides inside the call (Ray inlines it into the task), a large one goes through the
         # object store once: ray.put of a small share cost about 1.8 ms here against 0.4 ms inline
         args = [wire if small else ray.put(wire) for wire, small in zip(wires, inline)]
-        write_back = groups is None  # contiguous shares: what the loss writes comes back into the caller's batch
-        handle = PendingUpdate(self, [a.update.remote(arg, write_back) for a, arg in zip(self._actors, args)])
-        handle._batch = batch if write_back else None
+        # equal shares: what the loss writes comes back into the caller's batch
+        handle = PendingUpdate(self, [getattr(a, method).remote(arg, write_back, *extra)
+                                      for a, arg in zip(self._actors, args)])
+        handle._batch, handle._order = (batch if write_back else None), order
         inline_bytes = sum(size for size, small in zip(sizes, inline) if small)
         handle.transfer = {"batch_bytes": int(batch.bytes()), "sent_bytes": sum(sizes), "inline_bytes": inline_bytes,
                            "object_store_bytes": sum(sizes) - inline_bytes,
@@ -361,6 +431,7 @@ class RemoteLearner(Learner):
                 raise
             self._in_flight.popleft()
             self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]  # the ranks stepped, whatever follows
+            self._moved()
             head.policy_version = self.num_updates
             head.transfer["returned_bytes"] = sum(wire_bytes(a[0]) + (wire_bytes(a[4][0]) if a[4] else 0)
                                                   for a in answers)
@@ -369,7 +440,7 @@ class RemoteLearner(Learner):
             try:
                 result = combine([a[0] for a in answers], [a[3] for a in answers])
                 if head._batch is not None and all(a[4] is not None for a in answers):
-                    _write_back(head._batch, [unpacked(a[4][0]) for a in answers], answers[0][4][1])
+                    _write_back(head._batch, [unpacked(a[4][0]) for a in answers], answers[0][4][1], head._order)
             except BaseException as err:  # this update's own error, kept on its handle as the ranks' are
                 head._error = err
                 raise
@@ -377,23 +448,41 @@ class RemoteLearner(Learner):
                 head._batch = None
             head._result = result
             if head is handle:
-                return
+                break
+        if self._follower is not None and not self._in_flight:
+            self._follower.after_update()
+
+    def _moved(self) -> None:
+        """The group's weights changed: the modules here are behind until they are next run."""
+        if self._follower is not None:
+            self._follower.moved()
 
     def _drain(self) -> None:
         while self._in_flight:
             self._in_flight[-1].result()
+
+    def _settle(self) -> None:
+        """Every update collected, and what this process wrote into the loss's buffers sent to the ranks."""
+        self._drain()
+        if self._follower is not None:
+            self._follower.push()
 
     # ---- weights and checkpoints ----------------------------------------------------------------
 
     def get_weights(self, *, cpu_offload: bool = True) -> TensorDictBase:
         """The trained weights as plain tensors in this process (gathered from the shards under FSDP)."""
         self._drain()
+        follower = self._follower
+        if follower is not None and self.policy is not None and follower.follows(self.policy, whole=True):
+            # the policy here is the loss's module: fetched into it (as running it would), then copied as one process does
+            follower.pull(follower.names(self.policy))
+            return plain_weights(self.loss_module, self.policy, True)
         ranks = None if self._sharded else [0]
         return self._call("get_weights", what="get_weights()", ranks=ranks)[0]  # CPU tensors either way
 
     def checkpoint(self) -> dict[str, Any]:
         """See ``Learner.checkpoint``: the group's state (full tensors), in this process."""
-        self._drain()
+        self._settle()
         return self._call("checkpoint", what="checkpoint()")[0]
 
     def load_checkpoint(self, checkpoint) -> None:
@@ -403,6 +492,7 @@ class RemoteLearner(Learner):
         self._drain()
         ref = ray.put(checkpoint)
         self.num_updates = self._call("load_checkpoint", ref, what="load_checkpoint()")[0]
+        self._moved()
 
     def save(self, path, blocking: bool = True) -> Future | None:
         """Every rank writes its part (a file under DDP, a DCP folder under FSDP): the formats any learner loads.
@@ -410,7 +500,7 @@ class RemoteLearner(Learner):
         ``path`` must be reachable by every rank (a shared filesystem on a multi-node cluster).
         Saves before returning; ``blocking=False`` returns a finished future.
         """
-        self._drain()
+        self._settle()
         path = os.path.abspath(os.fspath(path))
         self._call("save", path, what="save()")
         self._last_save = (path, self.num_updates)
@@ -424,6 +514,7 @@ class RemoteLearner(Learner):
         """Every rank loads ``path`` (written by any learner, any strategy or world size)."""
         self._drain()
         self.num_updates = self._call("load", os.path.abspath(os.fspath(path)), what="load()")[0]
+        self._moved()
 
     def wait_for_save(self, timeout: float | None = None) -> None:
         """Saves complete before ``save`` returns: nothing to wait for."""
@@ -451,6 +542,10 @@ class RemoteLearner(Learner):
                 "run its networks here, or run the code on the ranks with call_on_ranks(fn).")
         self._drain()
         loss = self.loss_module
+        if self._follower is not None:
+            with self._follower.whole():
+                yield loss
+            return
         state = self._call("loss_state", what="full_parameters()")[0]
         # the entries both hold: a rank's loss may have built more (its value estimator's gamma, in update)
         state = {k: v for k, v in state.items() if k in loss.state_dict()}
@@ -462,18 +557,19 @@ class RemoteLearner(Learner):
             self._call("load_loss_entries", changed, what="full_parameters() (sending the changed entries)")
 
     def serve(self, module: nn.Module) -> bool:
-        """``False``: no module in this process is trained here; load :meth:`get_weights` into it instead.
+        """Whether ``module`` follows the group's weights here (a module of the loss, with ``follow=True``).
 
-        (``fabric_learner.weights.publish_to_collector`` does, for a collector's policy.)
+        Nothing is trained in this process; a module that does not follow takes :meth:`get_weights`
+        (``fabric_learner.weights.publish_to_collector`` loads them into a collector's policy).
         """
-        return False
+        return self._follower is not None and self._follower.follows(module)
 
     def call_on_ranks(self, fn, *args) -> list[Any]:
         """``fn(rank_learner, *args)`` on every rank (each a ``FabricLearner``), answers in rank order.
 
         For inspection and tools; ``fn`` must be picklable and must not change the learner's state.
         """
-        self._drain()
+        self._settle()
         return self._call("call", fn, *args, what="call_on_ranks()")
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -495,8 +591,15 @@ class RemoteLearner(Learner):
         finally:
             self._closed = True
             self._end_group()
+            self._unfollow()
             if self._embedded:
                 _runtime.leave()
+
+    def _unfollow(self) -> None:
+        """The loss here becomes a plain module again (its hooks removed), holding the weights it last fetched."""
+        if self._follower is not None:
+            self._follower.close()
+            self._follower = None
 
     def __exit__(self, kind, value, tb) -> None:
         if kind is None:
@@ -504,6 +607,7 @@ class RemoteLearner(Learner):
             return
         self._closed = True  # an error is on its way up: end the actors without waiting for them
         self._end_group()
+        self._unfollow()
         if self._embedded:
             _runtime.leave()
 
@@ -525,6 +629,7 @@ class PendingUpdate:
         self._result: TensorDictBase | None = None
         self._error: BaseException | None = None
         self._batch: TensorDictBase | None = None
+        self._order: torch.Tensor | None = None  # the batch's rows the shares hold, in order, when not contiguous
         self.policy_version: int | None = None
         self.transfer: dict[str, int] = {}
 
@@ -584,10 +689,15 @@ def _averaged(key, floating: bool, shapes: list) -> bool:
     return floating and not name.startswith("grad_norm") and all(shape == shapes[0] for shape in shapes)
 
 
-def _write_back(batch: TensorDictBase, written: list[TensorDictBase], in_place: list) -> None:
+def _write_back(batch: TensorDictBase, written: list[TensorDictBase], in_place: list, order=None) -> None:
     """Put what the loss wrote into the ranks' shares (DQN's ``td_error``) into the caller's batch, as one process
-    does: into the entry the batch holds where the loss wrote in place, else as a new or replacing entry."""
+    does: into the entry the batch holds where the loss wrote in place, else as a new or replacing entry.
+    ``order``: the batch's rows the shares hold, one after the other (default: contiguous, in order)."""
     whole = torch.cat(written, 0)
+    if order is not None:
+        where = torch.empty_like(order)
+        where[order] = torch.arange(order.numel())
+        whole = whole[where]
     for key in whole.keys(include_nested=True, leaves_only=True):
         batch.set(key, whole.get(key), inplace=key in in_place)
 
