@@ -57,13 +57,13 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per micro-batch (token budget)")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="instead of --max-tokens: micro-batches of this many samples (the recipe's: 32 / 8 = 4)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each completion may generate")
     p.add_argument("--lr", type=float, default=1e-3, help="the recipe's is 1e-5, for a pretrained 3B model")
     p.add_argument("--model", default=None, help="local Hugging Face folder (model and tokenizer, from_pretrained)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, problems and sampling")
     p.add_argument("--curve", default=None, help="write the reward per update to this JSON file (rank 0)")
     p.add_argument("--plot", default=None, help="write the reward curve to this PNG (rank 0; needs matplotlib)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_launch_arguments(p, accelerator="cpu", strategy="fsdp", devices=2)
     args = p.parse_args(argv)
     if args.group < 2 or (args.micro_batch and args.group % args.micro_batch):

@@ -52,7 +52,7 @@ def strategy(data_parallel_size: int = 2, tensor_parallel_size: int = 2, **kwarg
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--updates", type=int, default=2)
+    parser.add_argument("--updates", type=int, default=2, help="optimizer updates")
     args = parser.parse_args()
     replies = [3, 8, 5, 2]  # two samples per data-parallel rank
     loss, policy, _ = grpo_example(tuple(replies))

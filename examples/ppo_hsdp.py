@@ -47,7 +47,7 @@ def hsdp(module: nn.Module, mesh) -> nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--updates", type=int, default=5, help="optimizer updates")
     parser.add_argument("--batch", type=int, default=16, help="samples per rank and update")
     args = parser.parse_args()
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NNODES", 2)))

@@ -220,20 +220,21 @@ def build(args, learner_kwargs: dict, learner_cls=FabricLearner):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--env", default=RECIPE["env"])
+    p.add_argument("--env", default=RECIPE["env"], help="gymnasium environment")
     p.add_argument("--frames", type=int, default=RECIPE["frames"], help="environment steps over all ranks")
     p.add_argument("--frames-per-batch", type=int, default=RECIPE["frames_per_batch"], help="per rank")
-    p.add_argument("--minibatch", type=int, default=RECIPE["minibatch"])
-    p.add_argument("--epochs", type=int, default=RECIPE["epochs"])
+    p.add_argument("--minibatch", type=int, default=RECIPE["minibatch"], help="frames per optimizer update, per rank")
+    p.add_argument("--epochs", type=int, default=RECIPE["epochs"], help="passes over each collected batch")
     p.add_argument("--advantage-norm", choices=("rank", "global"), default="rank",
                    help="standardise a minibatch's advantages on its rank (the recipe's loss) or over all ranks")
-    p.add_argument("--lr", type=float, default=RECIPE["lr"])
-    p.add_argument("--no-anneal-lr", dest="anneal_lr", action="store_false")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=RECIPE["lr"], help="Adam's learning rate at the start")
+    p.add_argument("--no-anneal-lr", dest="anneal_lr", action="store_false",
+                   help="keep the learning rate constant (the recipe lowers it linearly to 0 over the run)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the networks, environments and sampling")
     p.add_argument("--logdir", default="", help="TensorBoard root ('' for none)")
     p.add_argument("--plot", default=None,
                    help="write the learning curve to this PNG (rank 0; needs matplotlib: pip install -e .[bench])")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)
     return p.parse_args(argv)
 

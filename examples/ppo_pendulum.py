@@ -140,19 +140,19 @@ def parse_args(argv=None):
     p.add_argument("--frames", type=int, default=int(os.environ.get("DEMO_FRAMES", 160_000)),
                    help="environment steps over all ranks together")
     p.add_argument("--envs", type=int, default=16, help="pendulums per rank (one episode each per batch)")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=10, help="passes over each collected batch")
     p.add_argument("--minibatch", type=int, default=800, help="per rank")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--gamma", type=float, default=0.9)
-    p.add_argument("--reward-scale", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
+    p.add_argument("--gamma", type=float, default=0.9, help="discount factor")
+    p.add_argument("--reward-scale", type=float, default=0.1, help="rewards are multiplied by this before learning")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the networks, environments and sampling")
     p.add_argument("--logdir", default=os.environ.get("DEMO_LOGDIR", "runs"), help="TensorBoard root ('' for none)")
     p.add_argument("--checkpoint", default=None, help="trainer checkpoint folder, written at the end")
     p.add_argument("--resume", default=None, help="trainer checkpoint folder to resume from")
     p.add_argument("--plot", default=None,
                    help="write the learning curve to this PNG (rank 0; needs matplotlib: pip install -e .[bench])")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--remote", type=int, default=0, metavar="N",
                    help="run once and update on N Ray actors (RemoteLearner, --strategy); 0: every rank runs this program")
     add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)  # plain python: 2 CPU ranks

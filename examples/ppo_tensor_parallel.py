@@ -79,7 +79,7 @@ def strategy(data_parallel_size: int = 2, tensor_parallel_size: int = 2, **kwarg
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--updates", type=int, default=5, help="optimizer updates")
     parser.add_argument("--batch", type=int, default=64, help="samples per data-parallel rank and update")
     args = parser.parse_args()
     loss, _ = make_loss()

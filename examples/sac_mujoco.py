@@ -168,13 +168,13 @@ def build(args, learner_factory, *, world: int, rank: int, save_trainer_file: st
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--env", default=RECIPE["env"])
+    p.add_argument("--env", default=RECIPE["env"], help="gymnasium environment")
     p.add_argument("--envs", type=int, default=RECIPE["envs"], help="environments per collector (per rank)")
     p.add_argument("--frames", type=int, default=RECIPE["frames"], help="environment steps over all ranks")
     p.add_argument("--frames-per-batch", type=int, default=RECIPE["frames_per_batch"], help="per rank")
     p.add_argument("--init-random-frames", type=int, default=RECIPE["init_random_frames"], help="over all ranks")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seeds the networks, environments and sampling")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_launch_arguments(p, accelerator="cpu", strategy="ddp", devices=2)
     return p.parse_args(argv)
 

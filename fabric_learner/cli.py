@@ -27,7 +27,8 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     Unlike argparse's ``ArgumentDefaultsHelpFormatter`` it also shows the default of an option
     written without a help text, and leaves alone flags (``store_true``), options without a
-    default (``None``) and help texts that already say theirs.
+    default (``None``) and help texts that already say theirs. Text written for the docs reads
+    plainly: a description or help taken from a docstring loses its reST double backquotes.
 
     Examples:
         >>> import argparse
@@ -47,6 +48,12 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             action = copy.copy(action)
             action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
         return super()._format_action(action)
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(text.replace("``", ""))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return super()._expand_help(action).replace("``", "")
 
 
 def devices_arg(value: str) -> int | str:
@@ -80,7 +87,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, accelerator: str = 
     group.add_argument("--accelerator", default=None, help=f"cpu, gpu, cuda, mps or auto (default {accelerator})")
     group.add_argument("--strategy", default=None, help=f"ddp, fsdp, auto, ... (default {strategy})")
     group.add_argument("--devices", type=devices_arg, default=None, help=f"a number per node or auto (default {devices})")
-    group.add_argument("--num-nodes", type=int, default=None, help=f"(default {num_nodes})")
+    group.add_argument("--num-nodes", type=int, default=None, help=f"machines the run spans (default {num_nodes})")
     group.add_argument("--precision", default=None, help=f"32-true, bf16-mixed, 16-mixed, ... (default {precision})")
     parser.set_defaults(**{_DEFAULTS_KEY: {"accelerator": accelerator, "strategy": strategy, "devices": devices,
                                            "num_nodes": num_nodes, "precision": precision}})
@@ -109,3 +116,21 @@ def launch_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if launcher() == "python":
         return {**defaults, **given}
     return given
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m fabric_learner.cli [OPTIONS]``: the ``FabricLearner`` arguments these options give here."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fabric_learner.cli", formatter_class=DefaultsHelpFormatter,
+        description="The launch options that add_launch_arguments(parser) gives a training script, the same under "
+                    "plain python, fabric run and torchrun. Run with options, this prints the FabricLearner keyword "
+                    "arguments that launch_kwargs(args) gives for them under the launcher that started it (here, "
+                    "with no script's own defaults: FabricLearner's). In a script: parser = argparse.ArgumentParser(); "
+                    "add_launch_arguments(parser, accelerator='cpu', strategy='ddp', devices=2); "
+                    "FabricLearner(loss, optim, **launch_kwargs(parser.parse_args())).")
+    add_launch_arguments(parser)
+    print(launch_kwargs(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

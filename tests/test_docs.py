@@ -56,6 +56,17 @@ def test_the_readme_quick_start_runs_as_written(tmp_path, monkeypatch):
     assert all(torch.equal(v, dict(loss.named_parameters())[k]) for k, v in weights.items())
 
 
+def test_no_comment_in_the_readmes_code_breaks_off_into_the_next_lines_comment():
+    """The quick start read "...; under FSDP every" on one code line and "rank calls these three, ..." on the next."""
+    dangling = {"every", "the", "a", "an", "and", "or", "of", "to", "with", "for", "under", "as", "is", "by", "in", "on"}
+    for block in _readme_blocks()[1]:
+        lines = block.splitlines()
+        for line, following in zip(lines, lines[1:]):
+            (code, _, comment), (next_code, _, next_comment) = line.partition("  # "), following.partition("  # ")
+            if code.strip() and next_code.strip() and comment.strip() and next_comment.strip():
+                assert comment.split()[-1].lower() not in dangling, f"{line}\n{following}"
+
+
 def test_every_class_the_readme_names_in_code_is_imported_there():
     """A newcomer copying a README snippet finds where each class comes from in that snippet or an earlier one."""
     import ast

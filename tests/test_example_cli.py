@@ -56,6 +56,36 @@ def test_every_option_of_an_example_with_a_default_says_it_in_help(name, capsys,
     assert "default" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_option_of_an_example_says_what_it_does_in_plain_text(name, capsys, monkeypatch):
+    """--resume and --no-progress had no help text; descriptions taken from docstrings showed reST's ``quotes``."""
+    parser = asked_for_help(name, monkeypatch)
+    bare = [action.option_strings[-1] for action in parser._actions
+            if action.option_strings and not (action.help or "").strip()]
+    assert not bare, f"{name} --help says nothing about {bare}"
+    shown = capsys.readouterr().out
+    assert "``" not in shown, shown
+
+
+def test_the_cli_module_run_as_a_program_shows_its_options_and_what_they_give():
+    """``python -m fabric_learner.cli --help`` printed nothing and exited 0."""
+    import subprocess
+
+    shown = subprocess.run([sys.executable, "-m", "fabric_learner.cli", "--help"], capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m fabric_learner.cli"), shown
+    for option in ("--accelerator", "--strategy", "--devices", "--num-nodes", "--precision", "add_launch_arguments"):
+        assert option in shown.stdout, shown.stdout
+
+
+def test_the_cli_module_prints_the_learner_arguments_of_the_options_given(capsys):
+    from fabric_learner.cli import main
+
+    main(["--strategy", "fsdp", "--devices", "2"])  # plain python here: FabricLearner's defaults for the rest
+    assert capsys.readouterr().out.strip() == str({"accelerator": "auto", "strategy": "fsdp", "devices": 2,
+                                                   "num_nodes": 1, "precision": "32-true"})
+
+
 def test_grpo_countdowns_help_gives_the_values_it_runs_with(monkeypatch):
     found = entries(asked_for_help("grpo_countdown.py", monkeypatch))
     assert "(default: 100)" in found["--steps"][1] and "default: 16" in found["--max-new-tokens"][1]
