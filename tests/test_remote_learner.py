@@ -494,10 +494,17 @@ def test_a_hand_written_ppo_loop_with_gae_here_trains_as_on_a_local_learner(fsdp
     fsdp.update(make_batch("ppo", n=16, seed=951))
     assert (follower.pulls, follower.pulled_bytes) == (pulls, fetched)  # nothing runs here: nothing moves
     with torch.no_grad():
+        here.actor_network(make_batch("ppo", n=4))  # with it, what ran here between updates before: the critic
         here.actor_network(make_batch("ppo", n=4))
-        here.actor_network(make_batch("ppo", n=4))  # once per update, only the module that runs
-    actor_bytes = sum(p.numel() * p.element_size() for p in here.actor_network.parameters())
-    assert (follower.pulls, follower.pulled_bytes) == (pulls + 1, fetched + actor_bytes)
+        here.critic_network(make_batch("ppo", n=4))
+    weights = sum(p.numel() * p.element_size() for p in here.parameters())
+    assert (follower.pulls, follower.pulled_bytes) == (pulls + 1, fetched + weights)  # one call, once per update
+    fsdp.update(make_batch("ppo", n=16, seed=951))
+    fsdp.update(make_batch("ppo", n=16, seed=950))
+    with torch.no_grad():
+        here.critic_network(make_batch("ppo", n=4))  # in either order
+        here.actor_network(make_batch("ppo", n=4))
+    assert (follower.pulls, follower.pulled_bytes) == (pulls + 2, fetched + 2 * weights)
     with pytest.warns(RuntimeWarning, match="copied from the RemoteLearner's loss"):
         copy.deepcopy(here.actor_network)(make_batch("ppo", n=4))
     # a buffer written here while the parameters are behind the group: refused, nothing sent

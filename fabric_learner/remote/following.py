@@ -7,8 +7,10 @@ the trained one where this process uses it:
 
 - **pulled on first use**: a forward pre-hook on every module of the loss (and ``policy=``) checks
   whether the entries that module holds are at the group's current version; if not, it fetches
-  just those entries from rank 0 (gathered under FSDP) and copies them in place. A module this
-  process never runs costs nothing; one run twice between updates is fetched once.
+  them from rank 0 (gathered under FSDP) and copies them in place, together with whatever else this
+  process fetched between the two previous updates (a collector's actor then GAE's critic: one call
+  per iteration, not two). A module this process never runs costs nothing; one run twice between
+  updates is fetched once.
 - **pulled after each update while a target updater is built on the loss** (torchrl's
   ``SoftUpdate`` / ``HardUpdate`` read the networks' tensors directly, without a forward).
 - **pushed before the next call**: buffers of the loss this process wrote in place (a target
@@ -55,8 +57,12 @@ class Follower:
         # the buffers' values as last fetched or sent: what this process wrote since shows against them
         # (torchrl's updaters write through .data, which no version counter sees)
         self._sent = {k: v.detach().clone() for k, v in self.entries.items() if not isinstance(v, nn.Parameter)}
-        self.pulled_bytes = 0  # bytes fetched so far (reported by RemoteLearner.last_follow)
+        self.pulled_bytes = 0  # bytes fetched so far, and in how many calls
         self.pulls = 0
+        # the entries fetched since the last update, and before it: what this process runs between two updates
+        # (a collector's actor, then GAE's critic) is fetched at once, in one call, at its first use
+        self._used: set[str] = set()
+        self._used_before: set[str] = set()
         names_at: dict[tuple, list[str]] = {}
         for name, tensor in self.entries.items():
             names_at.setdefault(_place(tensor), []).append(name)
@@ -80,6 +86,8 @@ class Follower:
     def moved(self) -> None:
         """The group's weights changed (an update, a load, a rebuild): every entry here is now behind."""
         self.version += 1
+        if self._used:
+            self._used_before, self._used = self._used, set()
 
     def close(self) -> None:
         for handle in self._handles:
@@ -131,6 +139,7 @@ class Follower:
                 if name in self._sent:
                     self._sent[name].copy_(value)
                 self.held[name] = self.version
+        self._used.update(stale)
         self.pulled_bytes += fetched
         self.pulls += 1
         return fetched
@@ -151,7 +160,7 @@ class Follower:
                     RuntimeWarning, stacklevel=3)
             return
         if self.stale(names):
-            self.pull(names)
+            self.pull(self._used_before.union(names))
         self._seen[key] = self.version
 
     def after_update(self) -> None:
