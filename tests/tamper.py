@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import shutil
 from pathlib import Path
 
@@ -43,6 +44,10 @@ def version(ckpt: Path) -> Path:
 
 def _payload_file(path: Path) -> None:
     path.write_bytes(pickle.dumps(Payload()))
+
+
+def _random_bytes(path: Path) -> None:
+    path.write_bytes(random.Random(0).randbytes(4096))  # not a pickle: its first byte is no opcode torch reads
 
 
 def _truncate(path: Path) -> None:
@@ -163,6 +168,7 @@ FILE = {
                                                    "rng": Payload()}, p),
     "plain pickle payload": _payload_file,
     "truncated": _truncate,
+    "random bytes": _random_bytes,
     "moment of another shape": lambda p: _resave(p, _moment_shape),
     "malformed random state": lambda p: _resave(p, _bad_rng),
     "count is text": lambda p: _resave(p, _text_count),

@@ -101,6 +101,23 @@ def test_a_tampered_checkpoint_file_is_refused(kind, fixture, case, tmp_path, ma
     assert_same(learner_state(learner), before)
 
 
+def test_random_bytes_are_named_as_no_readable_checkpoint_and_a_hostile_pickle_as_one_whose_unpickling_could_run_code(
+        tmp_path, marker):
+    """Random bytes were refused as "an object other than tensors and plain containers, whose unpickling could run
+    code"."""
+    ckpts = tamper.prepare({c: tamper.FILE[c] for c in ("random bytes", "plain pickle payload", "payload in the pickle")},
+                           "local.pt", tmp_path)
+    learner = LocalLearner(make_loss("dqn")[0], opt())
+    with pytest.raises(ValueError, match=r"is not a readable checkpoint \(damaged, or a file of another format\)") as err:
+        learner.load(ckpts["random bytes"])
+    assert "run code" not in str(err.value)
+    for hostile in ("plain pickle payload", "payload in the pickle"):
+        with pytest.raises(pickle.UnpicklingError, match="whose unpickling could run code") as err:
+            learner.load(ckpts[hostile])
+        assert "Check the documentation" not in str(err.value), err.value  # torch's reason, not its closing line
+    assert not marker.exists()
+
+
 def test_a_bytes_entry_is_named_with_what_was_expected(tmp_path, marker):
     ckpt = tamper.prepare({"bytes": tamper.SHARDED["entry re-saved as a pickled object"]}, "sharded", tmp_path)["bytes"]
     with pytest.raises(pickle.UnpicklingError, match=r"entry 'model/.*' is stored as pickled bytes.*expected a tensor"):

@@ -118,6 +118,26 @@ def _is_checkpoint_file(path: Path) -> bool:
     return strings == ["format", FORMAT]
 
 
+def _reads_as_pickle(path: Path) -> bool:
+    """Whether ``path`` (in a torch zip: its ``data.pkl``) starts with one well-formed pickle; nothing is unpickled."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                names = [n for n in archive.namelist() if n.endswith("data.pkl")]
+                if len(names) != 1:
+                    return False
+                with archive.open(names[0]) as stream:
+                    for _ in pickletools.genops(stream):
+                        pass
+        else:
+            with open(path, "rb") as stream:
+                for _ in pickletools.genops(stream):  # up to the first STOP: a legacy torch file's opening pickle
+                    pass
+    except Exception:  # noqa: BLE001 - an unknown opcode, a truncated stream, a damaged archive
+        return False
+    return True
+
+
 def weights_only_load(path: str | os.PathLike) -> Any:
     """``torch.load(weights_only=True)`` of a file: no code from it runs, and errors name it."""
     path = Path(path)
@@ -126,10 +146,14 @@ def weights_only_load(path: str | os.PathLike) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()
+        if not _reads_as_pickle(path):  # random bytes or another format, not an object torch refused
+            raise ValueError(f"{path} is not a readable checkpoint (damaged, or a file of another format): its bytes "
+                             "are not a pickle; nothing was loaded. Load a checkpoint written by fabric_learner.") from None
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[-1] if lines else "")
         raise pickle.UnpicklingError(
             f"{path}: refusing to load it: it holds an object other than tensors and plain containers, whose "
-            f"unpickling could run code; nothing was loaded (torch: {reason[-1] if reason else err!r}). Load only "
+            f"unpickling could run code; nothing was loaded (torch: {reason or repr(err)}). Load only "
             "checkpoints written by fabric_learner."
         ) from None
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file: zip, pickle and storage errors of many kinds
