@@ -125,6 +125,19 @@ def test_get_weights_feed_a_generator_copy_by_name():
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
 
 
+def test_weights_of_a_learner_built_without_policy_are_refused_naming_policy_not_lora():
+    """Its get_weights() has the loss's layout ('actor_network.model.model...'): the refusal gave LoRA advice."""
+    loss, policy, batch = grpo_case(False)
+    learner = LocalLearner(loss, sgd())
+    learner.update(batch)
+    generator = generator_copy(False, policy.tokenizer)
+    before = {k: v.clone() for k, v in generator.model.state_dict().items()}
+    with pytest.raises(KeyError, match="has it without 'actor_network.model.'") as refused:
+        load_weights(generator, learner.get_weights(cpu_offload=False))
+    assert "built without policy=" in str(refused.value) and "lora=" not in str(refused.value), refused.value
+    assert all(torch.equal(v, before[k]) for k, v in generator.model.state_dict().items())  # nothing copied
+
+
 @pytest.mark.parametrize("lora", ["merged", "adapters"])
 def test_lora_weights_feed_a_generator_merged_or_as_adapters(lora):
     learner, policy = trained(lora=True)

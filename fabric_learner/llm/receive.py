@@ -136,6 +136,14 @@ class _Receiver:
         for name, tensor in bucket:
             target = self.tensors.get(name)
             if target is None:
+                prefix = self._loss_prefix(name)
+                if prefix is not None:
+                    raise KeyError(
+                        f"{type(self.model).__name__} has no tensor {name!r}, but has it without {prefix!r}: these "
+                        "weights are laid out as the loss module, as learner.get_weights() gives them when the "
+                        "learner was built without policy=; nothing of this bucket was copied. Build the learner "
+                        "with policy=<the TransformersWrapper the loss trains>: get_weights() then has the model's "
+                        "names (or send weight_buckets(learner, model=<the transformers model>)).")
                 near = sorted(k for k in self.tensors if k.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1])[:3]
                 raise KeyError(f"{type(self.model).__name__} has no tensor {name!r} (similar: {near}); nothing of "
                                "this bucket was copied. Send names as the receiving model's state dict keys: a plain "
@@ -146,6 +154,14 @@ class _Receiver:
                                  "of this bucket was copied. Sender and receiver must be the same architecture.")
             targets.append(target)
         return targets
+
+    def _loss_prefix(self, name: str) -> str | None:
+        """The leading part of ``name`` without which it is one of the model's names (``'actor_network.model.'``)."""
+        parts = name.split(".")
+        for cut in range(1, len(parts)):
+            if ".".join(parts[cut:]) in self.tensors:
+                return ".".join(parts[:cut]) + "."
+        return None
 
     def missing(self) -> list[str]:
         return [k for k, p in self.model.named_parameters() if id(p) not in self.received]
