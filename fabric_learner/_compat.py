@@ -215,6 +215,17 @@ def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> N
     gather(output, tensor, group=group)
 
 
+def all_gather_stacked(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` of the default group, stacked (``world_size, ...``), as ``Fabric.all_gather`` gives
+    it without its route through ``torch.distributed.nn.functional.all_gather`` (a ``FutureWarning`` in torch 2.13)."""
+    import torch.distributed as dist
+
+    tensor = tensor.contiguous()
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return torch.stack(gathered)
+
+
 def take_over_child_observers(look) -> None:
     """Replace what Lightning's child-process observer threads do at each look with ``look(children)``.
 

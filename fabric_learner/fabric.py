@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from fabric_learner import _call_order, _rng, _teardown
 from fabric_learner._carrier import Carrier, run_loss
 from fabric_learner._compat import (
+    all_gather_stacked,
     allow_unused_parameters,
     ddp_option,
     fabric_callbacks,
@@ -367,7 +368,8 @@ class FabricLearner(Learner):
     def _rng_states(self) -> list[dict[str, torch.Tensor]]:
         if self.world_size == 1:
             return super()._rng_states()
-        gathered = self.fabric.all_gather(_rng.local_state())
+        # torch.distributed.all_gather itself: Fabric's all_gather goes through torch.distributed.nn's, deprecated
+        gathered = {k: all_gather_stacked(v.to(self.fabric.device)) for k, v in _rng.local_state().items()}
         return [{k: v[r].cpu().clone() for k, v in gathered.items()} for r in range(self.world_size)]
 
     def _model_state(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -75,10 +76,13 @@ def ran(tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(out)
     try:
-        for block in offline:
-            exec(compile(block, "docs/llm.md (offline)", "exec"), {"__name__": "llm_page_offline"})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for block in offline:
+                exec(compile(block, "docs/llm.md (offline)", "exec"), {"__name__": "llm_page_offline"})
     finally:
         os.chdir(cwd)
+    proc.offline_warnings = [f"{w.category.__name__}: {w.message}" for w in caught]
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], proc
 
 
@@ -86,6 +90,15 @@ def test_the_page_has_a_block_for_each_step_it_describes():
     online, offline = page_blocks()
     assert len(online) == 4 and len(offline) == 1, (len(online), len(offline))
     assert "policy=policy" in online[0] and 'strategy="fsdp"' in online[0] and "devices=2" in online[0]
+
+
+def test_the_pages_code_prints_no_warning_the_package_causes(ran):
+    """Fabric's all_gather in save() (through torch.distributed.nn's, deprecated) warned on both ranks, and the
+    offline export's one-process read of the shards made torch say it assumed one process."""
+    _, _, proc = ran
+    for said in ("is deprecated", "torch.distributed is disabled"):
+        assert said not in proc.stdout, proc.stdout[-6000:]
+    assert proc.offline_warnings == [], proc.offline_warnings
 
 
 def test_the_page_trains_on_two_sharded_ranks_and_feeds_each_rank_generator_the_trained_weights(ran):

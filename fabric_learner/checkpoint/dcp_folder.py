@@ -32,6 +32,7 @@ import re
 import shutil
 import stat
 import uuid
+import warnings
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
@@ -293,7 +294,13 @@ def load_into(tensors: dict[str, Any], folder: Path, distributed: bool) -> None:
     Pass fresh tensors, never live state: a file that fails to read mid-way leaves them partly
     written.
     """
-    dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=not distributed)
+    if distributed:
+        dcp.load(tensors, storage_reader=SafeReader(folder))
+        return
+    with warnings.catch_warnings():  # one process reading shards on purpose: torch warns that it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=True)
 
 
 def full_targets(metadata: Metadata, prefix: str = "") -> dict[str, torch.Tensor]:
