@@ -19,18 +19,18 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from fabric_learner import _rng
-from fabric_learner._compile import CompiledLoss
-from fabric_learner._loss import as_tensordict, detached, loss_keys, set_entry, total_loss
-from fabric_learner._staged_step import update_staged
-from fabric_learner._stages import Stage, check_stages
-from fabric_learner._step_parts import backward_seed, check_batch, reported_norm
 from fabric_learner.checkpoint import learner_state
 from fabric_learner.checkpoint.frozen import frozen_keys, without_frozen
 from fabric_learner.checkpoint.pending import PendingSave
 from fabric_learner.checkpoint.validate import check_checkpoint, clone_state
 from fabric_learner.llm import loss_count
 from fabric_learner.optim import coverage_error, optimizer_params, uncovered_with_grad
+from fabric_learner.step import rng as _rng
+from fabric_learner.step.compile import CompiledLoss
+from fabric_learner.step.output import as_tensordict, detached, loss_keys, set_entry, total_loss
+from fabric_learner.step.parts import backward_seed, check_batch, reported_norm
+from fabric_learner.step.staged import update_staged
+from fabric_learner.step.stages import Stage, check_stages
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from fabric_learner import _compat
+from fabric_learner.utils import compat as _compat
 
 # names the checkpoint metadata unpickler (checkpoint.dcp_folder) and the teardown (_teardown) build on
 NAMES = [
@@ -19,7 +19,7 @@ NAMES = [
 @pytest.mark.parametrize("where, owner, attribute", _compat.required(), ids=lambda x: x if isinstance(x, str) else "")
 def test_a_private_api_in_use_is_still_there(where, owner, attribute):
     assert hasattr(owner, attribute), (
-        f"{where} has no attribute {attribute!r} any more: fabric_learner/_compat.py relies on it; "
+        f"{where} has no attribute {attribute!r} any more: fabric_learner/utils/compat.py relies on it; "
         "adapt the function there that uses it to the installed version."
     )
 

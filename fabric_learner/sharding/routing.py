@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _compat
+from fabric_learner.utils import compat as _compat
 
 if TYPE_CHECKING:
     from fabric_learner.sharding.owner import ShardedLoss

@@ -71,18 +71,18 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.trainers import ReplayBufferTrainer
 from torchrl.trainers import Trainer as _TorchRLTrainer
 
-from fabric_learner import _call_order
-from fabric_learner._compat import strategy_timeout
 from fabric_learner.asynchronous import NO_COLLECTOR_STATE, AsyncCollection, versioned_policy
 from fabric_learner.checkpoint import trainer_folder, trainer_state
 from fabric_learner.checkpoint.resize import fill_replay, replay_share, reseed
 from fabric_learner.checkpoint.trainer_state import CHECKPOINT_FORMAT
 from fabric_learner.collectives import all_reduce, distributed_world_size
 from fabric_learner.fabric import _lost_peer
+from fabric_learner.launch import call_order as _call_order
 from fabric_learner.sharding.mesh import data_parallel_rank, registered_mesh, tensor_parallel_rank, use_mesh
 from fabric_learner.trainer.async_loop import AsyncLoop, warn_discarded
 from fabric_learner.trainer.hooks import LearnerStepper, LogThroughput, _TargetNetUpdate
 from fabric_learner.trainer.logging import _adapt_logger
+from fabric_learner.utils.compat import strategy_timeout
 from fabric_learner.weights import PublishWeights, serve_collector_policy
 
 __all__ = ["Trainer"]

@@ -140,7 +140,7 @@ def unequal_samples(rank, build=None):
     """
     import warnings
 
-    from fabric_learner._sample_counts import CHECK_EVERY
+    from fabric_learner.step.sample_counts import CHECK_EVERY
 
     learner = (build or ddp)(loss_module=make_loss("dqn")[0])
     batch = make_batch("dqn", n=16, seed=40)

@@ -56,7 +56,7 @@ def main(scenario, strategy):
 
 
 def out_of_order(learner, rank, scenario, strategy):
-    from fabric_learner._call_order import CallOrderError
+    from fabric_learner.launch.call_order import CallOrderError
 
     for step in range(2):
         learner.update(halves(make_batch("dqn", n=16, seed=step), rank))

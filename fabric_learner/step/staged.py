@@ -10,8 +10,8 @@ import math
 
 from tensordict import TensorDictBase
 
-from fabric_learner._stages import as_output, groups
-from fabric_learner._step_parts import backward_seed, check_batch, reported_norm
+from fabric_learner.step.parts import backward_seed, check_batch, reported_norm
+from fabric_learner.step.stages import as_output, groups
 
 
 def update_staged(learner, batch: TensorDictBase) -> TensorDictBase:
