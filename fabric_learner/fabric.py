@@ -187,7 +187,7 @@ class FabricLearner(Learner):
         """Release the learner's distributed state; idempotent.
 
         Closing the last learner of a process group this package started ends the group in a
-        safe order (see ``_teardown``), so every rank must close it, as every rank built it.
+        safe order (see ``launch.teardown``), so every rank must close it, as every rank built it.
         A script that just returns gets the same teardown from an exit hook.
         """
         if self._closed:

@@ -75,7 +75,7 @@ class Learner(nn.Module):
 
     ``compile=True`` runs the loss forward (and so its backward) through ``torch.compile``, with
     results equal to eager's up to float rounding; a loss that does not compile runs eagerly after
-    one warning naming it (see ``_compile``). With ``optimizer=None`` the Adam is then fused.
+    one warning naming it (see ``step.compile``). With ``optimizer=None`` the Adam is then fused.
 
     Examples:
         ``LocalLearner`` and ``FabricLearner`` are the Learners to build; here two micro-batches make
@@ -529,7 +529,7 @@ class Learner(nn.Module):
 
         A checkpoint taken mid-window resumes at the start of a window (gradients are not
         checkpointed), with a warning. Each rank's random state is restored too, so a resumed run
-        draws what the uninterrupted one would have (not across world sizes: see ``_rng``).
+        draws what the uninterrupted one would have (not across world sizes: see ``step.rng``).
         """
         frozen = frozen_keys(self.loss_module)
         check_checkpoint(checkpoint, self._model_shapes(), optional=frozen)

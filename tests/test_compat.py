@@ -1,4 +1,4 @@
-"""The private Lightning, torch and torchrl APIs the package relies on still exist (see _compat.py)."""
+"""The private Lightning, torch and torchrl APIs the package relies on still exist (see utils/compat.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from fabric_learner.utils import compat as _compat
 
-# names the checkpoint metadata unpickler (checkpoint.dcp_folder) and the teardown (_teardown) build on
+# names the checkpoint metadata unpickler (checkpoint.dcp_folder) and the teardown (launch/teardown.py) build on
 NAMES = [
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),

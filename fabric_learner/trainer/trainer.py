@@ -270,7 +270,7 @@ class Trainer(_TorchRLTrainer):
     distributed = _distributed  # part of async_loop.AsyncHost
 
     def _collective(self, name: str) -> contextlib.AbstractContextManager:
-        """Checks, before the call's first collective, that every rank makes this same call (see ``_call_order``)."""
+        """Checks, before the call's first collective, that every rank makes this same call (see ``launch.call_order``)."""
         strategy = getattr(getattr(self.learner, "fabric", None), "strategy", None)
         timeout = strategy_timeout(strategy) if strategy is not None else None
         return _call_order.collective_call(f"Trainer.{name}", self.global_rank, self._world_size, timeout)

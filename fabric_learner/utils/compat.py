@@ -92,7 +92,7 @@ def release_ddp_group(ddp: Any) -> None:
 
     Its ``reducer``, ``logger`` and ``process_group`` attributes keep the group alive; the last
     reference dropping at the wrong moment ends the group in a way that can hang (see
-    ``_teardown``). DDP has no public call for releasing them.
+    ``launch.teardown``). DDP has no public call for releasing them.
     """
     for attr in ("reducer", "logger", "process_group"):
         if hasattr(ddp, attr):

@@ -1,7 +1,7 @@
 """Warnings a user of the package did not cause and cannot act on, silenced narrowly (message, category, module).
 
 Each filter says why its warning is harmless here. Warnings with a cause in this package are fixed at
-the cause instead (see ``_compat.all_gather_flat``, ``_compat.release_semaphores``).
+the cause instead (see ``compat.all_gather_flat``, ``compat.release_semaphores``).
 """
 
 from __future__ import annotations
