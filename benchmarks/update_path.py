@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 PACKAGE = os.path.join(ROOT, "fabric_learner") + os.sep
 # on the path but not run here: compile=True's wrapper (the table's compile rows), since compiling takes a minute
-NOT_RUN = ["fabric_learner/_compile.py"]
+NOT_RUN = ["fabric_learner/step/compile.py"]
 
 
 class Recorder:

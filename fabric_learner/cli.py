@@ -14,7 +14,7 @@ import argparse
 import copy
 from typing import Any
 
-from fabric_learner._launch import launcher
+from fabric_learner.launch.build import launcher
 
 __all__ = ["DefaultsHelpFormatter", "add_launch_arguments", "launch_kwargs", "launcher"]
 

@@ -28,7 +28,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from fabric_learner._launch import DEFAULT_TIMEOUT
+from fabric_learner.launch.build import DEFAULT_TIMEOUT
 
 __all__ = ["FabricLearnerConfig", "LocalLearnerConfig", "instantiate_trainer", "register_configs"]
 

@@ -18,9 +18,21 @@ from tensordict import TensorDictBase
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _call_order, _rng, _teardown
-from fabric_learner._carrier import Carrier, run_loss
-from fabric_learner._compat import (
+from fabric_learner.backends import Counters, Resumed, Setup, backend_for
+from fabric_learner.checkpoint import dcp_folder
+from fabric_learner.checkpoint.files import naming, read_learner_file
+from fabric_learner.collectives import all_reduce, distributed_world_size
+from fabric_learner.launch import call_order as _call_order
+from fabric_learner.launch import teardown as _teardown
+from fabric_learner.launch.build import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
+from fabric_learner.learner import Capabilities, Learner, clipped_norm
+from fabric_learner.optim import OptimizerLike, optimizer_params
+from fabric_learner.sharding import ShardedLoss
+from fabric_learner.step import rng as _rng
+from fabric_learner.step.carrier import Carrier, run_loss
+from fabric_learner.step.sample_counts import SampleTrace
+from fabric_learner.step.stages import Stage
+from fabric_learner.utils.compat import (
     all_gather_stacked,
     allow_unused_parameters,
     ddp_option,
@@ -29,16 +41,6 @@ from fabric_learner._compat import (
     strategy_timeout,
     wrapped_forward,
 )
-from fabric_learner._launch import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
-from fabric_learner._sample_counts import SampleTrace
-from fabric_learner._stages import Stage
-from fabric_learner.backends import Counters, Resumed, Setup, backend_for
-from fabric_learner.checkpoint import dcp_folder
-from fabric_learner.checkpoint.files import naming, read_learner_file
-from fabric_learner.collectives import all_reduce, distributed_world_size
-from fabric_learner.learner import Capabilities, Learner, clipped_norm
-from fabric_learner.optim import OptimizerLike, optimizer_params
-from fabric_learner.sharding import ShardedLoss
 
 
 class FabricLearner(Learner):
@@ -186,7 +188,7 @@ class FabricLearner(Learner):
         """Release the learner's distributed state; idempotent.
 
         Closing the last learner of a process group this package started ends the group in a
-        safe order (see ``_teardown``), so every rank must close it, as every rank built it.
+        safe order (see ``launch.teardown``), so every rank must close it, as every rank built it.
         A script that just returns gets the same teardown from an exit hook.
         """
         if self._closed:

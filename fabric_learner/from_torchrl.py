@@ -31,8 +31,8 @@ from torchrl.trainers.trainers import (
 )
 from torchrl.trainers.trainers import Trainer as _TorchRLTrainer
 
-from fabric_learner._stages import Stage
 from fabric_learner.onpolicy import LearnerValueEstimator
+from fabric_learner.step.stages import Stage
 from fabric_learner.trainer import Trainer
 
 __all__ = ["learner_trainer", "optimizer_factory", "stages_of"]

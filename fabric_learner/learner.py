@@ -19,18 +19,18 @@ import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
 from torch import nn
 
-from fabric_learner import _rng
-from fabric_learner._compile import CompiledLoss
-from fabric_learner._loss import as_tensordict, detached, loss_keys, set_entry, total_loss
-from fabric_learner._staged_step import update_staged
-from fabric_learner._stages import Stage, check_stages
-from fabric_learner._step_parts import backward_seed, check_batch, reported_norm
 from fabric_learner.checkpoint import learner_state
 from fabric_learner.checkpoint.frozen import frozen_keys, without_frozen
 from fabric_learner.checkpoint.pending import PendingSave
 from fabric_learner.checkpoint.validate import check_checkpoint, clone_state
 from fabric_learner.llm import loss_count
 from fabric_learner.optim import coverage_error, optimizer_params, uncovered_with_grad
+from fabric_learner.step import rng as _rng
+from fabric_learner.step.compile import CompiledLoss
+from fabric_learner.step.output import as_tensordict, detached, loss_keys, set_entry, total_loss
+from fabric_learner.step.parts import backward_seed, check_batch, reported_norm
+from fabric_learner.step.staged import update_staged
+from fabric_learner.step.stages import Stage, check_stages
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Learner(nn.Module):
 
     ``compile=True`` runs the loss forward (and so its backward) through ``torch.compile``, with
     results equal to eager's up to float rounding; a loss that does not compile runs eagerly after
-    one warning naming it (see ``_compile``). With ``optimizer=None`` the Adam is then fused.
+    one warning naming it (see ``step.compile``). With ``optimizer=None`` the Adam is then fused.
 
     Examples:
         ``LocalLearner`` and ``FabricLearner`` are the Learners to build; here two micro-batches make
@@ -254,7 +254,7 @@ class Learner(nn.Module):
         >>> out["loss"].shape, learner.num_updates, batch["td_error"].shape
         (torch.Size([6]), 6, torch.Size([8, 1]))
         """
-        from fabric_learner import _minibatches
+        from fabric_learner.step import minibatches as _minibatches
 
         return _minibatches.run(self, batch, minibatch_size, epochs=epochs, shuffle=shuffle, seed=seed,
                                 normalize_advantage=normalize_advantage)
@@ -575,7 +575,7 @@ class Learner(nn.Module):
 
         A checkpoint taken mid-window resumes at the start of a window (gradients are not
         checkpointed), with a warning. Each rank's random state is restored too, so a resumed run
-        draws what the uninterrupted one would have (not across world sizes: see ``_rng``).
+        draws what the uninterrupted one would have (not across world sizes: see ``step.rng``).
         """
         frozen = frozen_keys(self.loss_module)
         check_checkpoint(checkpoint, self._model_shapes(), optional=frozen)

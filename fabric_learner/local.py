@@ -9,12 +9,12 @@ from concurrent.futures import Future
 import torch
 from torch import nn
 
-from fabric_learner._compile import fused_adam
-from fabric_learner._stages import Stage, StageOptimizers, build_stage_optimizers
 from fabric_learner.checkpoint.dcp_folder import is_sharded_checkpoint, read_full
 from fabric_learner.checkpoint.files import atomic_torch_save, file_state, naming, overwrite_error, read_learner_file
 from fabric_learner.learner import Capabilities, Learner, clipped_norm
 from fabric_learner.optim import OptimizerLike, build_optimizer, optimizer_params
+from fabric_learner.step.compile import fused_adam
+from fabric_learner.step.stages import Stage, StageOptimizers, build_stage_optimizers
 
 
 class LocalLearner(Learner):

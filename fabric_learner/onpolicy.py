@@ -39,7 +39,6 @@ from torchrl.data import SamplerWithoutReplacement
 from torchrl.objectives.value.advantages import GAE
 from torchrl.trainers import TrainerHookBase, ValueEstimatorHook
 
-from fabric_learner._loss import loss_keys
 from fabric_learner.collectives import (  # re-exported: part of this module's public API
     _broadcast_mask,
     _mask_like,
@@ -50,6 +49,7 @@ from fabric_learner.collectives import (  # re-exported: part of this module's p
     global_sum,
 )
 from fabric_learner.sharding.mesh import DATA_PARALLEL, process_group
+from fabric_learner.step.output import loss_keys
 
 __all__ = [
     "EpochPartitionSampler",

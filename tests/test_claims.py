@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 # files an update surely runs through: a guard that benchmarks/update_path.py's derivation still finds the step
 CORE_OF_THE_STEP = {"fabric_learner/learner.py", "fabric_learner/fabric.py", "fabric_learner/local.py",
-                    "fabric_learner/_carrier.py", "fabric_learner/_loss.py", "fabric_learner/_stages.py",
+                    "fabric_learner/step/carrier.py", "fabric_learner/step/output.py", "fabric_learner/step/stages.py",
                     "fabric_learner/llm/counts.py", "fabric_learner/backends/replicated.py",
                     "fabric_learner/backends/sharded.py", "fabric_learner/sharding/owner.py"}
 

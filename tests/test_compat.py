@@ -1,4 +1,4 @@
-"""The private Lightning, torch and torchrl APIs the package relies on still exist (see _compat.py)."""
+"""The private Lightning, torch and torchrl APIs the package relies on still exist (see utils/compat.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import importlib
 
 import pytest
 
-from fabric_learner import _compat
+from fabric_learner.utils import compat as _compat
 
-# names the checkpoint metadata unpickler (checkpoint.dcp_folder) and the teardown (_teardown) build on
+# names the checkpoint metadata unpickler (checkpoint.dcp_folder) and the teardown (launch/teardown.py) build on
 NAMES = [
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
@@ -19,7 +19,7 @@ NAMES = [
 @pytest.mark.parametrize("where, owner, attribute", _compat.required(), ids=lambda x: x if isinstance(x, str) else "")
 def test_a_private_api_in_use_is_still_there(where, owner, attribute):
     assert hasattr(owner, attribute), (
-        f"{where} has no attribute {attribute!r} any more: fabric_learner/_compat.py relies on it; "
+        f"{where} has no attribute {attribute!r} any more: fabric_learner/utils/compat.py relies on it; "
         "adapt the function there that uses it to the installed version."
     )
 

@@ -1,7 +1,7 @@
 """compile=True: equal to eager within 1e-5, eager after one warning where a loss does not compile.
 
 Compiling is slow on small machines, so the checks of one case share one compiled graph: losses
-of one class and shape reuse it across learners (see ``_compile``).
+of one class and shape reuse it across learners (see ``step/compile.py``).
 """
 
 from __future__ import annotations

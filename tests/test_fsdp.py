@@ -453,8 +453,8 @@ def test_a_strategy_objects_timeout_bounds_every_group_it_uses(fsdp):
 
 def _sharded_grads(loss, batch, seed):
     """One process, no FSDP: the ShardedLoss's routing alone (units hold full parameters)."""
-    from fabric_learner._carrier import Carrier
     from fabric_learner.sharding import ShardedLoss
+    from fabric_learner.step.carrier import Carrier
 
     wrapper = ShardedLoss(loss, torch.device("cpu"))
     torch.manual_seed(seed)

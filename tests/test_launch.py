@@ -152,7 +152,7 @@ def test_a_rank_ending_the_run_lets_a_rank_it_started_that_announced_its_failure
     import subprocess
     import sys
 
-    from fabric_learner._teardown import _end_children
+    from fabric_learner.launch.teardown import _end_children
 
     # rank 1 exits with 1 once its standard input closes (as a failing rank ends after its traceback); rank 2 waits
     exiting = subprocess.Popen([sys.executable, "-c", "import os, sys, time; sys.stdin.read(); time.sleep(0.3); "

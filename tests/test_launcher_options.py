@@ -13,8 +13,8 @@ import pytest
 from multiproc import RELAY, ROOT, child_pids, fabric_run, forked_ranks, run, torchrun
 
 import fabric_learner
-from fabric_learner._launch import agree_with_launcher
 from fabric_learner.cli import add_launch_arguments, launch_kwargs
+from fabric_learner.launch.build import agree_with_launcher
 
 OPEN = {"accelerator": "auto", "strategy": "auto", "devices": "auto", "num_nodes": 1, "precision": "32-true"}
 LAUNCH_ENV = ("LT_CLI_USED", "LT_ACCELERATOR", "LT_STRATEGY", "LT_DEVICES", "LT_NUM_NODES", "LT_PRECISION",

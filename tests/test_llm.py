@@ -17,7 +17,7 @@ from llm_cases import CASES, PIECES, SGD, VARIANTS, gradients, make_loss, pieces
 from multiproc import WORKERS, launch
 
 from fabric_learner import LocalLearner
-from fabric_learner._loss import as_tensordict, total_loss
+from fabric_learner.step.output import as_tensordict, total_loss
 
 STRATEGIES = ("ddp", "fsdp")
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -12,9 +12,9 @@ import torch
 from tensordict import TensorDict, lazy_stack
 
 from fabric_learner import LocalLearner
-from fabric_learner._loss import as_tensordict, total_loss
 from fabric_learner.llm import balanced_shares, micro_batches, pack_sequences, sample_lengths, update_by_tokens
 from fabric_learner.llm.packing import packed_rows
+from fabric_learner.step.output import as_tensordict, total_loss
 from fabric_learner.testing import dqn_example, grpo_example
 
 

@@ -209,7 +209,7 @@ def test_over_approximate_in_keys_are_not_required():
                                               (timedelta(hours=1), timedelta(hours=1))])
 def test_strategies_built_from_names_carry_the_timeout(strategy, timeout, expected):
     """The group starts with at least the default (the rendezvous); collectives get ``timeout``."""
-    from fabric_learner._launch import DEFAULT_TIMEOUT, as_timeout, build_fabric
+    from fabric_learner.launch.build import DEFAULT_TIMEOUT, as_timeout, build_fabric
 
     fabric, owns = build_fabric(accelerator="cpu", strategy=strategy, devices=2, num_nodes=1, precision="32-true",
                                 timeout=as_timeout(DEFAULT_TIMEOUT if timeout == "omitted" else timeout))
@@ -219,7 +219,7 @@ def test_strategies_built_from_names_carry_the_timeout(strategy, timeout, expect
 def test_a_strategy_object_keeps_its_timeout():
     from lightning.fabric.strategies import DDPStrategy
 
-    from fabric_learner._launch import build_fabric
+    from fabric_learner.launch.build import build_fabric
 
     given = DDPStrategy(timeout=timedelta(seconds=90))
     fabric, owns = build_fabric(accelerator="cpu", strategy=given, devices=2, num_nodes=1, precision="32-true",
@@ -577,7 +577,7 @@ def test_timeout_none_leaves_the_strategy_at_torchs_default():
     The real group's timeout is read in tests/test_launch.py (runs with FL_TIMEOUT=none)."""
     import torch.distributed as dist
 
-    from fabric_learner._launch import as_timeout, build_fabric
+    from fabric_learner.launch.build import as_timeout, build_fabric
 
     for strategy in ("ddp", "fsdp"):
         fabric, owns = build_fabric(accelerator="cpu", strategy=strategy, devices=2, num_nodes=1,

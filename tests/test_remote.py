@@ -373,7 +373,7 @@ def test_status_lines_reach_stderr_in_one_write_so_ranks_sharing_a_pipe_never_sp
     line land inside this one (``[learner rank 0 ...] waiting ...[learner rank 1 ...] waiting ...``)."""
     import io
 
-    from fabric_learner._lines import say
+    from fabric_learner.utils.lines import say
 
     writes = []
 

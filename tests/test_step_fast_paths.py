@@ -10,8 +10,8 @@ from rl_cases import flat_params, make_batch, make_loss
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
 
 from fabric_learner import FabricLearner, LocalLearner
-from fabric_learner._carrier import _on_device
-from fabric_learner._loss import detached, loss_keys
+from fabric_learner.step.carrier import _on_device
+from fabric_learner.step.output import detached, loss_keys
 
 
 def _outputs():
@@ -143,7 +143,7 @@ def test_the_trainer_logs_the_mean_of_each_scalar_over_a_batchs_updates():
 
 @pytest.mark.parametrize("name", ["flat", "batched", "named", "locked", "lazy", "device"])
 def test_set_entry_is_set(name):
-    from fabric_learner._loss import set_entry
+    from fabric_learner.step.output import set_entry
 
     outputs = _outputs()
     got, want = detached(outputs[name]), detached(outputs[name])

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from fabric_learner import _warnings
+from fabric_learner.utils import quiet as _warnings
 
 
 def scored_warnings(quiet: bool) -> list[str]:

@@ -156,7 +156,7 @@ class Backend(Protocol):
 
 def setup_stage_optimizers(fabric: Any, stages: Sequence[Any], named_parameters) -> Any:
     """Each stage's optimizer over its parameters (``named_parameters``: loss names), set up by Fabric."""
-    from fabric_learner._stages import StageOptimizers, build_stage_optimizers
+    from fabric_learner.step.stages import StageOptimizers, build_stage_optimizers
 
     built = build_stage_optimizers(stages, named_parameters)
     wrapped = fabric.setup_optimizers(*built.values())

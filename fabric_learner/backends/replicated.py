@@ -17,15 +17,15 @@ from tensordict import TensorDictBase
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_learner._carrier import LossForwarder
-from fabric_learner._compat import wrapped_forward
-from fabric_learner._compile import fused_adam
 from fabric_learner.backends.base import Counters, Setup, setup_stage_optimizers
 from fabric_learner.checkpoint import dcp_folder
 from fabric_learner.checkpoint.files import FORMAT, AtomicCheckpointIO, overwrite_error
 from fabric_learner.checkpoint.frozen import frozen_keys, without_frozen
 from fabric_learner.learner import holds_trained, plain_weights
 from fabric_learner.optim import build_optimizer, check_no_frozen
+from fabric_learner.step.carrier import LossForwarder
+from fabric_learner.step.compile import fused_adam
+from fabric_learner.utils.compat import wrapped_forward
 
 
 def match_bucket_strides(parameters) -> int:

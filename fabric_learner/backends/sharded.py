@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fabric_learner import _rng
-from fabric_learner._stages import StageOptimizers
 from fabric_learner.backends import sharded_state
 from fabric_learner.backends.base import Counters, Resumed, Setup, setup_stage_optimizers
 from fabric_learner.checkpoint import dcp_folder, learner_state
 from fabric_learner.checkpoint.frozen import frozen_keys
 from fabric_learner.optim import build_optimizer
 from fabric_learner.sharding import ShardedLoss, check_sharded, precision_policy, shard_loss
+from fabric_learner.step import rng as _rng
+from fabric_learner.step.stages import StageOptimizers
 
 
 def default_sharded_strategy(timeout=None):

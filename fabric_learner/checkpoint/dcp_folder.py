@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from fabric_learner import _compat
 from fabric_learner.checkpoint.files import atomic_write
+from fabric_learner.utils import compat as _compat
 
 SHARDED_FORMAT = "fabric_learner/sharded-1"
 LATEST = "LATEST"

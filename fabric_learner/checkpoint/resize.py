@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fabric_learner import _compat
+from fabric_learner.utils import compat as _compat
 
 
 def replay_share(live_rb, saved: list[dict[str, Any]], rank: int, world: int):

@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
-from fabric_learner import _rng
+from fabric_learner.step import rng as _rng
 
 #: The format of a Trainer checkpoint's rank states and of its folder's meta.json.
 CHECKPOINT_FORMAT = "fabric_learner.trainer/1"

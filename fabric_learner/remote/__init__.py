@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fabric_learner._lazy import lazy
+from fabric_learner.utils.lazy import lazy
 
 _HOMES = {"LearnerLostError": "faults", "LearnerTimeoutError": "faults", "RemoteCollectors": "collectors",
           "RemoteLearner": "learner"}

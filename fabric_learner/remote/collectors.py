@@ -13,10 +13,10 @@ import torch.multiprocessing as mp
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data.utils import CloudpickleWrapper
 
-from fabric_learner._lines import say
 from fabric_learner.asynchronous import VersionedPolicy
 from fabric_learner.remote import driver as _driver
 from fabric_learner.remote.directory import Directory, split_address
+from fabric_learner.utils.lines import say
 
 FAILURE_MODES = ("restart", "continue")
 WAIT_LINE_S = 10.0  # a rank waiting for collectors says so after this long, then at doubling intervals up to a minute
@@ -222,7 +222,7 @@ class RemoteCollectors:
         if self.world > 1:
             threading.Thread(target=self._watch_peers, daemon=True, name="fabric_learner-remote-peers").start()
         if self.local:
-            from fabric_learner import collect
+            from fabric_learner.remote import supervisor as collect
 
             for _ in range(self.share):
                 proc = self._ctx.Process(target=collect.serve, kwargs=dict(address=self.address, learner_rank=self.rank),

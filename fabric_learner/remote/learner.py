@@ -348,7 +348,7 @@ class RemoteLearner(Learner):
                 with a batch that is not whole minibatches, a lazy stack dealt by tokens, or a bad argument
                 (nothing is sent).
         """
-        from fabric_learner import _minibatches
+        from fabric_learner.step import minibatches as _minibatches
 
         self._check_usable()
         _minibatches.check_arguments(minibatch_size, epochs, shuffle, seed, normalize_advantage)
@@ -733,8 +733,8 @@ def _pickled(sent: Any) -> bytes:
 
 def _check_step_options(loss_module, optimizer, clip_grad_norm, on_nonfinite, stages) -> None:
     """What every rank would refuse, refused here first: before a runtime or an actor starts."""
-    from fabric_learner._stages import check_stages
     from fabric_learner.learner import NONFINITE_MODES
+    from fabric_learner.step.stages import check_stages
 
     if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm must be a positive number or None (no clipping), got {clip_grad_norm!r}.")

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from tensordict import is_tensor_collection
 
-from fabric_learner._sample_counts import CHECK_EVERY
 from fabric_learner.sharding.mesh import MODEL_PARALLEL, describe, registered_mesh, tensor_parallel_size
+from fabric_learner.step.sample_counts import CHECK_EVERY
 
 _MODULUS = 2**61 - 1
 _BASE = 1_000_003

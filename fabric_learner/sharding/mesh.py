@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fabric_learner import _compat
+from fabric_learner.utils import compat as _compat
 
 #: The data-parallel dimension: ranks that each feed their own batch.
 DATA_PARALLEL = "dp"

@@ -52,12 +52,12 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _compat
-from fabric_learner._carrier import Carrier, output_leaves, run_loss
 from fabric_learner.sharding.agreement import BatchAgreement
 from fabric_learner.sharding.discovery import decoder_blocks, loss_networks, stacked_layers
 from fabric_learner.sharding.mesh import registered_mesh, use_mesh
 from fabric_learner.sharding.routing import BlockUnit, LayerUnit, flat_name, marker, route, route_block, storage_of
+from fabric_learner.step.carrier import Carrier, output_leaves, run_loss
+from fabric_learner.utils import compat as _compat
 
 
 class ShardedLoss(nn.Module):

@@ -157,8 +157,8 @@ def check_sharded(module: ShardedLoss, world_size: int) -> None:
             ...
         RuntimeError: The strategy's parallelize_fn left these parameters unsharded: [...]. It receives ...
     """
-    from fabric_learner import _compat
     from fabric_learner.sharding.mesh import MODEL_PARALLEL, describe, tensor_parallel_size, use_mesh
+    from fabric_learner.utils import compat as _compat
 
     params = list(module.named_loss_parameters())
     plain = [name for name, p in params if not isinstance(p, DTensor)]

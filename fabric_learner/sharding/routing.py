@@ -5,20 +5,33 @@ critic ensemble, so FSDP2 can gather exactly that layer. ``route`` replaces the 
 called with the loss's own (emptied) parameters in its slots, the call goes through the unit;
 called with anything else (target weights) it runs the leaf as it is. Parameters are recognised
 by storage (``marker``, ``storage_of``), which survives the detaching and slicing torchrl does.
+
+A unit sees its owner only through ``UnitOwner``, which ``owner.ShardedLoss`` satisfies: this module
+imports nothing from ``owner`` (which builds the units from it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fabric_learner import _compat
+from fabric_learner.utils import compat as _compat
 
-if TYPE_CHECKING:
-    from fabric_learner.sharding.owner import ShardedLoss
+
+class UnitOwner(Protocol):
+    """What a unit reads of the ``ShardedLoss`` owning its parameters (and, while the owner runs the loss,
+    the counters it moves)."""
+
+    shapes: dict[str, torch.Size]  # each loss parameter's full shape
+    _updating: int  # > 0 while update() runs the loss: leaves route to their units
+    _inside: int  # > 0 while the loss's parameters hold full tensors
+    _online: dict[int | None, str]  # storage of a loss parameter (see storage_of) -> its name
+
+    def param(self, name: str) -> torch.Tensor:
+        """The (sharded) parameter holding the loss's parameter ``name``."""
 
 
 def flat_name(name: str) -> str:
@@ -62,7 +75,7 @@ class LayerUnit(nn.Module):
     runs that member's slice).
     """
 
-    def __init__(self, owner: ShardedLoss, path: str, leaf: nn.Module, attrs: dict[str, str],
+    def __init__(self, owner: UnitOwner, path: str, leaf: nn.Module, attrs: dict[str, str],
                  members: int | None = None, aliases: frozenset = frozenset()) -> None:
         super().__init__()
         self.__dict__["aliases"] = aliases  # loss names held by another unit (tied weights): read from there
@@ -222,7 +235,7 @@ class BlockUnit(nn.Module):
     re-gather, under ``torch.utils.checkpoint`` (non-reentrant, random state preserved).
     """
 
-    def __init__(self, owner: ShardedLoss, path: str, block: nn.Module) -> None:
+    def __init__(self, owner: UnitOwner, path: str, block: nn.Module) -> None:
         super().__init__()
         self.layers = nn.ModuleDict()
         self.__dict__["owner"] = owner

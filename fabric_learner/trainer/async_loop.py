@@ -254,8 +254,8 @@ def _round_collective(host: AsyncHost, values: list[int], round_, feeder: _Feede
     try:
         return [int(v) for v in all_reduce(torch.tensor(values, dtype=torch.int64)).tolist()]
     except RuntimeError as err:
-        from fabric_learner import _call_order
         from fabric_learner.fabric import _lost_peer
+        from fabric_learner.launch import call_order as _call_order
 
         lost = _lost_peer(err)
         if lost is None:

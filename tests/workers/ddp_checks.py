@@ -132,7 +132,7 @@ def unequal_first_step(rank, build=None):
 
 
 def unequal_samples(rank, build=None):
-    """Ranks compare counts on step 1 and every 100th after (``_sample_counts.CHECK_EVERY``).
+    """Ranks compare counts on step 1 and every 100th after (``step.sample_counts.CHECK_EVERY``).
 
     Step 1: 8 samples each; steps 2-3: 10 on rank 0, 6 on rank 1; steps 4-101: 8 each. The
     warnings each rank saw after step 1, after step 100 (before the period's comparison) and
@@ -140,7 +140,7 @@ def unequal_samples(rank, build=None):
     """
     import warnings
 
-    from fabric_learner._sample_counts import CHECK_EVERY
+    from fabric_learner.step.sample_counts import CHECK_EVERY
 
     learner = (build or ddp)(loss_module=make_loss("dqn")[0])
     batch = make_batch("dqn", n=16, seed=40)

@@ -6,7 +6,7 @@ Rank 0 calls ``update`` three times; rank 1 calls it twice and then, by SCENARIO
 ``returns`` (ends its program), ``busy`` (works on for longer than the timeout) or ``dies``
 (is SIGKILLed before its second update). No scenario may leave a process waiting forever.
 
-Ranks that disagree on a collective method of the learner (``_call_order``), after two updates:
+Ranks that disagree on a collective method of the learner (``launch.call_order``), after two updates:
 ``mismatch``: rank 0 calls ``get_weights`` (under DDP, where that is no collective, ``checkpoint``)
 while rank 1 calls ``save``; both catch the error, then train on together and end cleanly.
 ``closed``: rank 1 closes its learner; rank 0 calls the same method, catches the error, closes.
@@ -56,7 +56,7 @@ def main(scenario, strategy):
 
 
 def out_of_order(learner, rank, scenario, strategy):
-    from fabric_learner._call_order import CallOrderError
+    from fabric_learner.launch.call_order import CallOrderError
 
     for step in range(2):
         learner.update(halves(make_batch("dqn", n=16, seed=step), rank))

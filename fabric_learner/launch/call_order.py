@@ -29,7 +29,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fabric_learner._compat import default_store
+from fabric_learner.utils.compat import default_store
 
 _PREFIX = "fabric_learner/calls/"
 _POLL = 0.01  # longest sleep between two looks at the store, seconds

@@ -1,7 +1,7 @@
 """Warnings a user of the package did not cause and cannot act on, silenced narrowly (message, category, module).
 
 Each filter says why its warning is harmless here. Warnings with a cause in this package are fixed at
-the cause instead (see ``_compat.all_gather_flat``, ``_compat.all_gather_stacked``, ``_compat.release_semaphores``,
+the cause instead (see ``utils.compat.all_gather_flat``, ``utils.compat.all_gather_stacked``, ``utils.compat.release_semaphores``,
 ``checkpoint.dcp_folder.load_into``).
 """
 

@@ -15,7 +15,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from torch import nn
 
-from fabric_learner._loss import as_tensordict
+from fabric_learner.step.output import as_tensordict
 
 
 class Carrier:

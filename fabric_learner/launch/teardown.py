@@ -33,10 +33,11 @@ import weakref
 
 import torch.distributed as dist
 
-from fabric_learner import _call_order, _compat
-from fabric_learner._compat import release_ddp_group, wrapped_forward
-from fabric_learner._launch import DEFAULT_TIMEOUT
-from fabric_learner._lines import say
+from fabric_learner.launch import call_order as _call_order
+from fabric_learner.launch.build import DEFAULT_TIMEOUT
+from fabric_learner.utils import compat as _compat
+from fabric_learner.utils.compat import release_ddp_group, wrapped_forward
+from fabric_learner.utils.lines import say
 
 _open: weakref.WeakSet = weakref.WeakSet()
 _state = {"installed": False, "owns_group": False, "crashed": False, "fabrics": [], "done": False}

@@ -9,8 +9,8 @@ from typing import Any
 
 from lightning.fabric import Fabric
 
-from fabric_learner._compat import set_group_timeout, set_strategy_timeout, strategy_mesh
 from fabric_learner.backends.sharded import default_sharded_strategy
+from fabric_learner.utils.compat import set_group_timeout, set_strategy_timeout, strategy_mesh
 
 SHARDED_NAMES = ("fsdp", "fsdp2")
 DEFAULT_TIMEOUT = timedelta(minutes=5)

@@ -10,14 +10,14 @@ import math
 
 from tensordict import TensorDictBase
 
-from fabric_learner._stages import as_output, groups
-from fabric_learner._step_parts import backward_seed, check_batch, reported_norm
+from fabric_learner.step.parts import backward_seed, check_batch, reported_norm
+from fabric_learner.step.stages import as_output, groups
 
 
 def update_staged(learner, batch: TensorDictBase) -> TensorDictBase:
     """``update`` for a learner with stages: each due stage's backward, clip and step, in order.
 
-    The first group of stages (see ``_stages.groups``) runs on each micro-batch as it comes,
+    The first group of stages (see ``stages.groups``) runs on each micro-batch as it comes,
     with the window's starting weights; later groups run when the window ends, over all of
     its micro-batches, after the groups before them have stepped. So two accumulated halves
     equal one full batch, and a method stage sees the weights its predecessors just stepped.

@@ -19,8 +19,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.objectives import LossModule
 
-from fabric_learner._loss import loss_keys
 from fabric_learner.optim import build_optimizer
+from fabric_learner.step.output import loss_keys
 
 OptimizerFactory = Union[Callable[[list[nn.Parameter]], torch.optim.Optimizer], None]
 

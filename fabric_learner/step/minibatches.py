@@ -105,7 +105,7 @@ def run(learner, batch: TensorDictBase, minibatch_size: int, *, epochs: int = 1,
 def _one_step(outputs: list[TensorDictBase]) -> TensorDictBase:
     """A window's micro-batch outputs as its step's: the loss entries averaged (equal micro-batches), the rest
     (``grad_norm``) the last call's."""
-    from fabric_learner._loss import loss_keys
+    from fabric_learner.step.output import loss_keys
 
     out = outputs[-1].clone()
     for name in loss_keys(out):

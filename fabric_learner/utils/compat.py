@@ -92,7 +92,7 @@ def release_ddp_group(ddp: Any) -> None:
 
     Its ``reducer``, ``logger`` and ``process_group`` attributes keep the group alive; the last
     reference dropping at the wrong moment ends the group in a way that can hang (see
-    ``_teardown``). DDP has no public call for releasing them.
+    ``launch.teardown``). DDP has no public call for releasing them.
     """
     for attr in ("reducer", "logger", "process_group"):
         if hasattr(ddp, attr):
@@ -292,7 +292,7 @@ def required() -> list[tuple[str, Any, str]]:
 
     plain = TensorDict({"a": torch.zeros(1)}, [])
     return [
-        # the learner's per-update fast paths for plain TensorDicts (fabric_learner._loss, _carrier)
+        # the learner's per-update fast paths for plain TensorDicts (fabric_learner.step.output, _carrier)
         ("tensordict TensorDict", TensorDict, "_new_unsafe"),
         ("tensordict TensorDict", TensorDict, "_set_str"),
         ("tensordict TensorDict", plain, "_tensordict"),
