@@ -20,7 +20,7 @@ import torch
 from multiproc import RELAY, WORKERS, forked_ranks, free_port, run
 
 SCRIPT = os.path.join(WORKERS, "elastic_trainer.py")
-FRESH_STORES = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a new store per rendezvous round (see _launch)
+FRESH_STORES = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a new store per rendezvous round (see launch/build.py)
 KEYS = ("params", "num_updates", "optim_count", "collected_frames", "rb_obs", "priorities", "rng")
 
 

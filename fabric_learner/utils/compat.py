@@ -292,7 +292,7 @@ def required() -> list[tuple[str, Any, str]]:
 
     plain = TensorDict({"a": torch.zeros(1)}, [])
     return [
-        # the learner's per-update fast paths for plain TensorDicts (fabric_learner.step.output, _carrier)
+        # the learner's per-update fast paths for plain TensorDicts (fabric_learner.step.output, step.carrier)
         ("tensordict TensorDict", TensorDict, "_new_unsafe"),
         ("tensordict TensorDict", TensorDict, "_set_str"),
         ("tensordict TensorDict", plain, "_tensordict"),
