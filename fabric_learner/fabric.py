@@ -104,6 +104,15 @@ class FabricLearner(Learner):
         second rank itself.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # strategy=PipelineStrategy(...): the ranks are pipeline stages, a learner of its own (pipeline/learner.py)
+        if cls is FabricLearner and type(kwargs.get("strategy")).__name__ == "PipelineStrategy":
+            from fabric_learner.pipeline import PipelineLearner, PipelineStrategy
+
+            if isinstance(kwargs["strategy"], PipelineStrategy):
+                return PipelineLearner(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         loss_module: nn.Module,
