@@ -69,6 +69,24 @@ def test_two_pipeline_stages_train_like_one_process_on_the_whole_batch(ranks, ca
                 assert abs(got[key] - want[key]) < 1e-5, key
 
 
+def test_get_weights_gathers_the_stages_into_the_whole_policy_under_its_own_names(ranks):
+    """After training, rank 0's get_weights() holds every tensor of the unsplit policy under the names one
+    process's get_weights() gives them, equal to its values within 1e-5; rank 1 gets an empty TensorDict, and with
+    cpu_offload=False both ranks get the whole policy."""
+    loss, policy = checks.build("grpo")
+    learner = LocalLearner(loss, checks.sgd(), policy=policy, clip_grad_norm=checks.CLIP)
+    for batch in checks.batches(policy):
+        learner.update(batch)
+    want = learner.get_weights().flatten_keys(".")
+    assert len(ranks[1]["grpo"]["weights"].keys()) == 0
+    for got in (ranks[0]["grpo"]["weights"], ranks[0]["grpo"]["weights_everywhere"],
+                ranks[1]["grpo"]["weights_everywhere"]):
+        got = got.flatten_keys(".")
+        assert list(got.keys()) == list(want.keys())
+        for key in want.keys():
+            torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
+
+
 def test_per_micro_batch_means_with_torch_scale_grads_do_not_equal_one_process(ranks):
     """PipelineStrategy(scale_grads=True), torch's default: each micro-batch's own mean, the gradients divided by
     the micro-batch count. With unequal token counts that weighs tokens unequally: the step differs from one
@@ -78,12 +96,14 @@ def test_per_micro_batch_means_with_torch_scale_grads_do_not_equal_one_process(r
 
 
 def test_a_batch_the_schedule_cannot_carry_is_refused_on_every_rank_before_any_stage_runs(ranks):
-    """2 samples for 3 micro-batches: a ValueError naming the counts and the fix on both ranks, no parameter
-    changed and no update counted; the learner then trains as usual."""
+    """2 samples for 3 micro-batches, and batches of 5 and 4 samples on the two stages: a ValueError naming the
+    counts and the fix on both ranks, no parameter changed and no update counted; the learner then trains as
+    usual (the comparisons above)."""
     for rank in ranks:
         got = rank["grpo"]
         assert "2 samples cannot be cut into the schedule's 3 micro-batches" in got["too_small"]
         assert "No stage ran" in got["too_small"]
+        assert "batches of 4 to 5 samples" in got["unequal"] and "the same batch" in got["unequal"]
         assert got["unchanged"] and got["updates_after_refusal"] == 0
 
 

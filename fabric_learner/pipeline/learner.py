@@ -212,6 +212,8 @@ class PipelineLearner(Learner):
         object.__setattr__(self, "strategy", strategy)
         self._closed = False
         stage, stages_n = fabric.global_rank, fabric.world_size
+        # the whole policy's names, as get_weights() gives them (before the split removes the other stages')
+        object.__setattr__(self, "_policy_names", list(TensorDict.from_module(policy).flatten_keys(".").keys()))
         strategy.split_fn(model, stage, stages_n)
         loss_module.to(fabric.device)
         self.optimizer = build_optimizer(optimizer, loss_module.parameters())
@@ -359,8 +361,35 @@ class PipelineLearner(Learner):
         _teardown.close(self)
 
     def get_weights(self, *, cpu_offload: bool = True) -> TensorDictBase:
-        raise NotImplementedError("get_weights() across pipeline stages is not available yet: each rank holds its "
-                                  "stage's parameters (self.loss_module.named_parameters()).")
+        """The whole policy's weights, gathered from the stages under its own names; a collective.
+
+        Laid out as ``TensorDict.from_module(policy)`` of the unsplit model. ``cpu_offload=True``: on rank 0,
+        an empty TensorDict elsewhere (as under FSDP); ``False``: on every rank, on the learner's device.
+        The stages' tensors travel as pickled objects (``gather_object``): fine for small models, slow for
+        large ones.
+        """
+        mine = {k: v.detach().to("cpu", copy=True)
+                for k, v in TensorDict.from_module(self.policy).flatten_keys(".").items()}
+        parts: list[Any] = [None] * self.world_size
+        if cpu_offload:
+            dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
+            if self.global_rank != 0:
+                return TensorDict({}, batch_size=[])
+        else:
+            dist.all_gather_object(parts, mine)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:  # buffers every stage holds (rotary frequencies) are equal: the first is kept
+            for key, value in part.items():
+                merged.setdefault(key, value)
+        missing = [k for k in self._policy_names if k not in merged]
+        if missing:
+            raise RuntimeError(f"The stages hold no tensor named {missing[:4]} of the policy: the split removed "
+                               "them from every stage. Check split_fn.")
+        out = TensorDict({}, batch_size=[])
+        for key in self._policy_names:
+            value = merged[key]
+            out.set(tuple(key.split(".")), value if cpu_offload else value.to(self.fabric.device))
+        return out
 
     def save(self, path, blocking: bool = True):
         raise NotImplementedError("save() across pipeline stages is not available yet.")

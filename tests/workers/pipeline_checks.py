@@ -75,10 +75,17 @@ def main(out_dir):
                 learner.update(data[0][:2])
             except ValueError as err:
                 results[case]["too_small"] = str(err)
+            try:  # different batches on the two stages: refused on both, before any stage runs
+                learner.update(data[0][:5 - rank])
+            except ValueError as err:
+                results[case]["unequal"] = str(err)
             results[case]["unchanged"] = all(torch.equal(before[k], v)
                                              for k, v in learner.loss_module.state_dict().items())
             results[case]["updates_after_refusal"] = learner.num_updates
         results[case].update(train(learner, data))
+        if case == "grpo":  # the whole policy's weights, gathered from the stages on rank 0
+            results[case]["weights"] = learner.get_weights()
+            results[case]["weights_everywhere"] = learner.get_weights(cpu_offload=False)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     learner.close()
 
