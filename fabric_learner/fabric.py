@@ -58,6 +58,9 @@ class FabricLearner(Learner):
     ``compile=True`` (see ``Learner``) works on a single device and under DDP; sharded strategies
     refuse it with a ``ValueError``.
 
+    ``strategy=PipelineStrategy(...)`` (``fabric_learner.pipeline``) splits the policy's language model
+    into pipeline stages, one per rank, and builds a ``PipelineLearner`` instead (docs/pipeline.md).
+
     ``timeout`` (a ``timedelta``, seconds, or ``None`` for torch's default) bounds every
     collective of the process group Fabric builds from a strategy name (default 5 minutes), so a
     rank that stops answering fails its peers instead of hanging them; a strategy object or a

@@ -96,7 +96,7 @@ class _StageRunner(nn.Module):
         self.micro_batches: list[TensorDictBase] = []
         self.padded: tuple[int, int] = (0, 0)  # [samples, length] every hidden state is sent as
         self.results: list[tuple[TensorDictBase, torch.Tensor]] = []  # last stage: (output, count) per micro-batch
-        self.mode = "run"
+        self.mode = "off"  # the hooks act only inside update(): "shape" (the shape pass) or "run" (the schedule)
         self._next = 0
         self._received: torch.Tensor | None = None
         model.register_forward_pre_hook(self._before_model, with_kwargs=True)
@@ -114,7 +114,7 @@ class _StageRunner(nn.Module):
         except _Shape as shape:
             return shape.shape
         finally:
-            self.mode = "run"
+            self.mode = "off"
         raise RuntimeError("The loss never called the policy's model, so the pipeline has nothing to split. "
                            "Give PipelineStrategy a loss whose policy (policy=) runs a transformers model.")
 
@@ -139,6 +139,8 @@ class _StageRunner(nn.Module):
         return loss if self.scale_grads else loss * count  # the mean, or the micro-batch's sum
 
     def _before_model(self, module, args, kwargs):
+        if self.mode == "off":
+            return None
         ids = args[0] if args else kwargs.get("input_ids")
         if self.mode == "shape":
             raise _Shape(ids.shape)
@@ -169,6 +171,19 @@ class PipelineLearner(Learner):
         ValueError, TypeError: before any rank starts, for a split that does not cover the model exactly once
             or settings this learner does not take; in ``update``, on every rank and before any stage runs, for a
             batch the schedule cannot carry (fewer samples than micro-batches, or different batches on the ranks).
+
+    Examples:
+        On 2 ranks (``devices=2``) the stages train as docs/pipeline.md shows; what is refused is refused before
+        any rank starts:
+
+        >>> from fabric_learner import FabricLearner
+        >>> from fabric_learner.pipeline import PipelineStrategy
+        >>> from fabric_learner.testing import grpo_example
+        >>> loss, policy, batch = grpo_example()
+        >>> FabricLearner(loss, policy=policy, strategy=PipelineStrategy(), accelerator="cpu", devices=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: PipelineStrategy needs devices= the number of stages (an integer >= 2), got 1. Nothing was launched.
     """
 
     capabilities = Capabilities(sharded=True, distributed=True)
@@ -253,12 +268,16 @@ class PipelineLearner(Learner):
         self._torch_optimizer.zero_grad(set_to_none=True)
         stage = self.fabric.global_rank
         numbers = torch.arange(micro, device=device)
-        if stage == 0:
-            schedule.step(numbers, return_outputs=False)
-        elif stage == self.world_size - 1:
-            schedule.step(target=numbers, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
+        runner.mode = "run"
+        try:
+            if stage == 0:
+                schedule.step(numbers, return_outputs=False)
+            elif stage == self.world_size - 1:
+                schedule.step(target=numbers, return_outputs=False)
+            else:
+                schedule.step(return_outputs=False)
+        finally:
+            runner.mode = "off"
         result = self._shared_result(runner.results)
         state = self.__dict__
         state["_window_results"] = [result]
