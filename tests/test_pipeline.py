@@ -20,6 +20,7 @@ import pipeline_checks as checks
 
 from fabric_learner import FabricLearner, LocalLearner
 from fabric_learner.pipeline import PipelineStrategy, check_split, decoder_split
+from fabric_learner.sharding.pipeline_split import decoder_stage_bounds
 from fabric_learner.testing import tiny_causal_lm
 
 
@@ -136,3 +137,36 @@ def test_a_split_that_does_not_cover_the_model_exactly_once_is_refused_before_an
                       accelerator="cpu", devices=2)
     assert all(torch.equal(before[k], v) for k, v in loss.state_dict().items())
     assert len(policy.model.model.layers) == 2 and type(policy.model.model.layers[1]).__name__ == "Qwen2DecoderLayer"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_decoder_split_chains_to_the_whole_model_for_qwen2_and_llama(family):
+    """One process: a Qwen2 and a Llama of 3 decoder layers built from a config, split by decoder_split into 2
+    stages balanced by parameter count (embeddings and layers 0-1, then layer 2, norm and head: both cuts weigh
+    the same, as embeddings and head do, and the first is kept; 3 stages: a layer each); stage 0's hidden states
+    fed to stage 1 as inputs_embeds give the whole model's logits, and each parameter is in one stage under its
+    own name."""
+    import copy
+
+    import transformers
+
+    config = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False)
+    build = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
+    torch.manual_seed(0)
+    model = build[1](build[0](**config)).eval()
+    ids = torch.randint(300, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding on one row
+    assert decoder_stage_bounds(model, 2) == [(0, 2), (2, 3)]
+    assert decoder_stage_bounds(model, 3) == [(0, 1), (1, 2), (2, 3)]
+    names = check_split(model, decoder_split, 2)
+    assert names[0] | names[1] == {n for n, _ in model.named_parameters()}
+    first = decoder_split(copy.deepcopy(model), 0, 2)
+    last = decoder_split(copy.deepcopy(model), 1, 2)
+    with torch.no_grad():
+        hidden = first(ids, mask).logits
+        logits = last(None, mask, inputs_embeds=hidden).logits
+        torch.testing.assert_close(logits, model(ids, mask).logits, atol=1e-5, rtol=0)
+    assert {n for n, _ in first.named_parameters()} == names[0]

@@ -61,13 +61,14 @@ def train(learner, data):
 def main(out_dir):
     rank = int(os.environ.get("LOCAL_RANK", 0))
     results = {}
-    learner = None
+    learners = []
     for case, (kind, schedule, micro, scaled) in CASES.items():
         loss, policy = build(kind)
         data = batches(policy)
         strategy = PipelineStrategy(schedule=schedule, microbatches=micro, scale_grads=scaled)
         learner = FabricLearner(loss, sgd(), policy=policy, strategy=strategy, accelerator="cpu", devices=2,
                                 clip_grad_norm=CLIP, timeout=TIMEOUT)
+        learners.append(learner)
         results[case] = {"type": type(learner).__name__, "stage": learner.stage}
         if case == "grpo":  # a batch the schedule cannot carry: refused on every rank before any stage runs
             before = {k: v.clone() for k, v in learner.loss_module.state_dict().items()}
@@ -87,7 +88,8 @@ def main(out_dir):
             results[case]["weights"] = learner.get_weights()
             results[case]["weights_everywhere"] = learner.get_weights(cpu_offload=False)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    learner.close()
+    for learner in learners:  # every learner closed on every rank: the last one ends the group, at once
+        learner.close()
 
 
 if __name__ == "__main__":
