@@ -25,7 +25,7 @@ from torch import nn
 from fabric_learner.learner import Capabilities, Learner, plain_weights
 from fabric_learner.remote import _runtime, _shares
 from fabric_learner.remote._wire import arrays_of, packed, unpacked, wire_bytes, with_arrays
-from fabric_learner.remote.faults import LearnerLostError, LearnerTimeoutError, gather
+from fabric_learner.remote.faults import CONTINUE, RESTART, LearnerLostError, LearnerTimeoutError, gather
 
 # shares of at most this many tensor bytes are passed inside the actor call; larger ones through the object store.
 # Under Ray's own limit for inlined arguments (max_direct_call_object_size, 100 KiB by default), with room for the
@@ -203,6 +203,8 @@ class RemoteLearner(Learner):
 
         from fabric_learner.remote.actors import LearnerRank
 
+        if self._embedded:  # this machine only: what can never fit is refused now, not after setup_timeout
+            _runtime.refuse_what_never_fits(self.num_learners, cpus, gpus)
         sent = ray.put(sent)
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         self._group = placement_group([bundle] * self.num_learners, strategy="PACK")
@@ -234,7 +236,9 @@ class RemoteLearner(Learner):
 
     def _gather(self, refs, what: str, timeout=None) -> list[Any]:
         try:
-            return gather(refs, what, self.timeout if timeout is None else timeout, self._where, GRACE_S)
+            # rebuilding, the learner says what it did instead of what the caller should do
+            then = "" if self.on_lost_rank == "rebuild" else RESTART
+            return gather(refs, what, self.timeout if timeout is None else timeout, self._where, GRACE_S, then)
         except (LearnerLostError, LearnerTimeoutError) as err:
             self._fail(err)
             if self.on_lost_rank == "rebuild":
@@ -275,14 +279,15 @@ class RemoteLearner(Learner):
         except BaseException as again:  # noqa: BLE001 - the rebuild failed: the group stays ended, both told
             self._broken = err
             self._end_group()
-            err.args = (f"{err} Rebuilding the group failed too ({type(again).__name__}: {again}).",)
+            err.args = (f"{err} The group was ended, and on_lost_rank='rebuild' could not build a new one "
+                        f"({type(again).__name__}: {again}). {CONTINUE}",)
             return
         start = f"the checkpoint {self._last_save[0]}" if self._last_save else "the loss as first sent (nothing saved yet)"
         err.rebuilt_from = self._last_save[0] if self._last_save else None
         err.lost_updates = lost
-        err.args = (f"{err} on_lost_rank='rebuild': a new group was built from {start}, at update {self.num_updates}; "
-                    f"the {lost} update(s) since, and this call's, were not kept. The learner is usable: call update() "
-                    "again with the next batch.",)
+        err.args = (f"{err} The group was ended and, as on_lost_rank='rebuild' asks, a new one was built from {start}, "
+                    f"at update {self.num_updates} (num_updates is back there): the {lost} update(s) since, and this "
+                    "call's, were not kept. The learner is usable: call update() again with the next batch.",)
 
     def _end_group(self) -> None:
         import ray
@@ -606,6 +611,13 @@ class RemoteLearner(Learner):
             self.close()
             return
         self._closed = True  # an error is on its way up: end the actors without waiting for them
+        closed = RuntimeError(
+            f"This update was not collected before its RemoteLearner was closed: the with block exited on "
+            f"{kind.__name__} ({value}), which ends the group without waiting for the updates in flight, so its result "
+            "is gone (no rank was lost). Collect an update (pending.result()) inside the block to keep it.")
+        for handle in self._in_flight:
+            handle._error = closed
+        self._in_flight.clear()
         self._end_group()
         self._unfollow()
         if self._embedded:
