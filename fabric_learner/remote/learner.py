@@ -54,8 +54,9 @@ class RemoteLearner(Learner):
     instead, a function returning the loss (or ``(loss, policy)``) called on each rank. The
     optimizer is a factory ``f(params)`` (an instance holds this process's parameters) or ``None``.
 
-    The controller holds no copy of the weights: ``get_weights()`` fetches them (full tensors, also
-    under FSDP), ``state_dict()`` is empty, ``loss_module`` is the object given (untrained) or ``None``.
+    The controller trains nothing: ``get_weights()`` fetches the weights (full tensors, also under
+    FSDP), ``state_dict()`` is empty, ``loss_module`` is the object given or ``None``; with ``follow``
+    its modules are brought to the group's weights when this process runs them.
 
     Args:
         loss_module: a torchrl loss (sent to every rank) or a factory returning one or ``(loss, policy)``.
@@ -79,6 +80,9 @@ class RemoteLearner(Learner):
             call raises; ``"rebuild"``: the call still raises (``LearnerLostError`` /
             ``LearnerTimeoutError``, saying what was lost), but a new group is built and loaded from
             the last checkpoint ``save()`` wrote, and the learner goes on from there.
+        follow (bool): ``True`` (default): the loss given here (and ``policy``) holds the group's weights
+            whenever this process runs its modules, fetched on first use after an update
+            (``remote.following``); ``False`` for programs that publish weights themselves.
 
     Raises:
         TypeError, ValueError: a bad argument or a loss that cannot be sent, before anything starts.
