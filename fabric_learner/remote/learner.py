@@ -721,8 +721,9 @@ def _write_back(batch: TensorDictBase, written: list[TensorDictBase], in_place: 
 def _payload(loss_module: Any, policy: nn.Module | None) -> Any:
     """What the ranks build the loss from: ``(loss, policy)`` or a factory."""
     if isinstance(loss_module, nn.Module):
-        if policy is not None and not isinstance(policy, nn.Module):
-            raise TypeError(f"policy must be an nn.Module or None, got {type(policy).__name__}.")
+        from fabric_learner.learner import check_policy
+
+        check_policy(loss_module, policy)  # a module of the loss, refused here before any rank starts
         return loss_module, policy  # pickled together: the policy stays the loss's own module on the ranks
     if callable(loss_module):
         if policy is not None:
