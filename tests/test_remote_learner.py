@@ -564,6 +564,25 @@ def test_a_hand_written_dqn_loop_with_a_replay_buffer_and_soft_updates_trains_as
     assert_close_state(local.loss_module.state_dict(), ddp.loss_module.state_dict())  # and the loss here
 
 
+def test_a_target_network_moved_here_while_an_update_runs_reaches_the_ranks(ddp):
+    """Pipelined (wait=False): SoftUpdate steps here on the weights this process holds while the update runs; when
+    the update is collected, that write is judged by the weights it was made from and sent, not refused."""
+    from torchrl.objectives import SoftUpdate
+
+    with ddp.full_parameters():
+        updater = SoftUpdate(ddp.loss_module, eps=0.5)
+    ddp.update(make_batch("dqn", n=16, seed=989))  # the online network leaves the target behind
+    pending = ddp.update(make_batch("dqn", n=16, seed=990), wait=False)
+    before = {k: v.clone() for k, v in ddp.loss_module.state_dict().items() if k.startswith("target")}
+    updater.step()  # the online network here is the one before this update: as an asynchronous program has it
+    moved = {k: v.clone() for k, v in ddp.loss_module.state_dict().items() if k.startswith("target")}
+    assert any(not torch.equal(v, before[k]) for k, v in moved.items())
+    pending.result()  # collected: the whole loss follows (an updater is built on it), the target sent first
+    for k, v in moved.items():
+        torch.testing.assert_close(rank_models(ddp)[1][k], v, **TOL)
+    assert ddp.broken is None
+
+
 # ---- many updates in one call --------------------------------------------------------------------------------
 
 

@@ -421,7 +421,10 @@ class RemoteLearner(Learner):
                            "object_store_bytes": sum(sizes) - inline_bytes,
                            "wire_bytes": sum(crossing)}
         self._in_flight.append(handle)
-        return handle.result() if wait else handle
+        if wait:
+            return handle.result()
+        handle._pipelined = True  # this process goes on while it runs
+        return handle
 
     def _collect(self, handle: PendingUpdate) -> None:
         """Wait for ``handle`` and every earlier update, in order, applying their counters here.
@@ -440,7 +443,7 @@ class RemoteLearner(Learner):
                 raise
             self._in_flight.popleft()
             self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]  # the ranks stepped, whatever follows
-            self._moved()
+            self._moved(head._pipelined)
             head.policy_version = self.num_updates
             head.transfer["returned_bytes"] = sum(wire_bytes(a[0]) + (wire_bytes(a[4][0]) if a[4] else 0)
                                                   for a in answers)
@@ -461,10 +464,10 @@ class RemoteLearner(Learner):
         if self._follower is not None and not self._in_flight:
             self._follower.after_update()
 
-    def _moved(self) -> None:
+    def _moved(self, pipelined: bool = False) -> None:
         """The group's weights changed: the modules here are behind until they are next run."""
         if self._follower is not None:
-            self._follower.moved()
+            self._follower.moved(while_running=pipelined)
 
     def _drain(self) -> None:
         while self._in_flight:
@@ -646,6 +649,7 @@ class PendingUpdate:
         self._error: BaseException | None = None
         self._batch: TensorDictBase | None = None
         self._order: torch.Tensor | None = None  # the batch's rows the shares hold, in order, when not contiguous
+        self._pipelined = False  # returned at once (wait=False): the caller ran code while it was in flight
         self.policy_version: int | None = None
         self.transfer: dict[str, int] = {}
 
