@@ -33,6 +33,12 @@ Contenders, each on the same global batches (2 ranks, gloo, CPU, one thread per 
   actor), one optimization step per ``step(1)``, against ``remote_sampled``: RemoteLearner fed by
   a replay buffer in this process (``rb.sample(batch)`` then ``update``), the same loss and batch size.
 
+``--many``: many updates per call instead, ``update_minibatches`` (PPO: 10 epochs x 8 minibatches of each
+global batch, seeded partitions, 80 updates a call; DQN: 16 in-order updates of ``--batch`` each, 16
+sampled batches concatenated) against the same loop under torchrun (``spmd``: each rank
+``FabricLearner.update_minibatches`` on the share ``RemoteLearner`` would send it) and on the learner's
+own actors (``spmd_in_actors``); per-update times are a call's time over its updates.
+
 SPMD launches and remote blocks take turns (``harness.rotation``), so both see the machine's load
 alike; ratios are paired per repetition (``harness.bootstrap_ci``). Also reported: the bytes sent per
 update (the shares) against the batch's own size, and the size Ray's object store holds for a share.
@@ -98,6 +104,215 @@ def share_of(batch, rank: int):
     from fabric_learner.remote import _shares
 
     return _shares.split(batch, RANKS)[0][rank]
+
+
+def many_plan(args):
+    """``--many``: ``(minibatch_size, epochs, shuffle, the calls' global batches, updates per call)``."""
+    batches = _batches(args)
+    if args.workload == "ppo":
+        return args.batch // 8, 10, True, batches, 80
+    calls = [torch.cat([batches[(c + k) % len(batches)] for k in range(16)]) for c in range(2)]
+    return args.batch, 1, False, calls, 16
+
+
+def many_share(batch, rank: int, minibatch_size: int, shuffle: bool):
+    """Rank ``rank``'s share of a call's batch, as ``RemoteLearner.update_minibatches`` cuts it."""
+    if shuffle:
+        return share_of(batch, rank)
+    part = minibatch_size // RANKS
+    steps = torch.arange(batch.batch_size[0] // minibatch_size).unsqueeze(1) * minibatch_size
+    return batch[(steps + rank * part + torch.arange(part)).reshape(-1)]
+
+
+def rank_loop_many(rank_learner, shares, order, minibatch_size, epochs, shuffle) -> float:
+    """``rank_loop`` for ``--many``: each rank's own ``update_minibatches`` on its share; seconds per call."""
+    import time
+
+    import torch.distributed as dist
+
+    mine = [share[rank_learner.global_rank] for share in shares]
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in order:
+        rank_learner.update_minibatches(mine[i], minibatch_size, epochs=epochs, shuffle=shuffle, seed=i)
+    dist.barrier()
+    return (time.perf_counter() - t0) / len(order)
+
+
+def spmd_many(args) -> None:
+    """One torchrun rank, ``--many``: time blocks of ``inner`` calls of ``update_minibatches`` on its shares."""
+    from fabric_learner import FabricLearner
+
+    harness.set_one_thread()
+    learner = FabricLearner(built_loss(args), optimizer(args.workload), strategy=args.strategy, accelerator="cpu",
+                            clip_grad_norm=common.CLIP)
+    rank = learner.global_rank
+    minibatch, epochs, shuffle, calls, steps = many_plan(args)
+    shares = [many_share(b, rank, minibatch, shuffle) for b in calls]
+    barrier = torch.distributed.barrier
+    for i in range(args.warmup):
+        learner.update_minibatches(shares[i % len(shares)], minibatch // RANKS, epochs=epochs, shuffle=shuffle, seed=i)
+    samples = []
+    for block in range(args.blocks):
+        barrier()
+        t0 = time.perf_counter()
+        for i in range(args.inner):
+            c = (block * args.inner + i) % len(shares)
+            learner.update_minibatches(shares[c], minibatch // RANKS, epochs=epochs, shuffle=shuffle, seed=c)
+        barrier()
+        samples.append((time.perf_counter() - t0) / (args.inner * steps))
+    if rank == 0:
+        harness.write_json(args.spmd_out, samples)
+    learner.close()
+
+
+def main_many(args) -> None:
+    """``--many``: RemoteLearner.update_minibatches against the same loop as SPMD, per update."""
+    import ray
+
+    from fabric_learner import RemoteLearner
+
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    minibatch, epochs, shuffle, calls, steps = many_plan(args)
+    learner = RemoteLearner(make_loss(args), optimizer(args.workload), strategy=args.strategy, num_learners=RANKS,
+                            clip_grad_norm=common.CLIP)
+    for i in range(args.warmup):
+        learner.update_minibatches(calls[i % len(calls)], minibatch, epochs=epochs, shuffle=shuffle, seed=i)
+    rank_shares = [[many_share(b, r, minibatch, shuffle) for r in range(RANKS)] for b in calls]
+    times: dict[str, list[float]] = {"spmd": [], "remote": [], "spmd_in_actors": []}
+    blocks: dict[str, list[float]] = {"remote": [], "spmd_in_actors": [], "remote_ranks_own": [],
+                                      "single_follow": [], "single_no_follow": []}
+    singles = _batches(args)  # update(batch), one step a call: with the loss here following, and without (paired)
+    follower = learner._follower
+    for rep in range(args.reps):
+        for name in harness.rotation(rep, ["spmd", "remote"]):
+            if name == "spmd":
+                with harness.scratch_path() as path:
+                    argv = [*harness.torchrun(RANKS, os.path.abspath(__file__)), "--spmd-out", path, "--many",
+                            "--workload", args.workload, "--batch", str(args.batch), "--blocks", str(args.blocks),
+                            "--inner", str(args.inner), "--warmup", str(args.warmup), "--strategy", args.strategy]
+                    harness.run_bounded(argv, 600, "the SPMD program")
+                    times["spmd"].append(harness.median(harness.read_json(path)))
+                continue
+            sync, in_actors, own = [], [], []
+            for block in range(args.blocks):
+                order = [(block * args.inner + i) % len(calls) for i in range(args.inner)]
+                for turn in (("remote", "actors") if block % 2 == 0 else ("actors", "remote")):
+                    if turn == "actors":
+                        per_call = learner.call_on_ranks(rank_loop_many, rank_shares, order, minibatch // RANKS,
+                                                         epochs, shuffle)[0]
+                        in_actors.append(per_call / steps)
+                        continue
+                    t0, ranks = time.perf_counter(), 0.0
+                    for c in order:
+                        learner.update_minibatches(calls[c], minibatch, epochs=epochs, shuffle=shuffle, seed=c)
+                        ranks += max(learner.last_rank_seconds)
+                        transfer = dict(learner.last_transfer)  # a call's: its batch, its steps' outputs
+                    sync.append((time.perf_counter() - t0) / (args.inner * steps))
+                    own.append(ranks / (args.inner * steps))
+                for follow in ((True, False) if block % 2 == 0 else (False, True)):
+                    learner._follower = follower if follow else None
+                    t0 = time.perf_counter()
+                    for i in range(10):
+                        learner.update(singles[i % len(singles)])
+                    blocks["single_follow" if follow else "single_no_follow"].append((time.perf_counter() - t0) / 10)
+                learner._follower = follower
+            blocks["remote"] += sync
+            blocks["spmd_in_actors"] += in_actors
+            blocks["remote_ranks_own"] += own
+            times["remote"].append(harness.median(sync))
+            times["spmd_in_actors"].append(harness.median(in_actors))
+    learner.close()
+    goal = 1.05
+    result = {
+        "settings": vars(args), "machine": harness.machine(), "provenance": harness.provenance(),
+        "updates_per_call": steps, "minibatch_size": minibatch, "epochs": epochs, "shuffle": shuffle,
+        "seconds_per_update": times, "transfer_per_call": transfer, "seconds_per_block": blocks,
+        "remote_over_spmd": {"ratio": harness.paired_ratio(times["remote"], times["spmd"]),
+                             "ci": harness.bootstrap_ci(times["remote"], times["spmd"]), "goal": goal},
+        "remote_over_spmd_in_actors": {"ratio": harness.paired_ratio(blocks["remote"], blocks["spmd_in_actors"]),
+                                       "ci": harness.bootstrap_ci(blocks["remote"], blocks["spmd_in_actors"]),
+                                       "goal": goal},
+        "remote_over_its_ranks_own_time": {"ratio": harness.paired_ratio(blocks["remote"], blocks["remote_ranks_own"]),
+                                           "ci": harness.bootstrap_ci(blocks["remote"], blocks["remote_ranks_own"])},
+        # update(batch) one step a call, the loss here following (nothing run here: a check for buffers written)
+        # against follow=False, in alternating blocks of 10: what following adds to the single-step path
+        "single_step_follow_over_no_follow": {
+            "ratio": harness.paired_ratio(blocks["single_follow"], blocks["single_no_follow"]),
+            "ci": harness.bootstrap_ci(blocks["single_follow"], blocks["single_no_follow"])},
+    }
+    print(json.dumps({k: v for k, v in result.items() if k not in ("settings", "machine", "provenance",
+                                                                    "seconds_per_block")}, indent=1))
+    if args.out:
+        harness.write_result(args.out, result)
+
+
+def cartpole(args) -> None:
+    """``--cartpole N``: a hand-written PPO loop on CartPole-v1 (torchrl ``Collector`` running the loss's actor,
+    GAE in the script on the loss's critic, ``learner.update(minibatch)``, no hooks, nothing published), N
+    iterations of 512 frames, 4 epochs of 8 minibatches, on ``LocalLearner``; on ``RemoteLearner(strategy="fsdp",
+    num_learners=2)`` (the one line swapped); the same with ``follow=False`` (the loss here stays as built, as
+    before #67); and ``RemoteLearner.update_minibatches`` (one call an iteration). Same seeds for all: episode
+    lengths per iteration and wall time."""
+    import ray
+    from tensordict.nn import TensorDictModule
+    from torch.distributions import OneHotCategorical
+    from torchrl.collectors import Collector
+    from torchrl.envs import GymEnv, StepCounter, TransformedEnv
+    from torchrl.modules import MLP, ProbabilisticActor, ValueOperator
+    from torchrl.objectives import ClipPPOLoss
+    from torchrl.objectives.value import GAE
+
+    from fabric_learner import LocalLearner, RemoteLearner
+
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    adam = functools.partial(torch.optim.Adam, lr=3e-4)
+    frames, minibatch, epochs = 512, 64, 4
+    results = {}
+    for kind in ("local", "remote", "remote_follow_false", "remote_update_minibatches"):
+        torch.manual_seed(0)
+        env = TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
+        env.set_seed(0)
+        actor = ProbabilisticActor(TensorDictModule(MLP(in_features=4, out_features=2, num_cells=[64, 64]),
+                                                    ["observation"], ["logits"]),
+                                   in_keys=["logits"], distribution_class=OneHotCategorical, return_log_prob=True,
+                                   spec=env.action_spec)
+        critic = ValueOperator(MLP(in_features=4, out_features=1, num_cells=[64, 64]), in_keys=["observation"])
+        loss = ClipPPOLoss(actor, critic, entropy_coeff=0.01, normalize_advantage=False)
+        if kind == "local":
+            learner = LocalLearner(loss, adam, policy=actor, clip_grad_norm=1.0)
+        else:
+            learner = RemoteLearner(loss, adam, policy=actor, strategy="fsdp", num_learners=2, clip_grad_norm=1.0,
+                                    follow=kind != "remote_follow_false")
+        gae = GAE(gamma=0.99, lmbda=0.95, value_network=critic, average_gae=True)
+        torch.manual_seed(1)  # the collection's draws, whatever building the learner drew
+        collector = Collector(env, actor, frames_per_batch=frames, total_frames=frames * args.cartpole,
+                              auto_register_policy_transforms=False)
+        lengths, start = [], time.perf_counter()
+        for i, data in enumerate(collector):
+            ended = data["next", "done"].squeeze(-1)
+            lengths.append(float(data["next", "step_count"][ended].float().mean()) if ended.any() else float("nan"))
+            with torch.no_grad():
+                gae(data)
+            flat = data.reshape(-1)
+            if kind == "remote_update_minibatches":
+                learner.update_minibatches(flat, minibatch, epochs=epochs, seed=i)
+                continue
+            generator = torch.Generator().manual_seed(i)
+            for _ in range(epochs):
+                for index in torch.randperm(frames, generator=generator).split(minibatch):
+                    learner.update(flat[index])
+        results[kind] = {"episode_length": lengths, "seconds": time.perf_counter() - start,
+                         "first_3": harness.median(lengths[:3]), "last_3": harness.median(lengths[-3:])}
+        print(kind, results[kind]["first_3"], "->", results[kind]["last_3"], f"{results[kind]['seconds']:.0f} s",
+              flush=True)
+        collector.shutdown()
+        learner.close()
+    result = {"settings": vars(args), "machine": harness.machine(), "provenance": harness.provenance(),
+              "iterations": args.cartpole, "frames_per_iteration": frames, "epochs": epochs,
+              "minibatch_size": minibatch, "results": results}
+    if args.out:
+        harness.write_result(args.out, result)
 
 
 def spmd(args) -> None:
@@ -208,11 +423,18 @@ def main() -> None:
     parser.add_argument("--torchrl", action="store_true", help="also time torchrl's private Ray learner")
     parser.add_argument("--compiled", action="store_true",
                         help="also time update() through a Ray compiled graph over the same actors (a measurement)")
+    parser.add_argument("--many", action="store_true",
+                        help="many updates per call (update_minibatches: PPO 10 epochs x 8 minibatches, DQN 16 updates)")
+    parser.add_argument("--cartpole", type=int, metavar="N",
+                        help="a hand-written PPO loop on CartPole-v1 for N iterations, local and remote (learning)")
     parser.add_argument("--out")
     parser.add_argument("--spmd-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cartpole:
+        harness.set_one_thread()
+        return cartpole(args)
     if args.spmd_out:
-        return spmd(args)
+        return spmd_many(args) if args.many else spmd(args)
     if args.batch is None:
         args.batch = 8 if args.workload == "grpo" else 512
     if args.quick:
@@ -222,6 +444,12 @@ def main() -> None:
     if args.workload == "grpo" and args.torchrl:
         parser.error("--torchrl times PPO / DQN batches from a replay buffer, not grpo")
     harness.set_one_thread()
+    if args.many:
+        if args.workload == "grpo":
+            parser.error("--many times PPO's epochs and DQN's K updates, not grpo")
+        if args.quick:
+            args.inner, args.warmup = 2, 2
+        return main_many(args)
     import ray
 
     from fabric_learner import RemoteLearner
@@ -377,7 +605,7 @@ def main() -> None:
             "ci": harness.bootstrap_ci(times["remote_sampled"], times["torchrl_ray"]), "goal": "< 1 (faster)"}
     print(json.dumps({k: v for k, v in result.items() if k not in ("settings", "machine", "provenance")}, indent=1))
     if args.out:
-        harness.write_json(args.out, result)
+        harness.write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -115,8 +115,7 @@ class Learner(LearnerCheckpoints, nn.Module):
                 f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}: 'raise' raises "
                 "FloatingPointError on a non-finite loss or grad norm, 'skip' skips that optimizer step."
             )
-        if policy is not None and not isinstance(policy, nn.Module):
-            raise TypeError(f"policy must be an nn.Module or None, got {type(policy).__name__}.")
+        check_policy(loss_module, policy)
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}.")
         if stages is not None:
@@ -535,6 +534,33 @@ def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
             if p.grad is not None:
                 return True
     return False
+
+
+def check_policy(loss_module: nn.Module, policy: nn.Module | None) -> None:
+    """Refuse a ``policy=`` that is not a module of the loss: every parameter it holds must be one the loss holds.
+
+    ``get_weights()`` returns the policy's tensors; a module built apart from the loss (or a copy of it) is
+    never trained, so its weights would go out unchanged, without a word.
+    """
+    if policy is None:
+        return
+    if not isinstance(policy, nn.Module):
+        raise TypeError(f"policy must be an nn.Module or None, got {type(policy).__name__}.")
+    ours = {id(p) for p in loss_module.parameters()}
+    held = list(policy.named_parameters())
+    foreign = [name for name, p in held if id(p) not in ours]
+    if held and not foreign:
+        return
+    what = ("holds no parameters" if not held else
+            f"holds {len(foreign)} parameter(s) the loss does not ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''})")
+    raise ValueError(
+        f"policy= must be a module of the loss: the module the loss was built with (e.g. loss.actor_network), or a "
+        f"module wrapping it, such as an exploration wrapper, with no parameters of its own. get_weights() returns the "
+        f"policy's weights and only the loss's are trained, but this {type(policy).__name__} {what}: a copy, or a "
+        "module built apart from the loss, whose weights would never change. Pass the module given to the loss, or "
+        "policy=None (get_weights() then has the loss's layout). Nothing was built."
+    )
 
 
 def holds_trained(loss_module: nn.Module, module: nn.Module) -> bool:

@@ -141,6 +141,31 @@ def test_bad_construction_arguments(kind, kwargs):
         make_learner(kind, ToyLoss(), **kwargs)
 
 
+@pytest.mark.parametrize("learner", ["local", "fabric", "remote"])
+def test_a_policy_that_is_not_a_module_of_the_loss_is_refused_naming_the_rule(learner):
+    """Such a policy was accepted, and get_weights() returned its untrained weights without a word."""
+    import copy
+
+    from fabric_learner import RemoteLearner
+
+    loss, qnet = make_loss("dqn")
+    build = {"local": lambda policy: make_learner("local", loss, policy=policy),
+             "fabric": lambda policy: make_learner("fabric", loss, policy=policy),
+             "remote": lambda policy: RemoteLearner(loss, policy=policy)}[learner]
+    strays = {"a copy of the loss's network": copy.deepcopy(qnet), "a network built apart": nn.Linear(4, 2),
+              "a wrapper with parameters of its own": nn.Sequential(qnet, nn.Linear(2, 2)), "no parameters": nn.ReLU()}
+    for what, policy in strays.items():
+        with pytest.raises(ValueError, match="policy= must be a module of the loss") as refused:
+            build(policy)
+        assert "Nothing was built" in str(refused.value), what
+    if learner != "remote":  # the loss's own network, and a wrapper of it without parameters of its own, are taken
+        from tensordict.nn import TensorDictSequential
+        from torchrl.modules import EGreedyModule
+
+        build(qnet)
+        build(TensorDictSequential(qnet, EGreedyModule(qnet.spec, eps_init=0.3)))
+
+
 def test_coverage_check_catches_actor_only_optimizer_for_sac(kind):
     loss, actor = make_loss("sac")
     learner = make_learner(kind, loss, torch.optim.Adam(actor.parameters()))

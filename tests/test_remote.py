@@ -1,12 +1,12 @@
 """Collectors apart from the learner ranks (fabric_learner.remote, docs/remote.md).
 
 Every collector is a separate command, ``python -m fabric_learner.collect --connect 127.0.0.1:PORT``, as it
-would be on another host; the learner program is tests/workers/remote_checks.py. Three runs: 2 DDP ranks under
+would be on another host; the learner program is tests/workers/remote_checks.py. Four runs: 2 DDP ranks under
 ``torchrun --max-restarts=1`` whose rank 1's collector node is killed mid-run (restarted, joins again) and then
 rank 1 itself (the ranks resume from the checkpoint, the collectors reconnect); 2 ranks under
 ``on_failure="continue"`` that lose collectors killed whole (rank 0 one of its two, rank 1 its only one, which
-comes back later); 2 ranks whose only collector was started with the wrong port (the run ends on both ranks).
-The three run side by side (mostly they wait).
+comes back later); 2 ranks whose only collector was started with the wrong port (the run ends on both ranks); a
+collector whose learner rank's driver is slow to start. The four run side by side (mostly they wait).
 """
 
 from __future__ import annotations
@@ -146,10 +146,10 @@ def test_bad_settings_are_refused_before_anything_starts():
 def scenarios(tmp_path_factory):
     """The three runs below side by side: most of each is waiting (on a restart, past a timeout, for a collector),
     so together they take about as long as the longest; a run that failed is its own tests' failure."""
-    runs = {"faults": run_faults, "lost": run_lost, "wrong_port": run_wrong_port}
+    runs = {"faults": run_faults, "lost": run_lost, "wrong_port": run_wrong_port, "slow_driver": run_slow_driver}
     folders = {name: tmp_path_factory.mktemp(name) for name in runs}  # here: the factory is not thread-safe
     forked_ranks()  # the zygote started and imported before any collector starts its own imports
-    return side_by_side(list(runs), lambda name: runs[name](folders[name]), at_once=3)
+    return side_by_side(list(runs), lambda name: runs[name](folders[name]), at_once=len(runs))
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +165,11 @@ def lost(scenarios):
 @pytest.fixture(scope="module")
 def wrong_port(scenarios):
     return finished(scenarios["wrong_port"])
+
+
+@pytest.fixture(scope="module")
+def slow_driver(scenarios):
+    return finished(scenarios["slow_driver"])
 
 
 def run_faults(out):
@@ -325,15 +330,15 @@ def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_a
     assert code == 1 and f"no directory at 127.0.0.1:{wrong} for 15 s: ending (check that --connect" in wrong_port["log"]
 
 
-def test_a_collector_waits_for_its_build_however_long_the_learner_rank_s_driver_takes_to_start(tmp_path):
-    """A driver process starts slowly on a loaded host (a spawned interpreter's imports): a collector that had joined
-    its build used to give up on it after its --wait seconds, and the build waited for a node that never came."""
+def run_slow_driver(out):
+    """Learner rank 0's side of the directory, its driver slow to start: a collector joins build 0 and waits past its
+    --wait (2 s) before the group is published."""
     from fabric_learner.remote.directory import Directory
 
     port = free_port()
-    directory = Directory.host(f"127.0.0.1:{port}", world=1)  # learner rank 0's side, its driver not yet up
+    directory = Directory.host(f"127.0.0.1:{port}", world=1)  # no driver yet: the test publishes its group by hand
     directory.count("rank0", "epochs", add=1)
-    collectors = Collectors(tmp_path, port, n=0)
+    collectors = Collectors(out, port, n=0)
     collectors.add("--learner-rank", "0", wait=2)
     try:
         wait_until(lambda: directory.count("rank0", "e0", "join") == 1, "the collector's join")
@@ -341,10 +346,18 @@ def test_a_collector_waits_for_its_build_however_long_the_learner_rank_s_driver_
         directory.store.set(directory.key("rank0", "e0", "group"), f"127.0.0.1 {free_port()} 1")
         wait_until(lambda: "build 0 of learner rank 0" in collectors.log(0), "the collector's taking its place")
         directory.store.set(directory.key("rank0", "done"), "1")
-        assert collectors.procs[0].wait(60) == 0, collectors.log(0)
+        code = collectors.procs[0].wait(60)
     finally:
         collectors.kill_all()
-    assert "collector 1 of 1" in collectors.log(0) and directory.count("rank0", "e0", "join") == 1, collectors.log(0)
+    return {"code": code, "log": collectors.log(0), "joins": directory.count("rank0", "e0", "join")}
+
+
+def test_a_collector_waits_for_its_build_however_long_the_learner_rank_s_driver_takes_to_start(slow_driver):
+    """A driver process starts slowly on a loaded host (a spawned interpreter's imports): a collector that had joined
+    its build used to give up on it after its --wait seconds, and the build waited for a node that never came."""
+    log = slow_driver["log"]
+    assert "build 0 of learner rank 0" in log and "collector 1 of 1" in log, log
+    assert slow_driver["joins"] == 1 and slow_driver["code"] == 0, log  # it joined once, and ended with the run
 
 
 def test_the_port_a_driver_publishes_for_its_group_is_already_held_by_the_group_s_store(monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -563,6 +564,25 @@ def test_a_hand_written_dqn_loop_with_a_replay_buffer_and_soft_updates_trains_as
     assert_close_state(local.loss_module.state_dict(), ddp.loss_module.state_dict())  # and the loss here
 
 
+def test_a_target_network_moved_here_while_an_update_runs_reaches_the_ranks(ddp):
+    """Pipelined (wait=False): SoftUpdate steps here on the weights this process holds while the update runs; when
+    the update is collected, that write is judged by the weights it was made from and sent, not refused."""
+    from torchrl.objectives import SoftUpdate
+
+    with ddp.full_parameters():
+        updater = SoftUpdate(ddp.loss_module, eps=0.5)
+    ddp.update(make_batch("dqn", n=16, seed=989))  # the online network leaves the target behind
+    pending = ddp.update(make_batch("dqn", n=16, seed=990), wait=False)
+    before = {k: v.clone() for k, v in ddp.loss_module.state_dict().items() if k.startswith("target")}
+    updater.step()  # the online network here is the one before this update: as an asynchronous program has it
+    moved = {k: v.clone() for k, v in ddp.loss_module.state_dict().items() if k.startswith("target")}
+    assert any(not torch.equal(v, before[k]) for k, v in moved.items())
+    pending.result()  # collected: the whole loss follows (an updater is built on it), the target sent first
+    for k, v in moved.items():
+        torch.testing.assert_close(rank_models(ddp)[1][k], v, **TOL)
+    assert ddp.broken is None
+
+
 # ---- many updates in one call --------------------------------------------------------------------------------
 
 
@@ -656,6 +676,29 @@ def test_bad_inputs_are_refused_before_anything_changes_and_the_group_stays_usab
     assert ddp.num_updates == updates + 1
 
 
+def test_a_ranks_error_reads_cleanly_names_this_learners_option_and_the_rank_and_rows_that_caused_it(ddp):
+    """What a rank raises reaches the caller as it would print on the rank, complete without the chain Ray drops."""
+    updates = ddp.num_updates
+    with pytest.raises(KeyError) as err:
+        ddp.update(make_batch("dqn", n=16).exclude("action"))
+    message = str(err.value)  # not a KeyError's repr: no quotes around it, none escaped
+    assert message.startswith("Learner rank 0: The loss failed on this batch (AttributeError: ") and "\\'" not in message
+    assert "above" not in message and "lacks these keys from loss_module.in_keys: ['action']" in message
+    batch = make_batch("dqn", n=16)
+    batch["observation"] = batch["observation"].double()
+    with pytest.raises(TypeError, match=r"differ from the loss's.*RemoteLearner\(precision='64-true'\)") as err:
+        ddp.update(batch)
+    assert "FabricLearner" not in str(err.value)
+    batch = make_batch("dqn", n=16)
+    batch["observation"][11, 0] = float("nan")  # row 3 of rank 1's share; rank 0's steps refuse too (synced NaNs)
+    with pytest.raises(FloatingPointError, match=r"Learner rank 1: .*'observation' in rows \[11\] of the batch") as err:
+        ddp.update(batch)
+    assert err.value.nonfinite_rows == {"observation": [11]} and "on every rank" not in str(err.value)
+    assert ddp.num_updates == updates and ddp.broken is None
+    ddp.update(make_batch("dqn", n=16))  # still usable
+    assert ddp.num_updates == updates + 1
+
+
 def test_a_loss_that_cannot_be_sent_is_refused_naming_the_factory_to_use(ddp):
     loss, _ = make_loss("dqn")
     loss.lock = threading.Lock()
@@ -667,6 +710,98 @@ def test_a_loss_that_cannot_be_sent_is_refused_naming_the_factory_to_use(ddp):
         remote(make_loss("dqn")[0], on_nonfinite="ignore")
     with pytest.raises(ValueError, match="No stage trains"):  # the stages are checked against the loss here
         remote(make_loss("sac")[0], None, stages=SAC_STAGES[:1])
+
+
+# ---- alone on one machine: fail fast, nothing reachable from elsewhere -------------------------------------
+
+
+def test_a_group_the_embedded_runtime_can_never_hold_is_refused_at_once_naming_what_the_machine_has(ddp):
+    """Without the check the constructor waits out setup_timeout (here 600 s: the suite's own timeout fails it)."""
+    have = ray.cluster_resources()
+    cpus, gpus = have["CPU"], have.get("GPU", 0)
+    groups = placement_groups()
+    with pytest.raises(RuntimeError, match=f"this machine has {cpus:g} CPUs and {gpus:g} GPUs.*Nothing was started"):
+        remote(make_loss("dqn")[0], num_cpus_per_learner=cpus, setup_timeout=600)  # 2 ranks x all the CPUs
+    with pytest.raises(RuntimeError, match=f"need 0.5 CPUs and {2 * (gpus + 1):g} GPUs, but this machine has"):
+        remote(make_loss("dqn")[0], num_gpus_per_learner=gpus + 1, setup_timeout=600)
+    assert placement_groups() == groups and ray.is_initialized()  # nothing reserved; the runtime still serves
+    assert ddp.broken is None
+
+
+def placement_groups():
+    return sorted(k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED")
+
+
+def listening(pids):
+    """Each of ``pids``' listening TCP sockets as ``(pid, ip, port)``."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                found.append((pid, conn.laddr.ip, conn.laddr.port))
+    return found
+
+
+def test_alone_the_runtime_and_the_groups_listen_on_loopback_only_and_refuse_the_hosts_address(ddp, fsdp):
+    """Ray's servers (GCS, raylet, the core workers of this process and of every rank, its agents) and each group's
+    rendezvous store and gloo pairs: no socket on ``*`` or on the host's address, so no other machine connects."""
+    import psutil
+
+    runtime = [os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))]  # every one is Ray's
+    sockets = listening(runtime)
+    outside = {(pid, ip, port) for pid, ip, port in sockets if ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")}
+    assert not outside, outside
+    for learner in (ddp, fsdp):  # each rank: its core worker, gloo; rank 0 also the group's store
+        ports = [len([s for s in sockets if s[0] == pid]) for pid in learner.pids]
+        assert ports[0] >= 3 and all(n >= 2 for n in ports), ports
+    hosts = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family.name == "AF_INET" and not a.address.startswith("127.")]
+    for host in hosts:  # what another machine would try: every port, at this machine's own address
+        for _, _, port in sockets:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((host, port), timeout=5).close()
+
+
+CONTROLLER = """
+import sys, psutil, time
+from fabric_learner.remote import _runtime
+_runtime.join(None)  # the embedded runtime, as a RemoteLearner starts it
+me = psutil.Process()
+while not {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= {p.name() for p in me.children(recursive=True)}:
+    time.sleep(0.2)
+time.sleep(1.5)  # the watchdog notes the raylet's descendants every second
+print(*[p.pid for p in me.children(recursive=True)], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_controller_leaves_none_of_its_embedded_runtimes_processes_behind():
+    """SIGKILL leaves Python no time to shut the runtime down: the raylet and the ranks follow the controller at once,
+    but Ray's agents (about 190 MB) would outlive it by a minute. The watchdog ends them within a second; 30 s is
+    the bound (half of what they lived before), not the expectation."""
+    import subprocess
+
+    import psutil
+
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER], stdout=subprocess.PIPE, text=True)
+    try:
+        runtime = {int(pid): psutil.Process(int(pid)).name() for pid in controller.stdout.readline().split()}
+    finally:
+        controller.kill()  # SIGKILL
+        controller.wait()
+    assert {"raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= set(runtime.values())
+    deadline = time.monotonic() + 30
+    while left := [name for pid, name in runtime.items() if alive(pid)]:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.2)
 
 
 # ---- faults ---------------------------------------------------------------------------------------------
@@ -692,10 +827,22 @@ def stalling_batch():
     return batch
 
 
+class Interrupted(Exception):
+    pass
+
+
 def test_a_killed_rank_fails_the_update_within_seconds_naming_it_and_the_group_restarts_from_the_last_save(
         ddp, tmp_path):
-    with remote(SlowOnRankOne(), on_lost_rank="rebuild") as learner:
-        restarts_from_the_last_save(learner, tmp_path)
+    """And, that learner's ``with`` block exiting on an exception: its update in flight says the learner was closed."""
+    with pytest.raises(Interrupted):
+        with remote(SlowOnRankOne(), on_lost_rank="rebuild") as learner:
+            restarts_from_the_last_save(learner, tmp_path)
+            pending = learner.update(make_batch("dqn", n=16, seed=11), wait=False)
+            raise Interrupted("the script stops")
+    with pytest.raises(RuntimeError, match="closed: the with block exited on Interrupted.*no rank was lost"):
+        pending.result()
+    with pytest.raises(RuntimeError, match="is closed"):
+        learner.update(make_batch("dqn", n=16))
 
 
 def restarts_from_the_last_save(learner, tmp_path):
@@ -714,6 +861,9 @@ def restarts_from_the_last_save(learner, tmp_path):
     with pytest.raises(LearnerLostError, match="rank 1 was lost.*1 update\\(s\\) since") as err:
         pending.result()
     assert err.value.seconds < 10 and err.value.rank == 1
+    message = str(err.value)  # one story: what was rebuilt, not also "build a new RemoteLearner"
+    assert "The learner is usable" in message and "Build a new RemoteLearner" not in message
+    assert "nothing in this process changed" not in message  # num_updates went back to the save
     assert err.value.rebuilt_from == str(tmp_path / "last.pt") and err.value.lost_updates == 1
     assert learner.num_updates == 2 and (batch == kept).all()  # back at the save; the caller's batch untouched
     assert set(learner.pids).isdisjoint(pids)  # a new group

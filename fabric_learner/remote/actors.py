@@ -5,7 +5,8 @@ Ray gives an actor only the GPUs it asked for, so its device is always its first
 FSDP's mesh puts every rank on the data-parallel dimension. The rendezvous goes through the
 environment Lightning reads for processes it did not start (``MASTER_ADDR``/``MASTER_PORT`` of
 rank 0's actor, ``NODE_RANK``, ``LOCAL_RANK=0``), so the learner is built exactly as under
-``fabric run`` on N one-device nodes.
+``fabric run`` on N one-device nodes; the store at that address is rank 0's, listening on its node's
+address only (``remote._rendezvous``).
 
 The actor runs its calls one at a time in submission order (Ray's default group, one thread);
 ``where()`` alone runs beside them (its own group), to say what a silent rank is doing.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import threading
 import time
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict
 
+from fabric_learner.remote import _rendezvous
 from fabric_learner.remote._wire import _NUMPY_DTYPES, packed, unpacked
 
 
@@ -35,17 +36,15 @@ class LearnerRank:
         self.rank, self.world_size = rank, world_size
         self.learner = None
         self._thread: int | None = None  # the thread running the current call, for where()
+        self._listening = self._store = None  # rank 0: the group's rendezvous socket, then its store
 
     # ---- building ---------------------------------------------------------------------------
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: this node's address and a free port for the group's store."""
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        """Rank 0: this node's address and the port the group's store listens on there (``remote._rendezvous``)."""
+        self._listening = _rendezvous.listener()
+        address, port = self._listening.getsockname()[:2]
+        return address, port
 
     def setup(self, sent: bytes, address: str, port: int) -> dict:
         """Build the loss (from the object or factory sent) and the FabricLearner; join the group.
@@ -64,8 +63,8 @@ class LearnerRank:
                 "(install the package there, or ray.init(runtime_env={'py_modules': [...]})), or pass a factory "
                 "defined in an importable module.") from err
         self._thread = threading.get_ident()
-        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), NODE_RANK=str(self.rank), LOCAL_RANK="0",
-                          WORLD_SIZE=str(self.world_size))
+        self._store = _rendezvous.join(self.rank, self.world_size, address, port, self._listening,
+                                         options.get("timeout", 1800.0))
         loss, policy = built(payload)
         self.learner = FabricLearner(loss, optimizer, policy=policy, devices=1, num_nodes=self.world_size, **options)
         return {"pid": os.getpid(), "sharded": self.learner.capabilities.sharded}
@@ -84,12 +83,15 @@ class LearnerRank:
         """
         self._thread = threading.get_ident()
         learner = self.learner
-        share = unpacked(share)
+        received, share = share, unpacked(share)
         leaves = _leaves(share) if write_back else None
         first = learner._accum_step == 0
         before = None if first or learner._window_count is None else learner._window_count
         start = time.perf_counter()
-        out = learner.update(share)
+        try:
+            out = learner.update(share)
+        except FloatingPointError as err:  # say where: the controller raises the error of a rank holding the values
+            raise _naming_nonfinite_rows(err, unpacked(received), self.rank, contiguous=write_back) from err
         seconds = time.perf_counter() - start
         if learner._counts is not None and learner._window_count is not None:
             weight = float(learner._window_count - (0 if before is None else before))
@@ -206,6 +208,33 @@ class LearnerRank:
 def _plain(value: torch.Tensor):
     value = value.detach().to("cpu", copy=True)
     return value.numpy() if value.dtype in _NUMPY_DTYPES else value
+
+
+def _naming_nonfinite_rows(err: FloatingPointError, share, rank: int, contiguous: bool) -> FloatingPointError:
+    """``err`` saying which rows of this rank's share (as received) hold non-finite values, as rows of the caller's
+    batch where the shares are its contiguous equal parts (``nonfinite_rows``: key -> rows); else ``err``."""
+    found: dict = {}
+    if isinstance(share, LazyStackedTensorDict):
+        for i, sample in enumerate(share.tensordicts):
+            for key, value in sample.items(include_nested=True, leaves_only=True):
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+                    found.setdefault(key, []).append(i)
+    else:
+        for key, value in share.items(include_nested=True, leaves_only=True):
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim > 0:
+                bad = ~torch.isfinite(value.reshape(value.shape[0], -1)).all(1)
+                if bad.any():
+                    found[key] = bad.nonzero().flatten().tolist()
+    if not found:
+        return err
+    offset = rank * share.batch_size[0] if contiguous else 0
+    rows = {key: [offset + i for i in seen] for key, seen in found.items()}
+    whose = "of the batch" if contiguous else "of its share (samples dealt by tokens)"
+    where = "; ".join(f"{key!r} in rows {seen[:10]}{' and more' if len(seen) > 10 else ''} {whose}"
+                      for key, seen in rows.items())
+    named = FloatingPointError(f"{err} This rank's share holds non-finite values: {where}.")
+    named.nonfinite_rows = rows
+    return named
 
 
 def _leaves(td) -> dict:

@@ -63,6 +63,7 @@ class Follower:
         # (a collector's actor, then GAE's critic) is fetched at once, in one call, at its first use
         self._used: set[str] = set()
         self._used_before: set[str] = set()
+        self._written_behind: list[str] | None = None  # buffers written during a pipelined update: judged then
         names_at: dict[tuple, list[str]] = {}
         for name, tensor in self.entries.items():
             names_at.setdefault(_place(tensor), []).append(name)
@@ -83,8 +84,14 @@ class Follower:
 
     # ---- what the learner tells ---------------------------------------------------------------
 
-    def moved(self) -> None:
-        """The group's weights changed (an update, a load, a rebuild): every entry here is now behind."""
+    def moved(self, *, while_running: bool = False) -> None:
+        """The group's weights changed (an update, a load, a rebuild): every entry here is now behind.
+
+        ``while_running``: this process ran code while the update was in flight (``wait=False``); buffers
+        it wrote meanwhile are judged by the weights it held then, not by this update's.
+        """
+        if while_running and self._written_behind is None and self.written():
+            self._written_behind = self._behind()
         self.version += 1
         if self._used:
             self._used_before, self._used = self._used, set()
@@ -107,7 +114,7 @@ class Follower:
     def whole(self):
         """``RemoteLearner.full_parameters()``: every entry current inside; what the block wrote in place
         (parameters too) goes to every rank on leaving."""
-        self.pull()
+        self.pull(remember=False)
         before = {n: t.detach().clone() for n, t in self.entries.items() if n not in self._sent}
         yield
         names = self.written() + [n for n, v in before.items() if not torch.equal(self.entries[n], v)]
@@ -117,8 +124,10 @@ class Follower:
     def stale(self, names=None) -> list[str]:
         return [n for n in (self.entries if names is None else names) if self.held[n] != self.version]
 
-    def pull(self, names=None) -> int:
-        """Fetch the named entries (default: all) that are behind the group; returns the bytes fetched."""
+    def pull(self, names=None, *, remember: bool = True) -> int:
+        """Fetch the named entries (default: all) that are behind the group; returns the bytes fetched.
+
+        ``remember``: count them in what this process uses between updates (not for a whole-loss fetch)."""
         learner = self._learner()
         learner._drain()  # updates in flight change the weights: wait for them, as one process would have
         self.push()  # what this process wrote goes first: a pull must not overwrite it
@@ -139,7 +148,8 @@ class Follower:
                 if name in self._sent:
                     self._sent[name].copy_(value)
                 self.held[name] = self.version
-        self._used.update(stale)
+        if remember:
+            self._used.update(stale)
         self.pulled_bytes += fetched
         self.pulls += 1
         return fetched
@@ -167,7 +177,7 @@ class Follower:
         """After the learner collected its updates: while a target updater is built on the loss, the whole
         loss follows at once (the updater reads the networks' tensors without running them)."""
         if self._has_targets and any(getattr(self.loss, "_has_update_associated", {}).values()):
-            self.pull()
+            self.pull(remember=False)
 
     # ---- pushing --------------------------------------------------------------------------------
 
@@ -184,9 +194,9 @@ class Follower:
                 and the next use here fetches the group's values back.
         """
         names = self.written()
+        behind, self._written_behind = (self._behind() if self._written_behind is None else self._written_behind), None
         if not names:
             return
-        behind = [n for n, t in self.entries.items() if isinstance(t, nn.Parameter) and self.held[n] != self.version]
         if behind:
             self._forget(names)
             raise RuntimeError(
@@ -197,6 +207,10 @@ class Follower:
                 "inside `with learner.full_parameters():`; from then on the loss here follows the group after every "
                 "update.")
         self._send(names)
+
+    def _behind(self) -> list[str]:
+        """The trained parameters here that do not hold the group's current weights."""
+        return [n for n, t in self.entries.items() if isinstance(t, nn.Parameter) and self.held[n] != self.version]
 
     def _forget(self, names: list[str]) -> None:
         """What this process wrote to ``names`` is dropped: the next use fetches the group's values."""

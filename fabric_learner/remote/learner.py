@@ -25,7 +25,7 @@ from torch import nn
 from fabric_learner.learner import Capabilities, Learner, plain_weights
 from fabric_learner.remote import _runtime, _shares
 from fabric_learner.remote._wire import arrays_of, packed, unpacked, wire_bytes, with_arrays
-from fabric_learner.remote.faults import LearnerLostError, LearnerTimeoutError, gather
+from fabric_learner.remote.faults import CONTINUE, RESTART, LearnerLostError, LearnerTimeoutError, gather
 
 # shares of at most this many tensor bytes are passed inside the actor call; larger ones through the object store.
 # Under Ray's own limit for inlined arguments (max_direct_call_object_size, 100 KiB by default), with room for the
@@ -54,8 +54,9 @@ class RemoteLearner(Learner):
     instead, a function returning the loss (or ``(loss, policy)``) called on each rank. The
     optimizer is a factory ``f(params)`` (an instance holds this process's parameters) or ``None``.
 
-    The controller holds no copy of the weights: ``get_weights()`` fetches them (full tensors, also
-    under FSDP), ``state_dict()`` is empty, ``loss_module`` is the object given (untrained) or ``None``.
+    The controller trains nothing: ``get_weights()`` fetches the weights (full tensors, also under
+    FSDP), ``state_dict()`` is empty, ``loss_module`` is the object given or ``None``; with ``follow``
+    its modules are brought to the group's weights when this process runs them.
 
     Args:
         loss_module: a torchrl loss (sent to every rank) or a factory returning one or ``(loss, policy)``.
@@ -79,6 +80,9 @@ class RemoteLearner(Learner):
             call raises; ``"rebuild"``: the call still raises (``LearnerLostError`` /
             ``LearnerTimeoutError``, saying what was lost), but a new group is built and loaded from
             the last checkpoint ``save()`` wrote, and the learner goes on from there.
+        follow (bool): ``True`` (default): the loss given here (and ``policy``) holds the group's weights
+            whenever this process runs its modules, fetched on first use after an update
+            (``remote.following``); ``False`` for programs that publish weights themselves.
 
     Raises:
         TypeError, ValueError: a bad argument or a loss that cannot be sent, before anything starts.
@@ -203,6 +207,8 @@ class RemoteLearner(Learner):
 
         from fabric_learner.remote.actors import LearnerRank
 
+        if self._embedded:  # this machine only: what can never fit is refused now, not after setup_timeout
+            _runtime.refuse_what_never_fits(self.num_learners, cpus, gpus)
         sent = ray.put(sent)
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         self._group = placement_group([bundle] * self.num_learners, strategy="PACK")
@@ -234,7 +240,9 @@ class RemoteLearner(Learner):
 
     def _gather(self, refs, what: str, timeout=None) -> list[Any]:
         try:
-            return gather(refs, what, self.timeout if timeout is None else timeout, self._where, GRACE_S)
+            # rebuilding, the learner says what it did instead of what the caller should do
+            then = "" if self.on_lost_rank == "rebuild" else RESTART
+            return gather(refs, what, self.timeout if timeout is None else timeout, self._where, GRACE_S, then)
         except (LearnerLostError, LearnerTimeoutError) as err:
             self._fail(err)
             if self.on_lost_rank == "rebuild":
@@ -275,14 +283,15 @@ class RemoteLearner(Learner):
         except BaseException as again:  # noqa: BLE001 - the rebuild failed: the group stays ended, both told
             self._broken = err
             self._end_group()
-            err.args = (f"{err} Rebuilding the group failed too ({type(again).__name__}: {again}).",)
+            err.args = (f"{err} The group was ended, and on_lost_rank='rebuild' could not build a new one "
+                        f"({type(again).__name__}: {again}). {CONTINUE}",)
             return
         start = f"the checkpoint {self._last_save[0]}" if self._last_save else "the loss as first sent (nothing saved yet)"
         err.rebuilt_from = self._last_save[0] if self._last_save else None
         err.lost_updates = lost
-        err.args = (f"{err} on_lost_rank='rebuild': a new group was built from {start}, at update {self.num_updates}; "
-                    f"the {lost} update(s) since, and this call's, were not kept. The learner is usable: call update() "
-                    "again with the next batch.",)
+        err.args = (f"{err} The group was ended and, as on_lost_rank='rebuild' asks, a new one was built from {start}, "
+                    f"at update {self.num_updates} (num_updates is back there): the {lost} update(s) since, and this "
+                    "call's, were not kept. The learner is usable: call update() again with the next batch.",)
 
     def _end_group(self) -> None:
         import ray
@@ -412,7 +421,10 @@ class RemoteLearner(Learner):
                            "object_store_bytes": sum(sizes) - inline_bytes,
                            "wire_bytes": sum(crossing)}
         self._in_flight.append(handle)
-        return handle.result() if wait else handle
+        if wait:
+            return handle.result()
+        handle._pipelined = True  # this process goes on while it runs
+        return handle
 
     def _collect(self, handle: PendingUpdate) -> None:
         """Wait for ``handle`` and every earlier update, in order, applying their counters here.
@@ -431,7 +443,7 @@ class RemoteLearner(Learner):
                 raise
             self._in_flight.popleft()
             self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]  # the ranks stepped, whatever follows
-            self._moved()
+            self._moved(head._pipelined)
             head.policy_version = self.num_updates
             head.transfer["returned_bytes"] = sum(wire_bytes(a[0]) + (wire_bytes(a[4][0]) if a[4] else 0)
                                                   for a in answers)
@@ -452,10 +464,10 @@ class RemoteLearner(Learner):
         if self._follower is not None and not self._in_flight:
             self._follower.after_update()
 
-    def _moved(self) -> None:
+    def _moved(self, pipelined: bool = False) -> None:
         """The group's weights changed: the modules here are behind until they are next run."""
         if self._follower is not None:
-            self._follower.moved()
+            self._follower.moved(while_running=pipelined)
 
     def _drain(self) -> None:
         while self._in_flight:
@@ -606,6 +618,13 @@ class RemoteLearner(Learner):
             self.close()
             return
         self._closed = True  # an error is on its way up: end the actors without waiting for them
+        closed = RuntimeError(
+            f"This update was not collected before its RemoteLearner was closed: the with block exited on "
+            f"{kind.__name__} ({value}), which ends the group without waiting for the updates in flight, so its result "
+            "is gone (no rank was lost). Collect an update (pending.result()) inside the block to keep it.")
+        for handle in self._in_flight:
+            handle._error = closed
+        self._in_flight.clear()
         self._end_group()
         self._unfollow()
         if self._embedded:
@@ -630,6 +649,7 @@ class PendingUpdate:
         self._error: BaseException | None = None
         self._batch: TensorDictBase | None = None
         self._order: torch.Tensor | None = None  # the batch's rows the shares hold, in order, when not contiguous
+        self._pipelined = False  # returned at once (wait=False): the caller ran code while it was in flight
         self.policy_version: int | None = None
         self.transfer: dict[str, int] = {}
 
@@ -705,8 +725,9 @@ def _write_back(batch: TensorDictBase, written: list[TensorDictBase], in_place: 
 def _payload(loss_module: Any, policy: nn.Module | None) -> Any:
     """What the ranks build the loss from: ``(loss, policy)`` or a factory."""
     if isinstance(loss_module, nn.Module):
-        if policy is not None and not isinstance(policy, nn.Module):
-            raise TypeError(f"policy must be an nn.Module or None, got {type(policy).__name__}.")
+        from fabric_learner.learner import check_policy
+
+        check_policy(loss_module, policy)  # a module of the loss, refused here before any rank starts
         return loss_module, policy  # pickled together: the policy stays the loss's own module on the ranks
     if callable(loss_module):
         if policy is not None:

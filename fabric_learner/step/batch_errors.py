@@ -64,8 +64,10 @@ def _missing_keys_error(err: Exception, batch: TensorDictBase, loss_module: nn.M
         return err
     if not missing:
         return err
-    return KeyError(
-        f"The loss failed on this batch ({type(err).__name__}, above), which lacks these keys from "
+    said = (err.args[0] if isinstance(err, KeyError) and len(err.args) == 1 else str(err)).strip().splitlines()
+    said = (said[0][:200] + ("..." if len(said[0]) > 200 or len(said) > 1 else "")) if said else ""
+    return KeyError(  # the loss's own error is quoted (it travels without its chain, e.g. from a RemoteLearner rank)
+        f"The loss failed on this batch ({type(err).__name__}: {said}), which lacks these keys from "
         f"loss_module.in_keys: {missing}; add them to the batch (nested keys as tuples, e.g. "
         "('next', 'reward')). Some in_keys are only read in some configurations, so not all of them may be needed."
     )
