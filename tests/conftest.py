@@ -29,7 +29,8 @@ def kind(request):
 # `make test`, measured 2026-12-06 (a module not listed runs after these, in collection order; each took
 # under 4 s).
 LONGEST_FIRST = ["test_elastic.py", "test_remote.py", "test_remote_learner.py", "test_launch.py",  # 72 100 79 135
-                 "test_reliability.py", "test_examples.py", "test_configs.py", "test_trainer_envs.py",  # 74 70 40 34
+                 "test_reliability.py", "test_examples.py", "test_pipeline.py", "test_configs.py",  # 74 70 60 40
+                 "test_trainer_envs.py",  # 34
                  "test_meshes.py", "test_zygote.py", "test_multinode.py", "test_results.py",  # 30 26 21 20
                  "test_from_torchrl.py", "test_launcher_options.py", "test_async.py", "test_trainer.py",  # 20 19 18 18
                  "test_ppo_recipe.py", "test_compile.py", "test_async_save.py", "test_gpu_tier.py",  # 15 12 12 10
