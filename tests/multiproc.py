@@ -39,6 +39,7 @@ def env(**extra):
     path = os.pathsep.join(filter(None, [extra.pop("PYTHONPATH", ROOT), os.environ.get("PYTHONPATH")]))
     e.update({"OMP_NUM_THREADS": "1", "RL_WARNINGS": "False", "PYTHONPATH": path, **extra})
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LT_CLI_USED", "TORCHELASTIC_RUN_ID",
+                "TORCHELASTIC_USE_AGENT_STORE",
                 "LT_STRATEGY", "LT_DEVICES", "LT_ACCELERATOR", "LT_PRECISION", "LT_NUM_NODES"):
         e.pop(key, None)
     return e

@@ -371,7 +371,9 @@ def test_the_port_a_driver_publishes_for_its_group_is_already_held_by_the_group_
 
     from fabric_learner.remote.driver import _group_store
 
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # set by _group_store: restored after
+    # set by _group_store (in a driver's own process): restored after, or every rank this worker launched later would
+    # wait for an agent's store that no launcher serves (monkeypatch.delenv of an unset name restores nothing)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     store, port = _group_store("127.0.0.1")
     with socket.socket() as other, pytest.raises(OSError) as taken:
         other.bind(("", port))
