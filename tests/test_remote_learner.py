@@ -764,6 +764,13 @@ def test_alone_the_runtime_and_the_groups_listen_on_loopback_only_and_refuse_the
                 socket.create_connection((host, port), timeout=5).close()
 
 
+def test_alone_the_ranks_run_at_the_controller_s_priority_not_ray_s_background_niceness(ddp, fsdp):
+    """Ray starts workers 15 steps nicer than the runtime; ranks at that priority would get a fraction of a core beside
+    any busy process, where the same ranks under torchrun get their share."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in (*ddp.pids, *fsdp.pids)] == [mine] * 4
+
+
 CONTROLLER = """
 import sys, psutil, time
 from fabric_learner.remote import _runtime

@@ -71,6 +71,11 @@ def _start_on_loopback(ray) -> None:
     Ray 2.60 binds its servers to 127.0.0.1 only when that is the node's address, but replaces a
     given 127.0.0.1 by the host's address unless its clusters are disabled, as it does on macOS
     and Windows (``ray_constants.ENABLE_RAY_CLUSTER``): so they are, for this call only.
+
+    Ray starts its workers 15 steps nicer than the runtime (``worker_niceness``), which suits
+    background tasks but not ranks that are the job: beside any busy process (the controller, a
+    collector, another job) they would get a fraction of a core, where the same ranks under torchrun
+    get their share. Here the ranks keep the controller's priority.
     """
     from ray._private import ray_constants
 
@@ -78,7 +83,8 @@ def _start_on_loopback(ray) -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                 configure_logging=True, _node_ip_address=LOOPBACK)
+                 configure_logging=True, _node_ip_address=LOOPBACK,
+                 _system_config={"worker_niceness": 0})
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = before
 
