@@ -3,15 +3,11 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/meshes.py            # ~5 min on 2 busy cores
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/meshes.py --quick    # ~1.5 min: does it run?
 
-Three contenders train the same optimizer steps of torchrl's ``GRPOLoss`` over ``common.grpo_loss``'s Qwen2 at a
-larger size, AdamW (lr 1e-5), clipping at 1.0; a step's global batch is ``chats`` chats of different lengths
-(``grpo_batch``, one chat at a time, so a rank builds only its share): ``one_process`` (``LocalLearner``, the whole
-batch), ``fsdp4`` (``FabricLearner(strategy="fsdp", devices=4)``, a quarter each) and ``mesh``
-(``examples/grpo_tensor_parallel.strategy()``: 2 data-parallel x 2 tensor-parallel ranks, each data-parallel pair
-half of the chats). Each runs in its own launch, ``repeats`` times, rotated. Reported: a rank's peak resident
-memory over the pre-model baseline (worst rank), the wall time of an optimizer step (median, rank 0, barriers
-around each) and its CPU seconds summed over the ranks. 4 ranks on fewer cores share them: there the CPU time is
-the work done. Writes ``results/meshes.json``; ``--quick`` trains a tiny model (its numbers say nothing).
+Contenders, each its own launch, rotated: ``one_process`` (``LocalLearner``, the whole batch), ``fsdp4``
+(``FabricLearner(strategy="fsdp", devices=4)``, a quarter each) and ``mesh`` (``examples/grpo_tensor_parallel``'s
+strategy: 2 data-parallel x 2 tensor-parallel ranks). Reported: peak memory per rank over the pre-model baseline
+(worst rank), an optimizer step's wall time (rank 0) and CPU seconds over the ranks. Writes ``results/meshes.json``;
+``--quick`` trains a tiny model (its numbers say nothing). Results and reading: docs/meshes.md.
 """
 
 from __future__ import annotations
@@ -58,7 +54,10 @@ def share(mode: Mode, policy, step: int, first: int, count: int):
 
 
 def worker(kind: str, mode: Mode, out: str) -> None:
+    """One rank (or the one process): its chats of every step, its peak memory and its steps' wall and CPU time."""
     harness.set_one_thread()
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
     import torchrl.modules.llm  # every import done before the baseline
@@ -78,14 +77,11 @@ def worker(kind: str, mode: Mode, out: str) -> None:
     parts, index = {"one_process": (1, 0), "fsdp4": (4, rank), "mesh": (2, rank // 2)}[kind]
     count = mode.chats // parts
     with torch.no_grad():  # scored by the model before it is sharded, as every contender's
-        batches = [share(mode, loss.actor_network, step, index * count, count)
-                   for step in range(mode.warmup + mode.steps)]
+        batches = [share(mode, loss.actor_network, step, index * count, count) for step in range(mode.warmup + mode.steps)]
     optimizer = functools.partial(torch.optim.AdamW, lr=LR)
     if kind == "one_process":
         learner = LocalLearner(loss, optimizer, clip_grad_norm=CLIP)
     else:
-        from datetime import timedelta
-
         strategy = "fsdp"
         if kind == "mesh":
             sys.path.insert(0, os.path.join(harness.ROOT, "examples"))
@@ -111,8 +107,7 @@ def worker(kind: str, mode: Mode, out: str) -> None:
             walls.append(wall)
             cpus.append(cpu)
     harness.write_gathered(out, {
-        "kind": kind, "rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": harness.status_mib("VmHWM") - baseline,
-        "step_wall_s": walls, "step_cpu_s": cpus, "grad_norms": norms,
+        "kind": kind, **harness.peak(baseline), "step_wall_s": walls, "step_cpu_s": cpus, "grad_norms": norms,
         "params": sum(p.numel() for p in loss.parameters()) if kind == "one_process" else None})
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -131,8 +126,6 @@ def summarise(launches: list[list[dict]]) -> dict:
 def parser():
     p = harness.parser(__doc__)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default=",".join(CONTENDERS), help="contenders, comma-separated")
-    p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--worker", choices=CONTENDERS, help="one rank of a contender's launch")
     return p
 
@@ -145,24 +138,20 @@ def main(argv=None) -> None:
     from common import grpo_params
 
     harness.set_one_thread()
-    kinds = [k for k in CONTENDERS if k in args.only.split(",")]
     start, load = time.perf_counter(), os.getloadavg()
-    runs = harness.rotated(kinds, mode.repeats, lambda kind: {"ranks": harness.launch(
+    runs = harness.rotated(CONTENDERS, mode.repeats, lambda kind: {"ranks": harness.launch(
         [__file__, "--worker", kind, *(["--quick"] if args.quick else [])], ranks=None if kind == "one_process" else 4,
-        timeout_s=args.timeout, what=f"{kind} launch", **MALLOC)}, lambda r: "")
-    launches = {k: [r["ranks"] for r in runs if r["kind"] == k] for k in kinds}
+        timeout_s=900, what=f"{kind} launch", **MALLOC)}, lambda r: "")
+    launches = {k: [r["ranks"] for r in runs if r["kind"] == k] for k in CONTENDERS}
     results = {k: summarise(v) for k, v in launches.items()}
     n_params = grpo_params(mode.hidden, mode.layers)
-    print(f"GRPO, tiny_causal_lm hidden {mode.hidden} x {mode.layers} layers ({n_params / 1e6:.1f}M parameters), "
-          f"{mode.chats} chats a step, AdamW; load average before {load[0]:.1f}\n" + harness.table(
-              ("contender", "ranks", "peak MiB/rank (worst)", "step wall s", "step CPU s (all ranks)"),
-              [(k, r["ranks"], f"{r['peak_mib_worst_rank']:.0f}", f"{r['step_wall_s']:.3f}",
-                f"{r['step_cpu_s_all_ranks']:.3f}") for k, r in results.items()]))
-    out = args.out or os.path.join(harness.RESULTS, "meshes_quick.json" if args.quick else "meshes.json")
-    harness.write_result(out, {"settings": dataclasses.asdict(mode), "n_params": n_params, "results": results,
-                               "launches": launches, "load_average_before": load,
-                               "seconds": time.perf_counter() - start, "machine": harness.machine()})
-    print(f"wrote {out}")
+    print(harness.table(("contender", "ranks", "peak MiB/rank (worst)", "step wall s", "step CPU s (all ranks)"),
+                        [(k, r["ranks"], f"{r['peak_mib_worst_rank']:.0f}", f"{r['step_wall_s']:.3f}",
+                          f"{r['step_cpu_s_all_ranks']:.3f}") for k, r in results.items()]))
+    harness.write_result(args.out or os.path.join(harness.RESULTS, "meshes_quick.json" if args.quick else "meshes.json"),
+                         {"settings": dataclasses.asdict(mode), "n_params": n_params, "results": results,
+                          "launches": launches, "load_average_before": load, "seconds": time.perf_counter() - start,
+                          "machine": harness.machine()})
 
 
 if __name__ == "__main__":
