@@ -2,9 +2,7 @@
 
     python benchmarks/async_collection.py [--repeats 3] [--frames 6000] [--out benchmarks/results/async_collection.json]
 
-Each repeat runs both contenders, rotated, each a fresh 2-rank ``Trainer`` run: ``sync`` (torchrl's ``Collector`` in
-each rank) and ``async`` (``AsyncCollector`` in another process, ``AsyncCollection(max_policy_lag=LAG)``); what is
-reported: benchmarks/README.md, "Asynchronous collection".
+Contenders and figures: benchmarks/README.md, "Asynchronous collection".
 """
 from __future__ import annotations
 

@@ -2,10 +2,7 @@
 
     python benchmarks/async_save.py --out benchmarks/results/async_save.json   # starts rank 1 itself
 
-An FSDP learner on the 21M-parameter PPO loss; each repetition, in ``harness.order_for``'s order: ``sync`` (``save``),
-``async`` (``save(blocking=False)``, ``M`` steps, ``wait_for_save()``) and ``plain`` (the same ``M`` steps). The stall
-is async - plain; goal: median stall / sync time <= 0.3 (the larger of the two ranks' figures), beside it the same in
-process CPU seconds. Details: benchmarks/README.md, "Asynchronous save".
+The blocks, the stall and its goal (at most 0.3 of a blocking save): benchmarks/README.md, "Asynchronous save".
 """
 from __future__ import annotations
 

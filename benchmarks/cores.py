@@ -3,11 +3,7 @@
     python benchmarks/cores.py                        # every part, report benchmarks/results/cores.json
     python benchmarks/cores.py --parts async_save     # one part; a later call adds the other to the report
 
-Parts: ``async_save`` (``async_save.py``: its writer needs a core beside each rank's), ``remote_learner``
-(``remote_learner.py --quick``: ``--torchrl`` for PPO and DQN, then PPO ``--compiled`` in a run of its own; skipped
-where Ray is missing) and ``suite`` (``make test``'s pytest command, timed). ``--budget`` bounds the whole command:
-a part that finds too little left is recorded as not run and one cut off records its bound, which fails nothing; a
-run that errs and the suite's failures fail the command (exit 1). Refuses (exit 2) under ``MIN_CORES`` cores.
+Parts, the ``--budget`` and what fails the command: docs/gpu.md, "`make test-cores`". Refuses under 4 cores.
 """
 from __future__ import annotations
 

@@ -4,9 +4,7 @@
     python benchmarks/end_to_end.py --part 1 --reps 8 --batches 2 --out benchmarks/results/end_to_end_part1.json
     python benchmarks/end_to_end.py --part stages --reps 5 --batches 1   # --reps 0: the call counts only
 
-Part 1: the loop and the ports side by side in one process (``Lockstep``), goal: the port at least 0.97 of the
-loop's frames/s in thread CPU time. Part 2: the same frames on 2 DDP ranks and 1 process, by stage. Part
-"stages": the recipe's pieces timed alike on both sides, and function calls per stage. Details: benchmarks/README.md.
+The parts and the goal (the port at least 0.97 of the loop's frames/s): benchmarks/README.md, "End to end".
 """
 
 from __future__ import annotations

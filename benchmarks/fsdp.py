@@ -6,7 +6,7 @@
     python benchmarks/fsdp.py serve --out benchmarks/results/fsdp_serve.json   # starts rank 1 itself
     python benchmarks/fsdp.py memory --strategy fsdp --out x.json             # run.py's case c, one strategy
 
-Contenders and figures of each mode: benchmarks/README.md, "FSDP memory and cost (fsdp.py)".
+Contenders and figures of each mode: benchmarks/README.md, "FSDP memory and cost".
 """
 from __future__ import annotations
 

@@ -4,9 +4,7 @@
     python benchmarks/gpu_tier.py --dry-run       # the same checks with the CPU as the device
     python benchmarks/gpu_tier.py --pack-ray RAY_WHEEL OUT.tar.xz   # Ray's runtime, small enough to travel there
 
-Writes ``results/gpu_tier.json`` (``--report``): per check its outcome, seconds and figures; the device and the
-machine; rewritten after each phase of each check, so a run cut off at a device call's limit still sends back what
-it checked. Exits with pytest's status; without CUDA it refuses (exit 2, nothing written) unless ``--dry-run``.
+The report (``--report``, rewritten after each check's every phase) and the refusal without CUDA: docs/gpu.md.
 """
 from __future__ import annotations
 

@@ -45,9 +45,9 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join(["python", script, *argv[1:]])
 
 
-def write_result(path: str | os.PathLike, data: dict, *, indent: int | None = 1) -> None:
+def write_result(path: str | os.PathLike, data: dict) -> None:
     """``write_json`` of ``data`` with its ``command``: ``command_line()``, unless ``data`` names one."""
-    write_json(path, {"command": command_line(), **data}, indent=indent)
+    write_json(path, {"command": command_line(), **data})
 
 
 def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> None:
@@ -388,8 +388,8 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def cap_address_space(baseline_mib: float, n_params: int, copies: float) -> dict[str, float]:
     """Caps this process's address space (``RLIMIT_AS``) at ``baseline_mib`` (``VmSize`` before the model) plus
-    ``copies`` fp32 copies of ``n_params`` parameters (0: no cap); the figures a result records. Parameters,
-    gradients and Adam's moments are 4 copies: under 4, one process cannot hold its training state."""
+    ``copies`` fp32 copies of ``n_params`` parameters (0: no cap; under 4, one process cannot hold parameters,
+    gradients and Adam's moments); returns the figures a result records."""
     import resource
 
     copy_mib = n_params * 4 / 2**20
@@ -461,7 +461,7 @@ def capped_summary(runs: list[dict], updates: int) -> dict[str, bool]:
 
 def order_for(rep: int, names: Sequence[str]) -> list[str]:
     """A random order of ``names`` for repetition ``rep``, the same on every rank and run (not rotated: a contender
-    that always follows the same one is biased by its traces in the caches; an A/A pair measured 0.99 rotated)."""
+    always following the same one is biased by its traces in the caches)."""
     return random.Random(rep).sample(list(names), len(names))
 
 
@@ -475,9 +475,9 @@ def interleaved(contenders: dict[str, Callable[[int], None]], *, reps: int, inne
                 sync: Callable[[], None] | None = None, cpu: dict[str, list[float]] | None = None
                 ) -> dict[str, list[float]]:
     """Per-call wall seconds of each contender (``contenders[name](i)`` does the i-th unit of work), ``reps``
-    samples each: every repetition runs each once, ``inner`` calls timed together, in ``order_for``'s order,
-    ``sync`` (a barrier) around each block; ``cpu`` receives the same in process CPU seconds. The garbage collector
-    runs between repetitions, never inside one, the warm-up's objects frozen out of its scans."""
+    samples each: each repetition runs each once, ``inner`` calls timed together, in ``order_for``'s order, ``sync``
+    (a barrier) around each block; ``cpu`` gets the same in process CPU seconds. The garbage collector runs between
+    repetitions only, the warm-up's objects frozen out of its scans."""
     names = list(contenders)
     for name in names:
         for i in range(warmup):
@@ -533,8 +533,8 @@ INSTANCES = 5  # copies of each contender, taking turns (``rotating``); coprime 
 
 
 def rotating(build: Callable[[], Any], batches: Sequence[Any], instances: int = INSTANCES) -> Callable[[int], None]:
-    """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``. Two
-    identical contenders can differ by 1-3% for their whole life; copies taking turns average that away, and
+    """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``. Copies
+    taking turns average away the 1-3% two identical contenders can differ by for their whole life;
     ``bootstrap_ci(..., copies=...)`` counts them (with ``inner=1``, repetition ``r`` is copy ``r % instances``)."""
     updates = [build().update for _ in range(instances)]
     k = len(batches)

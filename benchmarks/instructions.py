@@ -1,12 +1,11 @@
 """Where case a's update goes: instructions per update under callgrind, or (``--profile``) stages, calls and ops.
 
     python benchmarks/instructions.py                          # PPO, DQN, SAC under valgrind: ~30 min on 2 cores
-    python benchmarks/instructions.py --workloads ppo --reps 2
     python benchmarks/instructions.py --profile stages,counts  # thread CPU per stage; Python calls and aten ops
     python benchmarks/instructions.py --profile overhead       # the learners' fixed cost with a near-free loss
 
-Needs valgrind (with its headers) and gcc, unless ``--profile``; writes ``results/instructions.json``. How each is
-measured and how to read it: benchmarks/README.md, "Instructions per update" and "Where the time goes".
+Needs valgrind and gcc unless ``--profile``; writes ``results/instructions.json``. Method and reading:
+benchmarks/README.md, "Instructions per update" and "Where the time goes".
 """
 from __future__ import annotations
 

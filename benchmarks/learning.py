@@ -6,8 +6,8 @@
     python benchmarks/learning.py run --algo sac --contender learner --seed 1 --frames 4000   # a smoke run
     PYTHONPATH=.:/work/mpl python benchmarks/learning.py report              # summary, curves, docs/results.md
 
-The contenders, what a run records and where it writes: docs/results.md and benchmarks/README.md, "Learning at
-full length". ``--frames`` below the full length makes a smoke run, never written into ``results/learning``.
+Contenders, measures and verdicts: docs/results.md. ``--frames`` below the full length makes a smoke run, never
+written into ``results/learning``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import glob
 import os
 import resource
 import shlex
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
 
 import harness  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 ALGOS = ("ppo", "sac")
 CONTENDERS = ("torchrl", "learner", "ddp", "fsdp", "ddp_split")
@@ -70,10 +75,9 @@ def _all_runs() -> int:
 
 
 def ppo_loop(args, record) -> dict:
-    """The PPO recipe's loop (``sota-implementations/ppo/ppo_mujoco.py`` as ``tests/test_ppo_recipe.py`` rewrites
-    it) for ``args.frames`` frames (whole batches), each batch recorded before its updates; returns its counts."""
+    """torchrl's PPO recipe loop (as ``tests/test_ppo_recipe.py`` rewrites it) for ``args.frames`` frames (whole
+    batches), each batch recorded before its updates; returns its counts."""
     import ppo_mujoco as recipe
-    import torch
 
     torch.manual_seed(args.seed)
     actor, critic = recipe.make_models(recipe.make_env(args.env))
@@ -117,13 +121,10 @@ def ppo_loop(args, record) -> dict:
 
 
 def sac_loop(args, recorder, *, budget_s: float = float("inf"), checkpoint: Path | None = None) -> dict:
-    """The SAC recipe's loop (``sota-implementations/sac/sac.py``) for ``args.frames`` frames (whole batches); returns
-    its counts and ``finished``. Past ``budget_s`` seconds it stops after a batch and saves at ``checkpoint`` what
-    continues it (weights, targets, optimizers, replay buffer, counters, RNG states, ``recorder``'s curve); called
-    again with that file there, it resumes (the environments start new episodes)."""
-    import numpy as np
+    """torchrl's SAC recipe loop (``sota-implementations/sac/sac.py``) for ``args.frames`` frames; returns its counts
+    and ``finished``. Past ``budget_s`` it stops after a batch and saves at ``checkpoint`` all that continues it,
+    from which a later call resumes (the environments start new episodes)."""
     import sac_mujoco as recipe
-    import torch
     from torchrl.objectives import group_optimizers
 
     cfg = recipe.RECIPE
@@ -205,21 +206,16 @@ class Recorder:
         return self.offset + time.perf_counter() - self.start
 
     def record(self, frames: int, batch) -> None:
-        import torch.distributed as dist
-
         done = batch.get(("next", "done"))
         returns = batch.get(("next", "episode_reward"))[done].tolist()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             returns = [r for rank in harness.gathered(returns) for r in rank]
         self.points.append([int(frames), self.seconds(), [float(r) for r in returns]])
 
-    def hook(self, trainer):
-        """The Trainer's ``pre_steps_log`` hook: the batch with the trainer's global frame count."""
+    def hook(self, trainer):  # the Trainer's pre_steps_log: the batch with the trainer's global frame count
         return lambda batch: self.record(trainer.collected_frames, batch) or {}
 
-    def budget_hook(self, trainer, budget_s: float):
-        """A ``post_steps`` hook asking the Trainer to stop (it then saves its checkpoint) past ``budget_s``
-        seconds of this segment."""
+    def budget_hook(self, trainer, budget_s: float):  # post_steps: stop (and checkpoint) past budget_s seconds
         def check():
             if time.perf_counter() - self.start > budget_s:
                 trainer.request_stop(f"this segment's time budget of {budget_s:.0f} s is spent")
@@ -234,8 +230,7 @@ class Recorder:
 
 
 def _train(algo: str, contender: str, seed: int, frames: int, opts, recorder: Recorder, partial: Path) -> dict:
-    """Runs one contender to its end, or (SAC) to the end of this segment's budget; returns its counts and
-    ``finished``, and the learner (to close) where there is one."""
+    """One contender to its end, or (SAC) this segment's budget: its counts, ``finished``, its learner if any."""
     budget_s = opts.max_hours * 3600
     launch = {"accelerator": "cpu", "devices": 1, "strategy": "auto"} if contender == "learner" else \
         {"accelerator": "cpu", "devices": 2, "strategy": contender.split("_")[0]}
@@ -280,12 +275,8 @@ def _cpu_seconds() -> float:
 
 def host_probe(repeats: int = 3) -> dict:
     """Seconds of two fixed pieces of one-thread work, the median of ``repeats``: 600 Adam updates of a PPO-sized
-    MLP on 64 samples, and 5,000 HalfCheetah-v5 steps. Run after a run's clock has stopped, it measures the host
-    the run had, so seconds of runs on different hosts (sessions) can be read against it."""
-    import statistics
-
+    MLP on 64 samples, and 5,000 HalfCheetah-v5 steps: the host a run had, so runs of different hosts compare."""
     import gymnasium as gym
-    import torch
 
     def updates() -> float:
         net = torch.nn.Sequential(torch.nn.Linear(17, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
@@ -325,9 +316,8 @@ def _partial_folder(out_dir: Path, name: str) -> Path:
 
 
 def run(opts) -> Path | None:
-    """One (algo, contender, seed) run, or one segment of a SAC run (``--max-hours``); rank 0 writes its result
-    file when the run completes and returns its path (``None`` on other ranks and for a segment). A stopped run
-    continues only on the code it started on."""
+    """One (algo, contender, seed) run, or one segment of a SAC run (``--max-hours``); rank 0 writes the result
+    file when the run completes and returns its path. A stopped run continues only on the code it started on."""
     if opts.contender not in CONTENDERS_OF[opts.algo]:
         raise SystemExit(f"the contender {opts.contender!r} has no {opts.algo.upper()} run; nothing was run. "
                          f"{opts.algo.upper()}'s contenders: {', '.join(CONTENDERS_OF[opts.algo])}.")
@@ -359,8 +349,6 @@ def run(opts) -> Path | None:
     rank = 0
     if learner is not None:
         rank = learner.global_rank
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             cpu = harness.gathered(_cpu_seconds())
         learner.close()
@@ -390,8 +378,6 @@ def run(opts) -> Path | None:
     path = out_dir / f"{name}.json"
     harness.write_json(path, result, indent=None)
     if partial.exists():
-        import shutil
-
         shutil.rmtree(partial)
     print(f"{path}: {result['frames']} frames, {result['updates']} updates in {result['seconds']:.0f} s over "
           f"{len(segments)} segment(s); final return {result['final_return']}, threshold {THRESHOLD[opts.algo]:.0f} "
@@ -415,8 +401,7 @@ def curve(points: list[list]) -> list[tuple[int, float, float]]:
 
 
 def measures(result: dict) -> dict:
-    """The final return, the episode count, and the seconds and frames at which the running mean first
-    reaches the threshold (``None``: never)."""
+    """The final return, the episodes, the seconds and frames at which the running mean first reaches the threshold."""
     points = curve(result["points"])
     reached = next((p for p in points if p[2] >= result["threshold"]), None)
     episodes = sum(len(p[2]) for p in result["points"])
@@ -426,8 +411,7 @@ def measures(result: dict) -> dict:
 
 
 def plan(results_dir: Path = RESULTS_DIR, max_hours: float = 1.75) -> list[tuple[str, int]]:
-    """The full runs without a result file, each with its estimated seconds; printed with their commands (a SAC
-    run longer than ``max_hours`` takes that command more than once, and one begun says how far it got)."""
+    """The full runs without a result file, each with its estimated seconds, printed with their commands."""
     missing = [(run_name(a, c, s), ESTIMATE_S[a, c]) for a in ALGOS for s in SEEDS for c in CONTENDERS_OF[a]
                if not (results_dir / f"{run_name(a, c, s)}.json").exists()]
     for name, est in missing:
@@ -464,8 +448,7 @@ def _round(x, nd=1):
 
 
 def summarize(runs: list[dict]) -> dict:
-    """The summary ``report`` writes: every run's measures and provenance, a row per (algo, contender),
-    and the verdicts (seed-paired ratios, their bootstrap intervals, ``harness.decide``)."""
+    """What ``report`` writes: every run's measures and provenance, a row per (algo, contender), the verdicts."""
     by = {run_name(r["algo"], r["contender"], r["seed"]): r for r in runs}
     entries = {name: {k: r[k] for k in ("algo", "contender", "seed", "frames", "updates", "world_size", "seconds",
                                          "cpu_seconds", "final_return", "seconds_to_threshold", "frames_to_threshold",
@@ -494,10 +477,9 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def verdicts(entries: dict) -> list[dict]:
-    """Final return learner / torchrl (at least ``FINAL_GOAL``) and seconds to the threshold, 2 ranks / 1
-    process (at most ``WALL_GOAL``; a run that never reaches it counts as infinitely slow), per algorithm;
-    for ``ddp_split`` (added after the first DDP run) also its final return / the learner's. Each: the median
-    of the seed-paired ratios with ``harness.bootstrap_ci``'s interval, decided by ``harness.decide``."""
+    """Final return learner / torchrl (at least ``FINAL_GOAL``), seconds to the threshold 2 ranks / 1 process (at
+    most ``WALL_GOAL``; never reaching it is infinitely slow), ddp_split's final return / the learner's: seed-paired
+    median ratios with ``harness.bootstrap_ci``'s interval, decided by ``harness.decide``."""
     out = []
     specs = [("final return, learner / torchrl loop", "learner", "torchrl", "final_return", FINAL_GOAL, True)]
     specs += [(f"seconds to the threshold, {c} 2 ranks / learner 1 process", c, "learner", "seconds_to_threshold",
@@ -572,8 +554,7 @@ def page_section(text: str) -> str:
 
 
 def check_page(text: str, summary: dict) -> list[str]:
-    """What is wrong with a docs/results.md text against a stored summary: empty when its generated section is
-    exactly the one ``render_section`` writes from it (so every number it shows is the summary's)."""
+    """What is wrong with a docs/results.md text: nothing when its section is exactly ``render_section(summary)``."""
     try:
         shown = page_section(text)
     except ValueError as err:

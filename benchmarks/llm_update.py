@@ -4,9 +4,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py --quick    # tiny models: does it run? (~2.5 min)
     .venv/bin/python benchmarks/llm_update.py --strategy ddp --parts speed # against hand DDP; --reps N: more or fewer
 
-Parts (``--parts``, each its own launches): ``speed``, ``memory``, ``capped``, ``batching``; what each compares and
-its goal: benchmarks/README.md, "LLM post-training". Writes ``results/llm_update.json``; ``--quick``: numbers say
-nothing.
+Parts (speed, memory, capped, batching), each its own launches, and their goals: benchmarks/README.md, "LLM
+post-training". Writes ``results/llm_update.json``.
 """
 
 from __future__ import annotations

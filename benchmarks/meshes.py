@@ -1,13 +1,9 @@
 """GRPO on a Qwen2-architecture model: the 2 x 2 mesh (tensor parallel x FSDP2) against FSDP2 on 4 ranks and one process.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/meshes.py            # ~5 min on 2 busy cores
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/meshes.py --quick    # ~1.5 min: does it run?
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/meshes.py --quick    # ~1.5 min: does it run? (numbers say nothing)
 
-Contenders, each its own launch, rotated: ``one_process`` (``LocalLearner``, the whole batch), ``fsdp4``
-(``FabricLearner(strategy="fsdp", devices=4)``, a quarter each) and ``mesh`` (``examples/grpo_tensor_parallel``'s
-strategy: 2 data-parallel x 2 tensor-parallel ranks). Reported: peak memory per rank over the pre-model baseline
-(worst rank), an optimizer step's wall time (rank 0) and CPU seconds over the ranks. Writes ``results/meshes.json``;
-``--quick`` trains a tiny model (its numbers say nothing). Results and reading: docs/meshes.md.
+Contenders, figures and when tensor parallelism pays: docs/meshes.md. Writes ``results/meshes.json``.
 """
 
 from __future__ import annotations

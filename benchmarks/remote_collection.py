@@ -2,11 +2,7 @@
 
     python benchmarks/remote_collection.py [--repeats 3] [--batches 30] [--step-ms 2] [--out ...]
 
-CartPole-v1 whose every step also sleeps ``--step-ms`` (``common.SleepPerStep``), one ``LocalLearner`` (DQN, one
-update per batch, so learning never limits collection). Contenders, rotated, each a fresh process: ``in-process``
-(torchrl's ``Collector``, the synchronous Trainer loop) and ``remote-M`` (``RemoteCollectors(local=True)``, M
-collector processes). Frames/s in steady state against its bound: M times the in-process rate or C cores / (CPU
-seconds per frame over the whole process tree).
+Contenders, rotated, each a fresh process, and the bound each is read against: docs/remote.md.
 """
 from __future__ import annotations
 

@@ -5,11 +5,7 @@
     python benchmarks/remote_learner.py --cartpole 30            # a hand-written PPO loop learning, local and remote
     python benchmarks/remote_learner.py --boundary --out benchmarks/results/remote_boundary.json   # no Ray
 
-2 ranks, gloo, CPU, one thread per rank, clipping at 1.0. The contenders (spmd, remote, remote_stored,
-spmd_in_actors, remote_ranks_own, remote_compiled, remote_pipelined, torchrl_ray) and the workloads:
-benchmarks/README.md, "RemoteLearner (remote_learner.py)". SPMD launches and remote blocks take turns
-(``harness.rotation``); ratios are paired per repetition (``harness.paired``). ``--boundary``: what crossing a
-process boundary costs each way a candidate backend moves weights and batches (docs/remote.md).
+The contenders and workloads: benchmarks/README.md, "RemoteLearner"; ``--boundary``: docs/remote.md.
 """
 
 from __future__ import annotations

@@ -2,10 +2,7 @@
 
     python benchmarks/update_path.py        # prints one path a line, relative to the repository root
 
-``update()`` (after a warm-up call) under a profile hook recording the file of every Python function called, on
-the paths the README's table times: ``LocalLearner`` and ``FabricLearner`` on one CPU (PPO, DQN, SAC with stages,
-gradient accumulation), FSDP2 on one gloo rank and GRPO on a tiny language model; ``NOT_RUN`` is on the path too.
-tests/test_claims.py holds the published table to be no older than the last change to any of them.
+tests/test_claims.py holds the published tables to be no older than the last change to any of them.
 """
 from __future__ import annotations
 
