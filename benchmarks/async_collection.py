@@ -13,23 +13,31 @@ import platform
 import resource
 import statistics
 import time
+from datetime import timedelta
 
 import harness
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from tensordict.nn import TensorDictSequential
+from torchrl.collectors import AsyncCollector, Collector
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.envs import GymEnv, StepCounter, TransformedEnv
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.modules import MLP, EGreedyModule, QValueActor
+from torchrl.objectives import DQNLoss, SoftUpdate
+from torchrl.trainers import ReplayBufferTrainer
+
+from fabric_learner import AsyncCollection, FabricLearner, Trainer, VersionedPolicy
 
 FRAMES_PER_BATCH, OPTIM_STEPS, RB_BATCH, LR, LAG, EPS = 50, 10, 128, 1e-3, 20, 0.1
 
 
 def make_env():
-    from torchrl.envs import GymEnv, StepCounter, TransformedEnv
-
     return TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
 
 
 def evaluate(qnet, episodes: int = 5) -> float:
     """The mean return of greedy episodes."""
-    import torch
-    from torchrl.envs.utils import ExplorationType, set_exploration_type
-
     env = make_env()
     env.set_seed(12345)
     with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
@@ -40,19 +48,6 @@ def evaluate(qnet, episodes: int = 5) -> float:
 
 def worker(mode: str, frames: int, out: str) -> None:
     """One run (``FabricLearner(devices=2)`` starts rank 1): rank 0 writes its rates, return, memory and stats."""
-    from datetime import timedelta
-
-    import torch
-    from lightning.fabric.strategies import DDPStrategy
-    from tensordict.nn import TensorDictSequential
-    from torchrl.collectors import AsyncCollector, Collector
-    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
-    from torchrl.modules import MLP, EGreedyModule, QValueActor
-    from torchrl.objectives import DQNLoss, SoftUpdate
-    from torchrl.trainers import ReplayBufferTrainer
-
-    from fabric_learner import AsyncCollection, FabricLearner, Trainer, VersionedPolicy
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     spec = make_env().action_spec

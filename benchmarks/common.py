@@ -10,13 +10,17 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+from lightning.fabric import Fabric
 from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrl.data import Bounded
 from torchrl.envs import Transform
 from torchrl.modules import MLP, ProbabilisticActor, QValueActor, TanhNormal, ValueOperator
 from torchrl.objectives import ClipPPOLoss, DQNLoss, SACLoss
+
+from fabric_learner import FabricLearner, LocalLearner
 
 # Shapes of the update workloads (case a/b/f): MuJoCo-like continuous control, LunarLander-like DQN.
 OBS, ACT = 17, 6
@@ -159,8 +163,6 @@ class HandFabric:
     """The same loop through Fabric: ``fabric.setup``, ``fabric.backward``, ``fabric.clip_gradients``."""
 
     def __init__(self, loss: nn.Module, clip: float = CLIP):
-        from lightning.fabric import Fabric
-
         self.fabric = Fabric(accelerator="cpu", devices=1)
         self.module, self.opt = self.fabric.setup(loss, torch.optim.Adam(loss.parameters()))
         self.clip = clip
@@ -188,8 +190,6 @@ class HandDDP:
     """A hand-written ``torch.nn.parallel.DistributedDataParallel`` loop (CPU, gloo)."""
 
     def __init__(self, loss: nn.Module, clip: float = CLIP):
-        from torch.nn.parallel import DistributedDataParallel
-
         self.ddp = DistributedDataParallel(SumLoss(loss))
         self.opt = torch.optim.Adam(loss.parameters())
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
@@ -220,8 +220,6 @@ def case_a_contenders(name: str, loss: Callable[[str], nn.Module] = lambda name:
                       ) -> dict[str, Callable[[], Any]]:
     """Case a's contenders on ``loss(name)``, by label, each a builder of one fresh copy: the same loss and seeds
     everywhere, clipping at ``CLIP``, Adam; the twin is the A/A control."""
-    from fabric_learner import FabricLearner, LocalLearner
-
     return {
         "hand torchrl loop": lambda: HandTorchrl(loss(name)),
         "hand torchrl loop (twin)": lambda: HandTorchrl(loss(name)),

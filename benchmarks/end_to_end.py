@@ -250,8 +250,8 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
             met = harness.decide(row["ratio 95% interval (cpu)"], GOAL, at_least=True)  # the goal is a floor
             row["verdict"] = "A/A control" if name == TWIN else {True: "met", False: "NOT met"}.get(met, "undecided")
         table[name] = row
-    table["process CPU s outside the turns, per repetition"] = outside
     harness.show({name: {k: v for k, v in row.items() if not k.startswith("segments")} for name, row in table.items()})
+    table["process CPU s outside the turns, per repetition"] = outside
     return table
 
 

@@ -11,14 +11,32 @@ post-training". Writes ``results/llm_update.json``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
+import gc
 import os
 import statistics
 import time
+from datetime import timedelta
 
 import harness
+import torch
+import torch.distributed as dist
 from common import SumLoss, grpo_loss, grpo_params, summed_loss
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torchrl.modules.llm import TransformersWrapper  # noqa: F401  (every contender's imports, before a baseline)
+from torchrl.objectives.llm import GRPOLoss  # noqa: F401
+from transformers import Qwen2ForCausalLM  # noqa: F401
+
+from fabric_learner import FabricLearner, LocalLearner
+from fabric_learner.llm import pack_sequences, sample_lengths, share_of_rank, update_by_tokens
+from fabric_learner.llm.batching import _groups
+from fabric_learner.llm.packing import attention_crossover, packed_rows
+from fabric_learner.testing import grpo_batch, tiny_tokenizer
 
 LR, CLIP, ACCUM = 1e-5, 1.0, 2
 CONTENDERS = ("learner", "hand")
@@ -59,10 +77,6 @@ QUICK = Mode(hidden=64, layers=2, samples=2, reply_words=(3, 12), pairs=1, copie
 def make_pairs(loss, rank: int, mode: Mode, words: tuple[int, int]) -> list[tuple]:
     """This rank's ``mode.pairs`` optimizer steps of 2 micro-batches of ``mode.samples`` chats with replies of
     ``words`` lengths; log-probs from ``loss``'s (unsharded) policy."""
-    import torch
-
-    from fabric_learner.testing import grpo_batch
-
     g = torch.Generator().manual_seed(1000 + rank)
     return [tuple(grpo_batch(loss.actor_network, torch.randint(*words, (mode.samples,), generator=g).tolist(),
                              seed=100 * rank + 10 * p + m) for m in range(ACCUM)) for p in range(mode.pairs)]
@@ -78,12 +92,6 @@ class LearnerSteps:
     ``strategy``, or ``LocalLearner`` for "one_process"; ``norms`` holds each step's pre-clip gradient norm."""
 
     def __init__(self, loss, strategy: str):
-        from datetime import timedelta
-
-        import torch
-
-        from fabric_learner import FabricLearner, LocalLearner
-
         optimizer = functools.partial(torch.optim.AdamW, lr=LR)
         self.learner = LocalLearner(loss, optimizer, grad_accum_steps=ACCUM, clip_grad_norm=CLIP) \
             if strategy == "one_process" else FabricLearner(
@@ -106,20 +114,13 @@ class HandLoop:
     the gradients scaled by ``world_size / total``, clipped, stepped, zeroed: the learner's normalisation."""
 
     def __init__(self, loss, model, strategy: str):
-        import torch
-        import torch.distributed as dist
-
         self.world = dist.get_world_size()
         if strategy == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
             self.total, self.no_sync = lambda batch: summed_loss(loss(batch)), functools.partial(_unsynced, model)
         else:
-            from torch.nn.parallel import DistributedDataParallel
-
             ddp = DistributedDataParallel(SumLoss(loss))
             self.total, self.no_sync = ddp, ddp.no_sync
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -127,9 +128,6 @@ class HandLoop:
         self.norms = []
 
     def update(self, pair) -> None:
-        import torch
-        import torch.distributed as dist
-
         count = 0
         for i, batch in enumerate(pair):
             with self.no_sync() if i < len(pair) - 1 else contextlib.nullcontext():
@@ -147,8 +145,6 @@ class HandLoop:
         self.opt.zero_grad(set_to_none=True)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -167,10 +163,6 @@ def build(kind: str, loss, model, strategy: str):
     """Contender ``kind`` ("learner", "hand", "one_process") on ``loss`` and its ``model``."""
     if kind != "hand":
         return LearnerSteps(loss, "one_process" if kind == "one_process" else strategy)
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     if not dist.is_initialized():  # no learner has made the group
         dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     return HandLoop(loss, model, strategy)
@@ -178,8 +170,6 @@ def build(kind: str, loss, model, strategy: str):
 
 def _floats(norms) -> list[float]:
     """Gradient norms as floats (a sharded norm is gathered: every rank calls this alike)."""
-    from torch.distributed.tensor import DTensor
-
     return [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
 
 
@@ -188,9 +178,6 @@ def _rel_gap(a: list[float], b: list[float]) -> float:
 
 
 def speed_worker(mode: Mode, strategy: str, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     harness.set_one_thread()
     rank = int(os.environ["RANK"])
     pairs = make_pairs(grpo_loss(mode.hidden, mode.layers)[0], rank, mode, mode.reply_words)
@@ -218,15 +205,6 @@ def speed_worker(mode: Mode, strategy: str, out: str) -> None:
 def big_worker(part: str, kind: str, mode: Mode, strategy: str, cap_copies: float, out: str) -> None:
     """One rank (or the one process) of the memory or the capped part: ``mode.memory_updates`` steps of the large
     model, after every contender's imports; its peak over its pre-model memory, or trained under the cap."""
-    from torch.distributed.fsdp import fully_shard  # noqa: F401
-    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
-    from torchrl.modules.llm import TransformersWrapper  # noqa: F401
-    from torchrl.objectives.llm import GRPOLoss  # noqa: F401
-    from transformers import Qwen2ForCausalLM  # noqa: F401
-
-    from fabric_learner import FabricLearner, LocalLearner  # noqa: F401
-    from fabric_learner.testing import grpo_batch, tiny_tokenizer  # noqa: F401
-
     harness.set_one_thread()
     tiny_tokenizer()
     rank = int(os.environ.get("RANK", 0))
@@ -290,16 +268,12 @@ QUICK_CUT = Cut(hidden=128, layers=2, samples=16, reps=4, warmup=1)
 
 def reply_words(cut: Cut, seed: int) -> list[int]:
     """One global batch's reply lengths in words, from ``LAW``."""
-    import torch
-
     drawn = (torch.randn(cut.samples, generator=torch.Generator().manual_seed(seed)) * cut.sigma).exp() * cut.median_words
     return [int(w) for w in drawn.round().clamp(*cut.words)]
 
 
 def shares(kind: str, batch, rank: int):
     """This rank's part of the global ``batch``: halves by sample count, or by tokens (``balanced``, ``packed``)."""
-    from fabric_learner.llm import share_of_rank
-
     if kind in ("balanced", "packed"):
         return share_of_rank(batch, rank, 2)
     half = len(batch) // 2
@@ -311,9 +285,6 @@ def processed_tokens(kind: str, share_lengths: list[list[int]], cut: Cut, max_to
     """The tokens each rank's forward runs on in one step: padded (or packed: rows times their width, as the
     model's hook lays them out) micro-batches, plus the empty work of a rank with fewer micro-batches (its
     shortest sample, once per missing micro-batch)."""
-    from fabric_learner.llm.batching import _groups
-    from fabric_learner.llm.packing import packed_rows
-
     sizes = []
     for lengths in share_lengths:
         groups = [list(range(i, min(i + cut.fixed, len(lengths)))) for i in range(0, len(lengths), cut.fixed)] \
@@ -332,13 +303,6 @@ class CutSteps:
     ``kind`` says: ``fixed`` micro-batches in the drawn order, or ``update_by_tokens`` (``packed``: packed)."""
 
     def __init__(self, kind: str, cut: Cut, max_tokens: int):
-        from datetime import timedelta
-
-        import torch
-
-        from fabric_learner import FabricLearner
-        from fabric_learner.llm import pack_sequences
-
         loss, _ = grpo_loss(cut.hidden, cut.layers)
         if kind == "packed":
             pack_sequences(loss.actor_network)
@@ -349,8 +313,6 @@ class CutSteps:
         self.norms = []
 
     def update(self, share) -> None:
-        from fabric_learner.llm import update_by_tokens
-
         if self.kind == "fixed":
             for i in range(0, len(share), self.fixed):
                 out = self.learner.update(share[i:i + self.fixed])
@@ -361,9 +323,6 @@ class CutSteps:
 
 def _fresh_peak() -> None:
     """The heap's free memory handed back (glibc ``malloc_trim``), then VmHWM started afresh (``clear_refs`` 5)."""
-    import ctypes
-    import ctypes.util
-
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
@@ -371,14 +330,6 @@ def _fresh_peak() -> None:
 
 
 def batching_worker(cut: Cut, out: str) -> None:
-    import gc
-
-    import torch.distributed as dist
-
-    from fabric_learner.llm import sample_lengths
-    from fabric_learner.llm.packing import attention_crossover
-    from fabric_learner.testing import grpo_batch
-
     harness.set_one_thread()
     rank = int(os.environ["RANK"])
     policy = grpo_loss(cut.hidden, cut.layers)[0].actor_network

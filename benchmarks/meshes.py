@@ -14,8 +14,20 @@ import os
 import statistics
 import sys
 import time
+from datetime import timedelta
 
 import harness
+import torch
+import torch.distributed as dist
+import torchrl.modules.llm  # every import done before a worker's baseline
+import torchrl.objectives.llm  # noqa: F401
+from common import grpo_loss, grpo_params
+from tensordict import lazy_stack
+from transformers import Qwen2ForCausalLM  # noqa: F401
+
+from fabric_learner import FabricLearner, LocalLearner
+from fabric_learner.sharding import data_parallel_rank
+from fabric_learner.testing import grpo_batch, tiny_tokenizer
 
 LR, CLIP = 1e-5, 1.0
 CONTENDERS = ("one_process", "fsdp4", "mesh")
@@ -39,11 +51,6 @@ QUICK = Mode(hidden=128, layers=2, chats=4, reply_words=(3, 10), warmup=1, steps
 
 def share(mode: Mode, policy, step: int, first: int, count: int):
     """Chats ``first .. first + count - 1`` of step ``step``'s global batch, each built alone (seeded by its index)."""
-    import torch
-    from tensordict import lazy_stack
-
-    from fabric_learner.testing import grpo_batch
-
     words = torch.randint(*mode.reply_words, (mode.chats,), generator=torch.Generator().manual_seed(1000 + step)).tolist()
     return lazy_stack([grpo_batch(policy, [words[i]], seed=100 * step + i).tensordicts[0]
                        for i in range(first, first + count)])
@@ -52,18 +59,6 @@ def share(mode: Mode, policy, step: int, first: int, count: int):
 def worker(kind: str, mode: Mode, out: str) -> None:
     """One rank (or the one process): its chats of every step, its peak memory and its steps' wall and CPU time."""
     harness.set_one_thread()
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-    import torchrl.modules.llm  # every import done before the baseline
-    import torchrl.objectives.llm  # noqa: F401
-    from common import grpo_loss
-    from transformers import Qwen2ForCausalLM  # noqa: F401
-
-    from fabric_learner import FabricLearner, LocalLearner
-    from fabric_learner.testing import grpo_batch, tiny_tokenizer  # noqa: F401
-
     tiny_tokenizer()
     baseline = harness.status_mib("VmRSS")  # imports done, model not built yet
     loss, _ = grpo_loss(mode.hidden, mode.layers)
@@ -87,8 +82,6 @@ def worker(kind: str, mode: Mode, out: str) -> None:
         learner = FabricLearner(loss, optimizer, strategy=strategy, devices=4, accelerator="cpu", clip_grad_norm=CLIP,
                                 timeout=timedelta(minutes=5))
         if kind == "mesh":
-            from fabric_learner.sharding import data_parallel_rank
-
             assert data_parallel_rank() == index, (data_parallel_rank(), index)
     sync = dist.barrier if dist.is_available() and dist.is_initialized() else (lambda: None)
     walls, cpus, norms = [], [], []
@@ -131,8 +124,6 @@ def main(argv=None) -> None:
     mode = QUICK if args.quick else FULL
     if args.worker:
         return worker(args.worker, mode, args.out)
-    from common import grpo_params
-
     harness.set_one_thread()
     start, load = time.perf_counter(), os.getloadavg()
     runs = harness.rotated(CONTENDERS, mode.repeats, lambda kind: {"ranks": harness.launch(

@@ -13,6 +13,17 @@ import statistics
 import time
 
 import harness
+import torch
+from common import SleepPerStep
+from tensordict.nn import TensorDictSequential
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.envs import GymEnv, StepCounter, TransformedEnv
+from torchrl.modules import MLP, EGreedyModule, QValueActor
+from torchrl.objectives import DQNLoss
+from torchrl.trainers import ReplayBufferTrainer
+
+from fabric_learner import AsyncCollection, LocalLearner, RemoteCollectors, Trainer, VersionedPolicy
 
 FRAMES_PER_BATCH = 64
 CONTENDERS = ("in-process", "remote-1", "remote-2", "remote-4")
@@ -20,9 +31,6 @@ CONTENDERS = ("in-process", "remote-1", "remote-2", "remote-4")
 
 def make_env(step_ms: float):
     """CartPole-v1 whose steps sleep ``step_ms`` milliseconds each (importable by the collectors)."""
-    from common import SleepPerStep
-    from torchrl.envs import GymEnv, StepCounter, TransformedEnv
-
     return TransformedEnv(GymEnv("CartPole-v1"), SleepPerStep(step_ms / 1000)).append_transform(StepCounter(500))
 
 
@@ -49,16 +57,6 @@ def tree_cpu_seconds() -> float:
 
 def one_run(contender: str, batches: int, step_ms: float, port: int) -> dict:
     """One contender's run in this process: its steady frames/s, start-up, CPU per frame and collectors' stats."""
-    import torch
-    from tensordict.nn import TensorDictSequential
-    from torchrl.collectors import Collector
-    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
-    from torchrl.modules import MLP, EGreedyModule, QValueActor
-    from torchrl.objectives import DQNLoss
-    from torchrl.trainers import ReplayBufferTrainer
-
-    from fabric_learner import AsyncCollection, LocalLearner, RemoteCollectors, Trainer, VersionedPolicy
-
     torch.manual_seed(0)
     env_fn = functools.partial(make_env, step_ms)
     spec = env_fn().action_spec
