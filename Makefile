@@ -59,7 +59,7 @@ TIER_WHEELS := torchrl==0.14.1 tensordict==0.14.3 pyvers==0.2.3 hoptorch==0.1.4 
 SUITE_WHEELS := gymnasium==1.4.0 farama-notifications==0.0.6 mujoco==4.0.1 mujoco-core==4.0.1 mujoco-studio==4.0.1 \
 	glfw==2.11.0 pyopengl==3.1.10 hydra-core==1.3.8 omegaconf==2.3.1
 # Ray (RemoteLearner, tests/test_remote_learner.py, benchmarks/remote_learner.py) and what it needs beyond that
-# machine's packages; its wheel (76 MiB) is over what travels, so benchmarks/ray_pack.py packs the runtime (20 MiB).
+# machine's packages; its wheel (76 MiB) is over what travels, so benchmarks/gpu_tier.py --pack-ray packs the runtime (20 MiB).
 RAY := ray==2.60.0
 RAY_DEPS := jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 RAY_PACK := $(WHEELS)/ray-2.60.0-trimmed.tar.xz
@@ -82,7 +82,7 @@ SITE_RUN = PYTHONPATH=$(GPU_SITE):$(CURDIR) OMP_NUM_THREADS=1 $(GPU_PY)
 gpu-wheels:
 	$(DOWNLOAD) -d $(WHEELS) $(TIER_WHEELS) $(SUITE_WHEELS) $(RAY_DEPS)
 	$(PYTHON) -m pip wheel --quiet --no-deps -w $(WHEELS) antlr4-python3-runtime==4.9.3  # published as source only
-	tmp=$$(mktemp -d) && $(DOWNLOAD) -d $$tmp $(RAY) && $(PYTHON) benchmarks/ray_pack.py $$tmp/ray-*.whl $(RAY_PACK) \
+	tmp=$$(mktemp -d) && $(DOWNLOAD) -d $$tmp $(RAY) && $(PYTHON) benchmarks/gpu_tier.py --pack-ray $$tmp/ray-*.whl $(RAY_PACK) \
 		&& rm -rf $$tmp
 	du -sh $(WHEELS)
 

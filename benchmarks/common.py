@@ -1,7 +1,7 @@
 """Workloads and hand-written baselines shared by the benchmark scripts (the harness is ``harness.py``).
 
-Deterministic given a seed: two contenders built with the same seed start from the same weights and see the
-same batches, so they do the same work.
+Deterministic given a seed: contenders built with the same seed start from the same weights and see the same
+batches, so they do the same work.
 """
 
 from __future__ import annotations
@@ -10,13 +10,17 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+from lightning.fabric import Fabric
 from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrl.data import Bounded
 from torchrl.envs import Transform
 from torchrl.modules import MLP, ProbabilisticActor, QValueActor, TanhNormal, ValueOperator
 from torchrl.objectives import ClipPPOLoss, DQNLoss, SACLoss
+
+from fabric_learner import FabricLearner, LocalLearner
 
 # Shapes of the update workloads (case a/b/f): MuJoCo-like continuous control, LunarLander-like DQN.
 OBS, ACT = 17, 6
@@ -34,42 +38,30 @@ WORKLOAD_DESC = {
 
 def _gaussian_actor(obs: int, act: int, cells: Sequence[int]) -> ProbabilisticActor:
     net = nn.Sequential(MLP(in_features=obs, out_features=2 * act, num_cells=list(cells)), NormalParamExtractor())
-    return ProbabilisticActor(
-        TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
-        in_keys=["loc", "scale"],
-        distribution_class=TanhNormal,
-        return_log_prob=True,
-    )
+    return ProbabilisticActor(TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
+                              in_keys=["loc", "scale"], distribution_class=TanhNormal, return_log_prob=True)
 
 
 def make_loss(name: str, seed: int = 0, *, cells: Sequence[int] | None = None):
-    """``(loss_module, policy)`` for a workload; equal seeds give equal weights."""
+    """``(loss_module, policy)`` for a workload; equal seeds give equal weights. ``ppo_big_actor``: a 21M-parameter
+    policy (6 layers of 2048), small critic; ``sac_big_critic``: a large critic ensemble (2 critics of 4 layers of
+    2048), small actor; ``cells`` replaces the large networks' (or, for ppo, dqn and sac, every network's) layers."""
     torch.manual_seed(seed)
-    if name == "ppo":
-        cells = cells or (64, 64)
-        policy = _gaussian_actor(OBS, ACT, cells)
-        critic = ValueOperator(MLP(in_features=OBS, out_features=1, num_cells=list(cells)), in_keys=["observation"])
-        return ClipPPOLoss(policy, critic, entropy_coeff=0.01, normalize_advantage=False), policy
-    if name == "ppo_big_actor":  # case e: a 20M+ parameter policy, small critic
-        policy = _gaussian_actor(OBS, ACT, cells or (2048,) * 6)
-        critic = ValueOperator(MLP(in_features=OBS, out_features=1, num_cells=[64, 64]), in_keys=["observation"])
+    if name in ("ppo", "ppo_big_actor"):
+        big = name == "ppo_big_actor"
+        policy = _gaussian_actor(OBS, ACT, cells or ((2048,) * 6 if big else (64, 64)))
+        critic = ValueOperator(MLP(in_features=OBS, out_features=1, num_cells=[64, 64] if big else list(cells or (64, 64))),
+                               in_keys=["observation"])
         return ClipPPOLoss(policy, critic, entropy_coeff=0.01, normalize_advantage=False), policy
     if name == "dqn":
-        cells = cells or (256, 256)
-        policy = QValueActor(
-            MLP(in_features=DQN_OBS, out_features=DQN_ACTIONS, num_cells=list(cells)),
-            in_keys=["observation"], spec=None, action_space="one_hot",
-        )
+        policy = QValueActor(MLP(in_features=DQN_OBS, out_features=DQN_ACTIONS, num_cells=list(cells or (256, 256))),
+                             in_keys=["observation"], spec=None, action_space="one_hot")
         return DQNLoss(policy, action_space="one_hot", delay_value=True), policy
-    if name == "sac":
-        cells = cells or (256, 256)
-        policy = _gaussian_actor(OBS, ACT, cells)
-        qvalue = ValueOperator(MLP(in_features=OBS + ACT, out_features=1, num_cells=list(cells)),
-                               in_keys=["observation", "action"])
-        return SACLoss(policy, qvalue, action_spec=Bounded(-1.0, 1.0, shape=(ACT,))), policy
-    if name == "sac_big_critic":  # a large critic ensemble (2 critics, 4 layers), small actor
-        policy = _gaussian_actor(OBS, ACT, (64, 64))
-        qvalue = ValueOperator(MLP(in_features=OBS + ACT, out_features=1, num_cells=list(cells or (2048,) * 4)),
+    if name in ("sac", "sac_big_critic"):
+        big = name == "sac_big_critic"
+        policy = _gaussian_actor(OBS, ACT, (64, 64) if big else cells or (256, 256))
+        qvalue = ValueOperator(MLP(in_features=OBS + ACT, out_features=1,
+                                   num_cells=list(cells or ((2048,) * 4 if big else (256, 256)))),
                                in_keys=["observation", "action"])
         return SACLoss(policy, qvalue, action_spec=Bounded(-1.0, 1.0, shape=(ACT,))), policy
     raise KeyError(name)
@@ -80,12 +72,8 @@ def make_batch(name: str, n: int = BATCH, seed: int = 1) -> TensorDict:
     g = torch.Generator().manual_seed(seed)
     obs_dim = DQN_OBS if name == "dqn" else OBS
     obs = torch.randn(n, obs_dim, generator=g)
-    nxt = {
-        "observation": torch.randn(n, obs_dim, generator=g),
-        "reward": torch.randn(n, 1, generator=g),
-        "done": torch.zeros(n, 1, dtype=torch.bool),
-        "terminated": torch.zeros(n, 1, dtype=torch.bool),
-    }
+    nxt = {"observation": torch.randn(n, obs_dim, generator=g), "reward": torch.randn(n, 1, generator=g),
+           "done": torch.zeros(n, 1, dtype=torch.bool), "terminated": torch.zeros(n, 1, dtype=torch.bool)}
     if name == "dqn":
         action = nn.functional.one_hot(torch.randint(DQN_ACTIONS, (n,), generator=g), DQN_ACTIONS)
         return TensorDict({"observation": obs, "action": action, "next": nxt}, [n])
@@ -175,8 +163,6 @@ class HandFabric:
     """The same loop through Fabric: ``fabric.setup``, ``fabric.backward``, ``fabric.clip_gradients``."""
 
     def __init__(self, loss: nn.Module, clip: float = CLIP):
-        from lightning.fabric import Fabric
-
         self.fabric = Fabric(accelerator="cpu", devices=1)
         self.module, self.opt = self.fabric.setup(loss, torch.optim.Adam(loss.parameters()))
         self.clip = clip
@@ -204,8 +190,6 @@ class HandDDP:
     """A hand-written ``torch.nn.parallel.DistributedDataParallel`` loop (CPU, gloo)."""
 
     def __init__(self, loss: nn.Module, clip: float = CLIP):
-        from torch.nn.parallel import DistributedDataParallel
-
         self.ddp = DistributedDataParallel(SumLoss(loss))
         self.opt = torch.optim.Adam(loss.parameters())
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
@@ -220,8 +204,8 @@ class HandDDP:
 
 
 class SleepPerStep(Transform):
-    """Sleeps ``seconds`` at every step: an environment whose step costs real time (``remote_collection.py``; here,
-    so that its collector processes import it by name)."""
+    """Sleeps ``seconds`` at every step: an environment whose step costs real time (here, so that collector
+    processes import it by name)."""
 
     def __init__(self, seconds: float) -> None:
         super().__init__()
@@ -232,18 +216,14 @@ class SleepPerStep(Transform):
         return next_tensordict
 
 
-def case_a_contenders(name: str) -> dict[str, Callable[[], Any]]:
-    """Case a's contenders on workload ``name``, by label, each a builder of one fresh copy: the same
-    loss and seeds everywhere, clipping at ``CLIP``, Adam; the twin is the A/A control."""
-    from fabric_learner import FabricLearner, LocalLearner
-
-    def loss():
-        return make_loss(name)[0]
-
+def case_a_contenders(name: str, loss: Callable[[str], nn.Module] = lambda name: make_loss(name)[0]
+                      ) -> dict[str, Callable[[], Any]]:
+    """Case a's contenders on ``loss(name)``, by label, each a builder of one fresh copy: the same loss and seeds
+    everywhere, clipping at ``CLIP``, Adam; the twin is the A/A control."""
     return {
-        "hand torchrl loop": lambda: HandTorchrl(loss()),
-        "hand torchrl loop (twin)": lambda: HandTorchrl(loss()),
-        "hand Fabric loop": lambda: HandFabric(loss()),
-        "LocalLearner.update": lambda: LocalLearner(loss(), clip_grad_norm=CLIP),
-        "FabricLearner(cpu,1).update": lambda: FabricLearner(loss(), clip_grad_norm=CLIP, accelerator="cpu", devices=1),
+        "hand torchrl loop": lambda: HandTorchrl(loss(name)),
+        "hand torchrl loop (twin)": lambda: HandTorchrl(loss(name)),
+        "hand Fabric loop": lambda: HandFabric(loss(name)),
+        "LocalLearner.update": lambda: LocalLearner(loss(name), clip_grad_norm=CLIP),
+        "FabricLearner(cpu,1).update": lambda: FabricLearner(loss(name), clip_grad_norm=CLIP, accelerator="cpu", devices=1),
     }

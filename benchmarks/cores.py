@@ -3,17 +3,7 @@
     python benchmarks/cores.py                        # every part, report benchmarks/results/cores.json
     python benchmarks/cores.py --parts async_save     # one part; a later call adds the other to the report
 
-- ``async_save``: ``async_save.py`` (the stall of an asynchronous sharded save, goal at most 0.3): its background
-  writer needs a core beside each rank's.
-- ``remote_learner``: ``remote_learner.py --quick --torchrl`` for PPO and DQN (RemoteLearner against the same ranks
-  as an SPMD program, and torchrl's own Ray learner), then PPO through a Ray compiled graph (``--compiled``) in a
-  run of its own; skipped, saying why, where Ray is missing.
-- ``suite``: the wall seconds of ``make test``'s pytest command (2 xdist workers, the linter left out) and counts.
-
-``--budget`` bounds the whole command: each part runs within what is left, a part that finds too little left is
-recorded as not run, and one cut off records its bound (``timed_out_after_s``), which fails nothing; a run that
-exits with an error and the suite's failures fail the command (exit 1). Refuses (exit 2, nothing written) under
-``MIN_CORES`` cores: 2 ranks and their 2 writer threads, each with a core of its own.
+Parts, the ``--budget`` and what fails the command: docs/gpu.md, "`make test-cores`". Refuses under 4 cores.
 """
 from __future__ import annotations
 
@@ -24,9 +14,7 @@ import re
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-import harness  # noqa: E402
+import harness
 
 MIN_CORES = 4
 PARTS = ("async_save", "remote_learner", "suite")
@@ -37,7 +25,6 @@ _GOALS = ("remote_over_spmd", "remote_over_spmd_in_actors", "pipelined_updates_p
 RUNS = (("ppo", "ppo", ("--torchrl",), _GOALS), ("dqn", "dqn", ("--torchrl",), _GOALS),
         ("ppo_compiled", "ppo", ("--compiled",), ("remote_compiled_over_spmd_in_actors", "remote_compiled_over_remote")))
 MIN_PART_S = 60  # a part that finds less of the budget left is not started
-DEFAULT_REPORT = os.path.join(HERE, "results", "cores.json")
 SUITE = ["-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "-p", "no:cacheprovider"]
 
 
@@ -48,37 +35,6 @@ def refusal(cores: int | None) -> str | None:
     return (f"make test-cores: this machine has {cores} cores; these checks need at least {MIN_CORES} (2 ranks and "
             "their 2 background writers, each on a core of its own). Nothing was run or written: run it where "
             "os.cpu_count() allows, e.g. on the lent GPU machine (16 cores, docs/gpu.md).")
-
-
-def async_save(reps: int, timeout_s: float) -> dict:
-    with harness.scratch_path() as out:
-        problem = bounded([sys.executable, os.path.join(HERE, "async_save.py"), "--out", out, "--reps", str(reps)],
-                          timeout_s, "benchmarks/async_save.py")
-        if problem:
-            return problem
-        result = harness.read_json(out)
-    return {key: result[key] for key in ("stall_over_sync", "ci95", "goal", "verdict", "median_s", "reps")
-            if key in result}
-
-
-def remote_learner(timeout_s: float) -> dict:
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return {"skipped": "Ray is not installed here (make gpu-wheels packs it for the GPU machine: docs/gpu.md)"}
-    deadline = time.perf_counter() + timeout_s
-    result = {}
-    for name, workload, flags, keys in RUNS:
-        left = deadline - time.perf_counter()
-        if left < MIN_PART_S / 2:
-            result[name] = {"not_run": f"{max(left, 0):.0f} s of the part's {timeout_s:.0f} s left"}
-            continue
-        with harness.scratch_path() as out:
-            problem = bounded([sys.executable, os.path.join(HERE, "remote_learner.py"), "--workload", workload,
-                               "--quick", *flags, "--out", out], left, f"benchmarks/remote_learner.py {name}")
-            figures = {} if problem else harness.read_json(out)
-        result[name] = problem or {key: figures[key] for key in keys if key in figures}
-    return result
 
 
 def bounded(cmd: list[str], timeout_s: float, what: str) -> dict | None:
@@ -92,23 +48,50 @@ def bounded(cmd: list[str], timeout_s: float, what: str) -> dict | None:
     return None
 
 
+def figures(script: str, args: list[str], keys: tuple[str, ...], timeout_s: float) -> dict:
+    """``keys`` of what ``benchmarks/SCRIPT ARGS --out PATH`` writes, or what ``bounded`` records."""
+    with harness.scratch_path() as out:
+        problem = bounded([sys.executable, os.path.join(harness.HERE, script), *args, "--out", out], timeout_s,
+                          f"benchmarks/{script} {' '.join(args)}")
+        result = {} if problem else harness.read_json(out)
+    return problem or {key: result[key] for key in keys if key in result}
+
+
+def remote_learner(timeout_s: float) -> dict:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return {"skipped": "Ray is not installed here (make gpu-wheels packs it for the GPU machine: docs/gpu.md)"}
+    deadline, result = time.perf_counter() + timeout_s, {}
+    for name, workload, flags, keys in RUNS:
+        left = deadline - time.perf_counter()
+        result[name] = {"not_run": f"{max(left, 0):.0f} s of the part's {timeout_s:.0f} s left"} if left < MIN_PART_S / 2 \
+            else figures("remote_learner.py", ["--workload", workload, "--quick", *flags], keys, left)
+    return result
+
+
 def suite(timeout_s: float) -> dict:
     start = time.perf_counter()
     try:
         done = harness.run_bounded([sys.executable, *SUITE], timeout_s, "make test's pytest command", check=False)
     except RuntimeError as err:  # past timeout_s: that bound is the figure
         return {"seconds": None, "timed_out_after_s": timeout_s, "goal_s": 480, "tail": str(err)[-4000:]}
-    seconds = time.perf_counter() - start
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", summary)}
-    return {"seconds": round(seconds, 1), "exit_status": done.returncode, "summary": summary, "counts": counts,
-            "goal_s": 480, "tail": done.stdout[-4000:] if done.returncode else ""}
+    return {"seconds": round(time.perf_counter() - start, 1), "exit_status": done.returncode, "summary": summary,
+            "counts": counts, "goal_s": 480, "tail": done.stdout[-4000:] if done.returncode else ""}
+
+
+def failed(result: dict) -> bool:
+    """Whether a part's result holds a failure (one not run for the budget, cut off at its bound, or skipped, is not)."""
+    nested = [v for v in result.values() if isinstance(v, dict)]
+    return "failed" in result or bool(result.get("exit_status")) or any(failed(v) for v in nested)
 
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ", ".join(PARTS))
-    p.add_argument("--report", default=DEFAULT_REPORT)
+    p.add_argument("--report", default=os.path.join(harness.RESULTS, "cores.json"))
     p.add_argument("--reps", type=int, default=15, help="async_save's repetitions")
     p.add_argument("--suite-timeout", type=float, default=540, help="seconds (a device call has 600 in all)")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole command (default: none)")
@@ -129,27 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     report.update({"command": harness.command_line(), "what": "make test-cores: the checks that need spare cores",
                    "machine": harness.machine()})
     deadline = time.perf_counter() + (args.budget if args.budget is not None else float("inf"))
-    bounds = {"async_save": 420, "remote_learner": 360, "suite": args.suite_timeout}
     for part in parts:
         start = time.perf_counter()
         left = deadline - start
+        bound = min({"async_save": 420, "remote_learner": 360, "suite": args.suite_timeout}[part], left)
         if left < MIN_PART_S:
             report[part] = {"not_run": f"{max(left, 0):.0f} s of the --budget {args.budget:.0f} s left"}
+        elif part == "async_save":
+            report[part] = figures("async_save.py", ["--reps", str(args.reps)],
+                                   ("stall_over_sync", "ci95", "goal", "verdict", "median_s", "reps"), bound)
         else:
-            bound = min(bounds[part], left)
-            report[part] = (async_save(args.reps, bound) if part == "async_save" else
-                            remote_learner(bound) if part == "remote_learner" else suite(bound))
-        report[part].update(command=report["command"], when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-        report[part]["part_seconds"] = round(time.perf_counter() - start, 1)
+            report[part] = remote_learner(bound) if part == "remote_learner" else suite(bound)
+        report[part].update(command=report["command"], when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                            part_seconds=round(time.perf_counter() - start, 1))
         harness.write_json(args.report, report)
         print(f"{part}: {json.dumps({k: v for k, v in report[part].items() if k != 'tail'})}")
     return 1 if any(failed(report[part]) for part in parts) else 0
-
-
-def failed(result: dict) -> bool:
-    """Whether a part's result holds a failure (one not run for the budget, cut off at its bound, or skipped, is not)."""
-    nested = [v for v in result.values() if isinstance(v, dict)]
-    return "failed" in result or bool(result.get("exit_status")) or any(failed(v) for v in nested)
 
 
 if __name__ == "__main__":

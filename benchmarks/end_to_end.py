@@ -4,16 +4,7 @@
     python benchmarks/end_to_end.py --part 1 --reps 8 --batches 2 --out benchmarks/results/end_to_end_part1.json
     python benchmarks/end_to_end.py --part stages --reps 5 --batches 1   # --reps 0: the call counts only
 
-Part 1, one process: torchrl's recipe loop (rewritten in ``tests/test_ppo_recipe.py``, which shows both give the
-same updates) against the port (``examples/ppo_mujoco.py``) on ``LocalLearner``, ``FabricLearner(devices=1)`` and
-``FabricLearner(devices=1, compile=True)``, and the loop again as an A/A control; each run collects ``--batches``
-batches of 2048 frames with the recipe's 10 epochs x 32 minibatch updates each. The runs go side by side in
-``Lockstep``; goal: the port at least 0.97 of the loop's frames/s in thread CPU time (the 95% interval of
-``harness.ratio_of_sums``; wall time beside it). A first round of one batch, not counted, pays the one-time costs
-(compilation among them). Part 2: the same total frames on 2 DDP ranks and on 1 process (``FabricLearner``), rank
-0's time by stage (collection, advantage, update, gradient sync: each DDP bucket's all-reduce, overlapping the
-backward). Part "stages": the loop and the ports interleaved, the recipe's pieces timed alike on both sides (setup,
-collection, advantage, replay, update, the rest), wall and CPU seconds, and function calls per stage.
+The parts and the goal (the port at least 0.97 of the loop's frames/s): benchmarks/README.md, "End to end".
 """
 
 from __future__ import annotations
@@ -43,30 +34,23 @@ from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "end_to_end.json"
 GOAL = 0.97  # the port's frames/s at least this share of the recipe loop's (part 1)
-# Part 1's turns (``Lockstep``): ~30 ms of work each. Turns of one step (2,369 a batch) cost about
-# as much switching as work; turns of a whole batch (~4 s) no longer shared the host's speed,
-# which drifts faster than that.
-ENV_STEPS_PER_PAUSE = 16
-DRAWS_PER_PAUSE = 4
-TWIN = "torchrl recipe loop (twin)"  # part 1's A/A control: the same loop again
+# Part 1's turns: ~30 ms of work each. Turns of one step (2,369 a batch) cost about as much switching as work;
+# turns of a whole batch (~4 s) no longer shared the host's speed, which drifts faster than that.
+ENV_STEPS_PER_PAUSE, DRAWS_PER_PAUSE = 16, 4
+LOOP, TWIN = "torchrl recipe loop", "torchrl recipe loop (twin)"  # the twin: part 1's A/A control
 CODE = ("fabric_learner", "benchmarks/*.py", "examples", "tests")  # "+dirty" on the commit when these differ
 TURN_TIMEOUT_S = 600  # a turn is ~30 ms; compile=True's first one compiles
 
 
 class Lockstep:
-    """Runs whole runs side by side in one process, one thread each, taking short turns (the host's speed drifts
-    by ~20% within seconds: whole runs, interleaved, could not decide a 3% goal).
-
-    A run pauses at points every run reaches in the same order (``_pausing``) and the next takes the core:
-    segment ``s`` of every run runs back to back with the others', in a random order per round, and the runs
-    are compared segment by segment. One thread runs at a time, so a segment's thread CPU and wall time are its
-    run's. Each run's RNG states are set aside at a pause and restored at its turn; a full garbage collection runs
-    every 100 rounds, between turns, so no run pays for its own collections.
-    """
+    """Whole runs side by side in one process, one thread each, taking short turns: a run pauses at points every
+    run reaches in the same order (``_pausing``) and the next takes the core, in a random order per round, so
+    segment ``s`` of every run runs back to back with the others'. One thread runs at a time, so a segment's
+    thread CPU and wall time are its run's. Each run's RNG states are set aside at a pause and restored at its
+    turn; a full garbage collection runs every 100 rounds, between turns."""
 
     def __init__(self, runs: dict[str, Callable[[], Any]], seed: int = 0) -> None:
-        self.runs = runs
-        self.seed = seed  # with the round, seeds each round's order
+        self.runs, self.seed = runs, seed  # the seed, with the round, seeds each round's order
         self.process_cpu = 0.0  # the whole process's CPU seconds over run(): the turns' sum plus the switching
         self._turn = {name: threading.Semaphore(0) for name in runs}
         self._back = threading.Semaphore(0)
@@ -143,8 +127,8 @@ class Lockstep:
 
 
 def _adjusted_builders(**adjust: Callable[[Any], Any]):
-    """``ppo_mujoco``'s builders named in ``adjust`` patched for a ``with`` block, each result passed
-    through its adjuster: the loop (``tests/test_ppo_recipe.py``) and the ports build from them alike."""
+    """``ppo_mujoco``'s builders named in ``adjust`` patched for a ``with`` block, each result passed through its
+    adjuster: the loop (``tests/test_ppo_recipe.py``) and the ports build from them alike."""
     def through(name: str, original: Callable) -> Callable:
         return lambda *args, **kwargs: adjust[name](original(*args, **kwargs))
 
@@ -152,31 +136,23 @@ def _adjusted_builders(**adjust: Callable[[Any], Any]):
 
 
 def _pausing(lockstep: Lockstep):
-    """Every environment step and every minibatch draw pauses its run: the recipe's environments and
-    replay buffers, which the loop and the port alike build from ``ppo_mujoco``."""
-    def pausing(call, every: int):
-        calls = itertools.count()
+    """Every ``ENV_STEPS_PER_PAUSE`` environment steps and ``DRAWS_PER_PAUSE`` minibatch draws pause their run."""
+    def pausing(built, attr: str, every: int):
+        call, calls = getattr(built, attr), itertools.count()
 
         def paused(*args, **kwargs):
             if next(calls) % every == 0:
                 lockstep.pause()
             return call(*args, **kwargs)
-        return paused
-
-    def env(built):
-        built.step_and_maybe_reset = pausing(built.step_and_maybe_reset, ENV_STEPS_PER_PAUSE)
+        setattr(built, attr, paused)
         return built
 
-    def buffer(built):
-        built.sample = pausing(built.sample, DRAWS_PER_PAUSE)
-        return built
-
-    return _adjusted_builders(make_env=env, TensorDictReplayBuffer=buffer)
+    return _adjusted_builders(make_env=lambda b: pausing(b, "step_and_maybe_reset", ENV_STEPS_PER_PAUSE),
+                              TensorDictReplayBuffer=lambda b: pausing(b, "sample", DRAWS_PER_PAUSE))
 
 
 def _recipe_args(batches: int, world: int = 1):
-    frames = 2048 * batches
-    return recipe.parse_args(["--frames", str(frames), "--seed", "0", "--no-progress", "--devices", str(world)])
+    return recipe.parse_args(["--frames", str(2048 * batches), "--seed", "0", "--no-progress", "--devices", str(world)])
 
 
 def run_torchrl_loop(batches: int) -> dict:
@@ -186,8 +162,7 @@ def run_torchrl_loop(batches: int) -> dict:
     n_updates = batches * args.epochs * (args.frames_per_batch // args.minibatch)
     start = time.perf_counter()
     original_recipe_loop(args, n_updates)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "frames": args.frames, "updates": n_updates}
+    return {"seconds": time.perf_counter() - start, "frames": args.frames, "updates": n_updates}
 
 
 def _sync_clock(learner, clock: harness.StageClock) -> None:
@@ -213,20 +188,22 @@ def _sync_clock(learner, clock: harness.StageClock) -> None:
 
 def run_port(batches: int, learner_cls, learner_kwargs: dict, world: int = 1) -> dict:
     """One port's run, its stages timed by a ``StageClock`` (update, collection, advantage, gradient sync)."""
+    from fabric_learner.onpolicy import LearnerValueEstimator
+
     args = _recipe_args(batches * world, world)
     clock = harness.StageClock()
     start = time.perf_counter()
     learner, trainer, _ = recipe.build(args, learner_kwargs, learner_cls=learner_cls)
     learner.update = clock.wrap("update", learner.update)
-    collector = trainer.collector
-    collector.iterator = clock.wrap_iterator("collection", collector.iterator)
-    _wrap_value_estimator(trainer, clock)
+    trainer.collector.iterator = clock.wrap_iterator("collection", trainer.collector.iterator)
+    for hook in trainer._modules.values():
+        if isinstance(hook, LearnerValueEstimator):
+            hook.value_estimator = clock.wrap("advantage", hook.value_estimator)
     if world > 1:
         _sync_clock(learner, clock)
     built = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - start
-    out = {"seconds": seconds, "setup seconds": built - start, "frames": trainer.collected_frames,
+    out = {"seconds": time.perf_counter() - start, "setup seconds": built - start, "frames": trainer.collected_frames,
            "updates": learner.num_updates, "stages": clock.seconds, "rank": learner.global_rank,
            # the median update: leaves out compile's warm-up (tens of seconds, once) where a run pays it
            "update ms (median call)": 1e3 * statistics.median(clock.calls["update"])}
@@ -234,73 +211,10 @@ def run_port(batches: int, learner_cls, learner_kwargs: dict, world: int = 1) ->
     return out
 
 
-def _wrap_value_estimator(trainer, clock: harness.StageClock) -> None:
-    from fabric_learner.onpolicy import LearnerValueEstimator
-
-    for hook in trainer._modules.values():
-        if isinstance(hook, LearnerValueEstimator):
-            hook.value_estimator = clock.wrap("advantage", hook.value_estimator)
-
-
-def part_two(batches: int) -> dict:
-    """The same total frames on 1 and 2 ranks (``FabricLearner`` launches them), rank 0's stages."""
-    return {ranks: harness.launch([__file__, "--ranks", str(ranks), "--batches", str(batches)], timeout_s=1800,
-                                  what=f"{ranks}-rank run") for ranks in (1, 2)}
-
-
-def ranks_worker(args) -> None:
-    kwargs = {"accelerator": "cpu", "devices": args.ranks, "strategy": "ddp" if args.ranks > 1 else "auto"}
-    result = run_port(args.batches // args.ranks, FabricLearner, kwargs, world=args.ranks)
-    if result["rank"] == 0:
-        harness.write_json(args.out, result, indent=None)
-
-
-def parser():
-    p = harness.parser(__doc__)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--batches", type=int, default=2, help="batches of 2048 frames per run (part 1)")
-    p.add_argument("--part", choices=["1", "2", "both", "stages"], default="both")
-    p.add_argument("--ranks", type=int, help="one launch of part 2 on this many ranks (a worker)")
-    return p
-
-
-def main(argv=None) -> None:
-    args = parser().parse_args(argv)
-    if args.ranks:
-        return ranks_worker(args)
-    torch.set_num_threads(1)
-    report: dict = {"batches": args.batches, "reps": args.reps, "git": harness.git_label(*CODE),
-                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if args.part == "stages":
-        report.update(load=os.getloadavg(), **part_stages(args.reps, args.batches))
-        return harness.write_result(args.out or RESULTS.with_name("end_to_end_stages.json"), report)
-    port = functools.partial(run_port, learner_cls=FabricLearner)
-    modes = {"torchrl recipe loop": run_torchrl_loop, TWIN: run_torchrl_loop,
-             "port, LocalLearner": functools.partial(run_port, learner_cls=LocalLearner, learner_kwargs={}),
-             "port, FabricLearner": functools.partial(port, learner_kwargs={"accelerator": "cpu", "devices": 1}),
-             "port, FabricLearner compile=True": functools.partial(
-                 port, learner_kwargs={"accelerator": "cpu", "devices": 1, "compile": True})}
-    if args.part in ("1", "both"):
-        report["part 1"] = part_one(modes, args.reps, args.batches)
-    if args.part in ("2", "both"):
-        two = report["part 2"] = part_two(2 * args.batches)
-        print("\npart 2: same total frames, FabricLearner, rank 0's stages (s)")
-        for ranks, r in two.items():
-            other = r["seconds"] - r["setup seconds"] - sum(v for k, v in r["stages"].items() if k != "gradient sync")
-            print(f"  {ranks} rank(s): {r['frames'] / r['seconds']:.0f} frames/s, {r['seconds']:.1f} s (setup "
-                  f"{r['setup seconds']:.1f}), " + ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items())
-                  + f", other {other:.1f}")
-        ratio = report["part 2 ratio (2 ranks / 1 process, frames/s)"] = (
-            (two[2]["frames"] / two[2]["seconds"]) / (two[1]["frames"] / two[1]["seconds"]))
-        print(f"  ratio 2 ranks / 1 process: {ratio:.2f}")
-    harness.write_result(args.out or RESULTS, report)
-
-
 def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -> dict:
-    """Every mode run ``reps`` times in lockstep, after an uncounted round of one batch (the process's one-time
-    costs); frames/s and the ratio to the loop (its time over the run's, summed over the paired segments, with
-    ``harness.ratio_of_sums``'s interval), decided in thread CPU time: a segment's CPU time is its run's work,
-    its wall time also the waits for a core that other jobs cause."""
+    """Every mode run ``reps`` times in lockstep, after an uncounted round of one batch (one-time costs); frames/s and
+    the ratio to the loop (its time over the run's, summed over the paired segments, ``harness.ratio_of_sums``),
+    decided in thread CPU time: a segment's CPU time is its run's work, its wall time also waits for a core."""
     cpu: dict[str, list[list[float]]] = {name: [] for name in modes}  # per repetition, per segment
     wall: dict[str, list[list[float]]] = {name: [] for name in modes}
     results: dict[str, list[dict]] = {name: [] for name in modes}
@@ -318,37 +232,26 @@ def part_one(modes: dict[str, Callable[[int], dict]], reps: int, batches: int) -
             results[name].append(lockstep.results[name])
         outside.append(lockstep.process_cpu - sum(sum(v) for v in lockstep.cpu.values()))
         print(f"rep {rep}: " + ", ".join(f"{name} {sum(lockstep.wall[name]):.1f} s" for name in modes), flush=True)
-    base = "torchrl recipe loop"
-    print(f"\npart 1: one process, {reps} lockstep repetitions of {len(cpu[base][0])} paired segments; frames/s "
-          f"and the ratio to torchrl's recipe loop (its time / the run's), goal >= {GOAL} in thread CPU time")
     table = {}
     for name in modes:
         frames = sum(r["frames"] for r in results[name])
-        seconds = {kind: sum(map(sum, samples[name])) for kind, samples in (("cpu", cpu), ("wall", wall))}
         row: dict[str, Any] = {
-            "frames": frames, "frames/s (cpu)": frames / seconds["cpu"], "frames/s (wall)": frames / seconds["wall"],
-            "segments cpu s": cpu[name], "segments wall s": wall[name],
-            "ratio per repetition (cpu)": [sum(b) / sum(a) for a, b in zip(cpu[name], cpu[base])],
-        }
+            "frames": frames, "frames/s (cpu)": frames / sum(map(sum, cpu[name])),
+            "frames/s (wall)": frames / sum(map(sum, wall[name])), "segments cpu s": cpu[name],
+            "segments wall s": wall[name],
+            "ratio per repetition (cpu)": [sum(b) / sum(a) for a, b in zip(cpu[name], cpu[LOOP])]}
         if "stages" in results[name][0]:
             row["update ms, median call (median over repetitions)"] = statistics.median(
                 r["update ms (median call)"] for r in results[name])
-        if name != base:
+        if name != LOOP:
             for kind, samples in (("cpu", cpu), ("wall", wall)):
-                ratio, (lo, hi) = harness.ratio_of_sums(samples[base], samples[name])
-                row[f"ratio ({kind})"], row[f"ratio 95% interval ({kind})"] = ratio, (lo, hi)
+                row[f"ratio ({kind})"], row[f"ratio 95% interval ({kind})"] = harness.ratio_of_sums(samples[LOOP],
+                                                                                                    samples[name])
             met = harness.decide(row["ratio 95% interval (cpu)"], GOAL, at_least=True)  # the goal is a floor
             row["verdict"] = "A/A control" if name == TWIN else {True: "met", False: "NOT met"}.get(met, "undecided")
         table[name] = row
-        line = f"  {name:36s} {row['frames/s (cpu)']:6.0f} frames/s cpu, {row['frames/s (wall)']:6.0f} wall"
-        if name != base:
-            line += (f"  ratio cpu {row['ratio (cpu)']:.3f} [{row['ratio 95% interval (cpu)'][0]:.3f}, "
-                     f"{row['ratio 95% interval (cpu)'][1]:.3f}], wall {row['ratio (wall)']:.3f} "
-                     f"[{row['ratio 95% interval (wall)'][0]:.3f}, {row['ratio 95% interval (wall)'][1]:.3f}]"
-                     f"  {row['verdict']}")
-        print(line, flush=True)
+    harness.show({name: {k: v for k, v in row.items() if not k.startswith("segments")} for name, row in table.items()})
     table["process CPU s outside the turns, per repetition"] = outside
-    print(f"  process CPU outside the runs' turns (switching, collections): at most {max(outside):.2f} s a repetition")
     return table
 
 
@@ -359,34 +262,31 @@ def _instrumented_recipe(clock: harness.StageClock):
         return built
 
     def loss_and_gae(built):
-        gae = built[1]
-        gae.forward = clock.wrap("advantage", gae.forward)
+        built[1].forward = clock.wrap("advantage", built[1].forward)
         return built
 
     def buffer(built):
-        built.extend = clock.wrap("replay", built.extend)
-        built.sample = clock.wrap("replay", built.sample)
+        built.extend, built.sample = clock.wrap("replay", built.extend), clock.wrap("replay", built.sample)
         return built
 
     return _adjusted_builders(Collector=collector, make_loss=loss_and_gae, TensorDictReplayBuffer=buffer)
 
 
 def staged_run(name: str, batches: int, count_calls: bool = False) -> dict:
-    """One run of ``name`` (the torchrl loop or a port) with its stages timed: wall and CPU seconds
-    (or, with ``count_calls``, the Python and C function calls of each stage: exact, not timed)."""
+    """One run of ``name`` (the loop or a port) with its stages timed: wall and CPU seconds, or with
+    ``count_calls`` the Python and C function calls of each stage (exact, not timed)."""
     clock = harness.StageClock()
     start, cpu = time.perf_counter(), time.process_time()
     clock.origin = (start, cpu)
     if count_calls:
         clock.count_calls()
     with _instrumented_recipe(clock):
-        if name == "torchrl recipe loop":
+        if name == LOOP:
             run_torchrl_loop(batches)
         else:
             cls, kwargs = (LocalLearner, {}) if name == "port, LocalLearner" else (
                 FabricLearner, {"accelerator": "cpu", "devices": 1})
-            args = _recipe_args(batches)
-            learner, trainer, _ = recipe.build(args, kwargs, learner_cls=cls)
+            learner, trainer, _ = recipe.build(_recipe_args(batches), kwargs, learner_cls=cls)
             learner.update = clock.wrap("update", learner.update)
             trainer.train()
             learner.close()
@@ -400,10 +300,10 @@ def staged_run(name: str, batches: int, count_calls: bool = False) -> dict:
 
 
 def part_stages(reps: int, batches: int) -> dict:
-    names = ["torchrl recipe loop", "port, LocalLearner", "port, FabricLearner"]
+    names = [LOOP, "port, LocalLearner", "port, FabricLearner"]
     calls = {name: staged_run(name, batches, count_calls=True)["calls"] for name in names}
     order = ["setup", "collection", "advantage", "replay", "update", "rest", "total"]
-    print("\nfunction calls (Python and C) per stage, one run each (exact; rest: see below)\n" + harness.table(
+    print("function calls (Python and C) per stage, one run each\n" + harness.table(
         ("", *order), [(name, *(calls[name].get(s, 0) for s in order)) for name in names]), flush=True)
     if reps == 0:  # the counts only
         return {"calls": calls}
@@ -411,21 +311,54 @@ def part_stages(reps: int, batches: int) -> dict:
     for rep in range(reps):
         for name in harness.order_for(rep, names):  # interleaved, in a random order
             runs[name].append(staged_run(name, batches))
-            print(f"rep {rep} {name}: {runs[name][-1]['wall']['total']:.2f} s wall, "
-                  f"{runs[name][-1]['cpu']['total']:.2f} s cpu", flush=True)
     table = {kind: {name: {**{k: statistics.median(r[kind].get(k, 0.0) for r in runs[name])
                                for k in sorted({k for r in runs[name] for k in r[kind]})},
                             "total (min)": min(r[kind]["total"] for r in runs[name])} for name in names}
              for kind in ("wall", "cpu")}
-    stages = ["setup", "collection", "advantage", "replay", "update", "rest", "total", "total (min)"]
     for kind in ("cpu", "wall"):
-        print(f"\nstages, {kind} seconds, median of {reps} (rest: the loop's own update for torchrl; hooks and "
-              "bookkeeping for the port)\n" + harness.table(
-                  ("", *stages), [(n, *(f"{table[kind][n].get(s, 0.0):.3f}" for s in stages)) for n in names]))
-        base = table[kind]["torchrl recipe loop"]["total"]
-        print("  ratio of totals (loop / port, as frames/s): " + ", ".join(
-            f"{n}: {base / table[kind][n]['total']:.3f}" for n in names[1:]))
+        print(f"stages, {kind} seconds, median of {reps}\n" + harness.table(
+            ("", *order, "total (min)"), [(n, *(f"{table[kind][n].get(s, 0.0):.3f}" for s in (*order, "total (min)")))
+                                          for n in names]))
     return {"runs": runs, "medians": table, "calls": calls}
+
+
+def parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--batches", type=int, default=2, help="batches of 2048 frames per run (part 1)")
+    p.add_argument("--part", choices=["1", "2", "both", "stages"], default="both")
+    p.add_argument("--ranks", type=int, help="one launch of part 2 on this many ranks (a worker)")
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.ranks:  # part 2: the same total frames on this many ranks (FabricLearner launches them), rank 0's stages
+        kwargs = {"accelerator": "cpu", "devices": args.ranks, "strategy": "ddp" if args.ranks > 1 else "auto"}
+        result = run_port(args.batches // args.ranks, FabricLearner, kwargs, world=args.ranks)
+        return harness.write_json(args.out, result, indent=None) if result["rank"] == 0 else None
+    torch.set_num_threads(1)
+    report: dict = {"batches": args.batches, "reps": args.reps,
+                    "git": harness.git_head() + ("+dirty" if harness.git_dirty(*CODE) else ""),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.part == "stages":
+        report.update(load=os.getloadavg(), **part_stages(args.reps, args.batches))
+        return harness.write_result(args.out or RESULTS.with_name("end_to_end_stages.json"), report)
+    fabric = {"accelerator": "cpu", "devices": 1}
+    port = functools.partial(run_port, learner_cls=FabricLearner)
+    modes = {LOOP: run_torchrl_loop, TWIN: run_torchrl_loop,
+             "port, LocalLearner": functools.partial(run_port, learner_cls=LocalLearner, learner_kwargs={}),
+             "port, FabricLearner": functools.partial(port, learner_kwargs=fabric),
+             "port, FabricLearner compile=True": functools.partial(port, learner_kwargs={**fabric, "compile": True})}
+    if args.part in ("1", "both"):
+        report["part 1"] = part_one(modes, args.reps, args.batches)
+    if args.part in ("2", "both"):
+        two = report["part 2"] = {ranks: harness.launch([__file__, "--ranks", ranks, "--batches", 2 * args.batches],
+                                                        timeout_s=1800, what=f"{ranks}-rank run") for ranks in (1, 2)}
+        report["part 2 ratio (2 ranks / 1 process, frames/s)"] = (
+            (two[2]["frames"] / two[2]["seconds"]) / (two[1]["frames"] / two[1]["seconds"]))
+        harness.show({k: v for k, v in report.items() if k.startswith("part 2")})
+    harness.write_result(args.out or RESULTS, report)
 
 
 if __name__ == "__main__":

@@ -2,31 +2,48 @@
 
     python benchmarks/gpu_tier.py                 # on a machine with a CUDA GPU (`make test-gpu`)
     python benchmarks/gpu_tier.py --dry-run       # the same checks with the CPU as the device
+    python benchmarks/gpu_tier.py --pack-ray RAY_WHEEL OUT.tar.xz   # Ray's runtime, small enough to travel there
 
-Writes ``results/gpu_tier.json`` (``--report``): per check its outcome (passed, failed with the error's tail, or
-skipped with the reason), seconds and figures; the device, torch's and CUDA's versions, the machine. The NCCL
-checks run where ``torch.cuda.device_count() >= 2``. Exits with pytest's status; without CUDA it refuses (exit 2,
-nothing written) unless ``--dry-run``. Each check is bounded (``--check-timeout``), and the report is rewritten
-after each phase of each check, so a run cut off at a device call's limit still sends back what it checked.
+The report (``--report``, rewritten after each check's every phase) and the refusal without CUDA: docs/gpu.md.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
+import tarfile
 import time
+import zipfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-import harness  # noqa: E402
+import harness
 
 CHECKS = os.path.join(harness.ROOT, "tests", "gpu", "cuda_checks.py")
-DEFAULT_REPORT = os.path.join(HERE, "results", "gpu_tier.json")
+# what RemoteLearner does not use of Ray's wheel (76 MiB, over what travels to the GPU machine): left out by pack_ray
+RAY_UNUSED = ("ray/jars/", "ray/rllib/", "ray/data/", "ray/serve/", "ray/llm/", "ray/tune/", "ray/train/",
+              "ray/dashboard/client/")
+
+
+def pack_ray(wheel: str, out: str) -> int:
+    """Writes ``out`` (a .tar.xz, about 20 MiB) from the wheel's files less ``RAY_UNUSED``, their modes kept (the
+    binaries stay executable); returns the bytes written. `make gpu-site` unpacks it beside the wheels."""
+    import lzma
+
+    with zipfile.ZipFile(wheel) as zf, lzma.open(out, "wb", preset=9) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        for entry in zf.infolist():
+            if entry.is_dir() or entry.filename.startswith(RAY_UNUSED):
+                continue
+            data = zf.read(entry)
+            info = tarfile.TarInfo(entry.filename)
+            info.size, info.mode = len(data), (entry.external_attr >> 16) & 0o777 or 0o644
+            info.mtime = time.mktime(entry.date_time + (0, 0, -1))
+            tar.addfile(info, io.BytesIO(data))
+    return os.path.getsize(out)
 
 
 class Report:
     """A pytest plugin gathering each check's outcome, seconds and ``record_property`` figures, calling
-    ``on_change`` after each, so a run cut off at a device call's limit still leaves what it checked."""
+    ``on_change`` after each."""
 
     def __init__(self, on_change=lambda: None) -> None:
         self.checks: dict[str, dict] = {}
@@ -53,27 +70,29 @@ def device_block(device: str) -> dict:
     import torch
 
     block = {"tier_device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
-             "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count()}
+             "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count(),
+             "name": "cpu (dry run)"}
     if device == "cuda":
-        block["name"] = torch.cuda.get_device_name(0)
-        block["capability"] = list(torch.cuda.get_device_capability(0))
-        block["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    else:
-        block["name"] = "cpu (dry run)"
+        block.update(name=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
+                     memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
     return block
 
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="run every check with the CPU as the device")
-    p.add_argument("--report", default=DEFAULT_REPORT)
+    p.add_argument("--report", default=os.path.join(harness.RESULTS, "gpu_tier.json"))
     p.add_argument("-k", default=None, help="only the checks matching this pytest -k expression")
     p.add_argument("--check-timeout", type=int, default=300, help="seconds one check may take (pytest-timeout)")
+    p.add_argument("--pack-ray", nargs=2, metavar=("WHEEL", "OUT"), help="pack Ray's runtime (make gpu-wheels)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.pack_ray:
+        print(f"{args.pack_ray[1]}: {pack_ray(*args.pack_ray) / 2**20:.1f} MiB")
+        return 0
     import pytest
     import torch
 

@@ -1,8 +1,5 @@
-"""The benchmark harness: what the scripts of benchmarks/ share apart from their workloads, written once: their
-parsers and result files (each naming the command that rewrites it), launches of N ranks, rotated launches,
-provenance, a stage clock, verdicts, tables, a memory cap, and contenders taking turns with the intervals read
-from them. Loading it imports only the standard library, so a worker can load it before it measures its memory.
-"""
+"""The benchmark harness: what the scripts of benchmarks/ share apart from their workloads. Importing it loads only
+the standard library, so a worker can load it before it measures its memory."""
 
 from __future__ import annotations
 
@@ -42,19 +39,19 @@ def parser(doc: str | None, out: str | None = None, **kwargs) -> argparse.Argume
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
-    """The command this process runs, as written from the repository root: ``python benchmarks/x.py ARGS``."""
+    """This process's command from the repository root: ``python benchmarks/x.py ARGS``."""
     argv = sys.argv if argv is None else argv
     script = os.path.relpath(os.path.abspath(argv[0]), ROOT) if argv else "?"
     return shlex.join(["python", script, *argv[1:]])
 
 
-def write_result(path: str | os.PathLike, data: dict, *, indent: int | None = 1) -> None:
+def write_result(path: str | os.PathLike, data: dict) -> None:
     """``write_json`` of ``data`` with its ``command``: ``command_line()``, unless ``data`` names one."""
-    write_json(path, {"command": command_line(), **data}, indent=indent)
+    write_json(path, {"command": command_line(), **data})
 
 
 def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> None:
-    """Writes ``data`` to ``path`` as JSON (folder made if missing), whole: beside it, then renamed onto it."""
+    """``data`` as JSON at ``path``, whole (written beside it, then renamed onto it), its folder made if missing."""
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
@@ -67,36 +64,45 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.load(f)
 
 
-def write_gathered(path: str | os.PathLike, result: Any) -> None:
-    """Every rank's ``result``, a list by rank, written by rank 0 (a collective); ``[result]`` without a group."""
+def show(data: Any) -> None:
+    print(json.dumps(data, indent=1, default=str), flush=True)
+
+
+def gathered(result: Any) -> list:
+    """Every rank's ``result``, a list by rank (a collective); ``[result]`` without a process group."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return write_json(path, [result], indent=None)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        write_json(path, gathered, indent=None)
+        return [result]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, result)
+    return every
+
+
+def write_gathered(path: str | os.PathLike, result: Any) -> None:
+    """``gathered(result)``, written by rank 0 (a collective)."""
+    import torch.distributed as dist
+
+    every = gathered(result)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_json(path, every, indent=None)
 
 
 # ---- process and launches ------------------------------------------------------------------------
 
 
-def set_one_thread() -> None:
-    """One intra-op thread in this process, and in any process it starts."""
+def set_one_thread(quiet: bool = False) -> None:
+    """One intra-op thread in this process and in any process it starts; ``quiet``: torchrl's and Python's
+    warnings off too."""
     import torch
 
+    if quiet:
+        import warnings
+
+        os.environ.setdefault("RL_WARNINGS", "False")
+        warnings.filterwarnings("ignore")
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-
-
-def setup() -> None:
-    """A benchmark process: one thread, torchrl's and Python's warnings off."""
-    import warnings
-
-    os.environ.setdefault("RL_WARNINGS", "False")
-    warnings.filterwarnings("ignore")
-    set_one_thread()
 
 
 def status_mib(field: str) -> float:
@@ -106,6 +112,12 @@ def status_mib(field: str) -> float:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+def peak(baseline_mib: float) -> dict:
+    """This rank's peak resident memory over ``baseline_mib`` (its memory before the model)."""
+    return {"rank": int(os.environ.get("RANK", 0)), "baseline_mib": baseline_mib,
+            "peak_over_baseline_mib": status_mib("VmHWM") - baseline_mib}
 
 
 def free_port() -> int:
@@ -126,9 +138,9 @@ def torchrun(nproc: int, *argv: str) -> list[str]:
 
 def run_bounded(cmd: list[str], timeout_s: float, what: str, *, check: bool = True,
                 **extra_env: str) -> subprocess.CompletedProcess:
-    """Runs ``cmd`` from the repository root (stdout and stderr together in ``stdout``) with one thread per process,
-    torchrl's warnings off, this checkout first on its path, no variable of an enclosing launch, and ``extra_env``;
-    its process group is killed when it ends. ``RuntimeError`` past ``timeout_s`` or, with ``check``, on failure."""
+    """``cmd`` run from the repository root (output in ``stdout``), one thread per process, torchrl's warnings off,
+    this checkout first on its path, no variable of an enclosing launch, ``extra_env`` set; its process group is
+    killed when it ends. ``RuntimeError`` past ``timeout_s`` or, with ``check``, on failure."""
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", RL_WARNINGS="False", PYTHONPATH=path, **extra_env)
     for key in LAUNCH_VARIABLES:
@@ -159,12 +171,12 @@ def scratch_path(name: str = "result.json") -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def launch(argv: Sequence[str], *, ranks: int | None = None, timeout_s: float = 600, what: str | None = None,
-           out_flag: str = "--out", **extra_env: str) -> Any:
-    """Runs ``argv`` (a script and its arguments, ``OUT_FLAG PATH`` appended) as one process or, given ``ranks``,
-    as that many under torchrun (``run_bounded``), and returns the JSON it wrote at ``PATH``."""
+def launch(argv: Sequence, *, ranks: int | None = None, timeout_s: float = 600, what: str | None = None,
+           **extra_env: str) -> Any:
+    """The JSON that ``argv`` (a script and its arguments, ``--out PATH`` appended) writes at ``PATH``, run as one
+    process or, given ``ranks``, as that many under torchrun (``run_bounded``)."""
     with scratch_path() as out:
-        cmd = [*argv, out_flag, out]
+        cmd = [*map(str, argv), "--out", out]
         cmd = [sys.executable, *cmd] if ranks is None else torchrun(ranks, *cmd)
         run_bounded(cmd, timeout_s, what or " ".join(map(str, argv[:3])), **extra_env)
         return read_json(out)
@@ -182,6 +194,18 @@ def rotated(kinds: Sequence[str], repeats: int, run: Callable[[str], dict], show
             runs[-1].setdefault("seconds", time.monotonic() - start)
             print(f"{kind:27s} {show(runs[-1])} ({runs[-1]['seconds']:.0f} s)", flush=True)
     return runs
+
+
+def peak_launches(kinds: Sequence[str], repeats: int, argv: Callable[[str], list], **launch_kwargs
+                  ) -> tuple[list[dict], dict[str, float]]:
+    """``rotated`` launches of ``argv(kind)``, whose ranks report ``peak``: every run with its worst rank's peak,
+    and each kind's median of it."""
+    def one(kind: str) -> dict:
+        ranks = launch(argv(kind), what=f"{kind} launch", **launch_kwargs)
+        return {"ranks": ranks, "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks)}
+
+    runs = rotated(kinds, repeats, one, lambda r: f"worst-rank peak {r['worst_peak_mib']:8.1f} MiB")
+    return runs, {k: statistics.median(r["worst_peak_mib"] for r in runs if r["kind"] == k) for k in kinds}
 
 
 # ---- provenance ----------------------------------------------------------------------------------
@@ -206,13 +230,8 @@ def git_dirty(*paths: str) -> bool | None:
     return None if status is None else status != ""
 
 
-def git_label(*paths: str) -> str:
-    """``git_head()``, with "+dirty" when ``paths`` differ from it."""
-    return git_head() + ("+dirty" if git_dirty(*paths) else "")
-
-
 def package_sha256() -> str:
-    """16 hex digits of a sha256 over every file under fabric_learner/ but ``__pycache__``, each with its path."""
+    """16 hex digits of a sha256 over every file under fabric_learner/ (but ``__pycache__``) and its path."""
     files = []
     for folder, subfolders, names in os.walk(PACKAGE):
         subfolders[:] = [d for d in subfolders if d != "__pycache__"]
@@ -251,11 +270,10 @@ def machine() -> dict[str, Any]:
 
 
 class StageClock:
-    """Time spent in each named stage, summed over the calls it wraps, on each of its timers: by default wall
-    seconds in ``seconds`` and process CPU seconds in ``cpu`` (``StageClock(ns=time.thread_time_ns)``: ``ns``),
-    each a dict stage -> sum; ``calls[stage]`` lists each call's duration on the first timer. A stage inside
-    another counts in both (for ``count_calls``, in the outer). ``origin`` (the timers at a run's start) starts
-    "setup", which lasts until a wrapped iterator's first item."""
+    """Time in each named stage, summed over the calls it wraps, on each timer: by default wall seconds in
+    ``seconds`` and process CPU seconds in ``cpu`` (dicts stage -> sum); ``calls[stage]``: each call's time on the
+    first timer. A stage inside another counts in both. ``origin`` (the timers at a run's start) starts "setup",
+    which lasts until a wrapped iterator's first item."""
 
     def __init__(self, **timers: Callable[[], float]) -> None:
         timers = timers or {"seconds": time.perf_counter, "cpu": time.process_time}
@@ -277,8 +295,8 @@ class StageClock:
         return end[0] - start[0]
 
     def count_calls(self) -> None:
-        """Counts Python and C function calls per stage from now on (exact, slow); outside every stage, "setup"
-        until a setup time is recorded, "rest" after."""
+        """Counts Python and C function calls per outermost stage from now on (exact, slow); outside every stage,
+        "setup" until a setup time is recorded, "rest" after."""
         counts = self.python_calls = {}
 
         def hook(frame, event, arg):
@@ -346,6 +364,17 @@ def verdict(ci: tuple[float, float], goal: float | None, *, at_least: bool = Fal
     return "met" if met else "NOT met"
 
 
+def both(first: tuple[float, float], second: tuple[float, float], goal: float, *, at_least: bool = False,
+         detail: str = "") -> tuple[bool | None, str]:
+    """The verdict when two intervals (wall and CPU time) must both meet ``goal``: ``first``'s when they agree,
+    else not met if either is not, undecided otherwise, in words with ``detail``."""
+    a, b = decide(first, goal, at_least=at_least), decide(second, goal, at_least=at_least)
+    if a is b:
+        return a, verdict(first, goal, at_least=at_least)
+    met = False if False in (a, b) else None
+    return met, ("NOT met" if met is False else "undecided") + detail
+
+
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A markdown table of ``rows`` under ``head``."""
     lines = [list(map(str, head)), *(list(map(str, r)) for r in rows)]
@@ -359,8 +388,8 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def cap_address_space(baseline_mib: float, n_params: int, copies: float) -> dict[str, float]:
     """Caps this process's address space (``RLIMIT_AS``) at ``baseline_mib`` (``VmSize`` before the model) plus
-    ``copies`` fp32 copies of ``n_params`` parameters (0: no cap); the figures a result records. Parameters,
-    gradients and Adam's moments are 4 copies: under 4, one process cannot hold its training state."""
+    ``copies`` fp32 copies of ``n_params`` parameters (0: no cap; under 4, one process cannot hold parameters,
+    gradients and Adam's moments); returns the figures a result records."""
     import resource
 
     copy_mib = n_params * 4 / 2**20
@@ -370,9 +399,11 @@ def cap_address_space(baseline_mib: float, n_params: int, copies: float) -> dict
     return {"n_params": n_params, "copy_mib": copy_mib, "cap_over_baseline_mib": copies * copy_mib}
 
 
-def train_under_cap(result: dict, steps: Iterator[float]) -> None:
-    """Runs ``steps`` (builds what it trains, then yields each update's loss); records in ``result`` the updates
-    trained, the last loss, the allocation error (or ``None``) and the peak address space and resident memory."""
+def train_capped(out: str, result: dict, steps: Iterator) -> None:
+    """Runs ``steps`` (builds what it trains, then yields each update's loss), recording in ``result`` the updates
+    trained, the last loss, the allocation error (or ``None``), the peak address space and resident memory; writes
+    it to ``OUT.rankN``. A rank that failed then exits (status 3), after a moment for a peer to write, so that
+    torchrun stops the ranks left waiting for it."""
     done = 0
     try:
         for loss in steps:
@@ -388,15 +419,9 @@ def train_under_cap(result: dict, steps: Iterator[float]) -> None:
         result["error"] = f"{type(cause).__name__}: {str(cause)[:300]}"
         if cause is not err:
             result["error"] += f" (raised as {type(err).__name__}: {str(err)[:200]})"
-    result["trained_updates"] = done
-    result["vmpeak_over_baseline_mib"] = status_mib("VmPeak") - result["baseline_vmsize_mib"]
-    result["rss_peak_mib"] = status_mib("VmHWM")
-
-
-def finish_capped(path: str, result: dict) -> None:
-    """Writes this rank's ``result`` to ``PATH.rankN`` (no collective); a rank that failed then exits (status 3),
-    after a moment for a peer to write, so that torchrun stops the ranks left waiting for it."""
-    write_json(f"{path}.rank{int(os.environ.get('RANK', 0))}", result, indent=None)
+    result.update(trained_updates=done, vmpeak_over_baseline_mib=status_mib("VmPeak") - result["baseline_vmsize_mib"],
+                  rss_peak_mib=status_mib("VmHWM"))
+    write_json(f"{out}.rank{int(os.environ.get('RANK', 0))}", result, indent=None)
     if result["error"] is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         sys.stdout.flush()
         time.sleep(2)
@@ -405,7 +430,7 @@ def finish_capped(path: str, result: dict) -> None:
 
 def launch_capped(kind: str, argv: list[str], ranks: int, timeout_s: float = 600, **extra_env: str) -> dict:
     """Runs ``argv`` (``--out PATH`` appended) as 1 process or ``ranks`` under torchrun, each reporting through
-    ``finish_capped``; never raises for the worker's failure. ``MALLOC_ARENA_MAX=1``: glibc otherwise reserves
+    ``train_capped``; never raises for the worker's failure. ``MALLOC_ARENA_MAX=1``: glibc otherwise reserves
     64 MiB of address space per allocating thread, which counts against ``RLIMIT_AS`` unused."""
     with scratch_path() as out:
         cmd = [*argv, "--out", out]
@@ -436,7 +461,7 @@ def capped_summary(runs: list[dict], updates: int) -> dict[str, bool]:
 
 def order_for(rep: int, names: Sequence[str]) -> list[str]:
     """A random order of ``names`` for repetition ``rep``, the same on every rank and run (not rotated: a contender
-    that always follows the same one is biased by its traces in the caches; an A/A pair measured 0.99 rotated)."""
+    always following the same one is biased by its traces in the caches)."""
     return random.Random(rep).sample(list(names), len(names))
 
 
@@ -450,9 +475,9 @@ def interleaved(contenders: dict[str, Callable[[int], None]], *, reps: int, inne
                 sync: Callable[[], None] | None = None, cpu: dict[str, list[float]] | None = None
                 ) -> dict[str, list[float]]:
     """Per-call wall seconds of each contender (``contenders[name](i)`` does the i-th unit of work), ``reps``
-    samples each: every repetition runs each once, ``inner`` calls timed together, in ``order_for``'s order,
-    ``sync`` (a barrier) around each block; ``cpu`` receives the same in process CPU seconds. The garbage collector
-    runs between repetitions, never inside one, the warm-up's objects frozen out of its scans."""
+    samples each: each repetition runs each once, ``inner`` calls timed together, in ``order_for``'s order, ``sync``
+    (a barrier) around each block; ``cpu`` gets the same in process CPU seconds. The garbage collector runs between
+    repetitions only, the warm-up's objects frozen out of its scans."""
     names = list(contenders)
     for name in names:
         for i in range(warmup):
@@ -489,12 +514,27 @@ def interleaved(contenders: dict[str, Callable[[int], None]], *, reps: int, inne
     return samples
 
 
+def blocks(step: Callable[[int], Any], count: int, inner: int, sync: Callable[[], None] = lambda: None
+           ) -> list[float]:
+    """Seconds per call of ``count`` blocks of ``inner`` calls ``step(i)`` (i counting on across blocks), ``sync``
+    (a barrier) before and after each block."""
+    out = []
+    for block in range(count):
+        sync()
+        start = time.perf_counter()
+        for i in range(block * inner, (block + 1) * inner):
+            step(i)
+        sync()
+        out.append((time.perf_counter() - start) / inner)
+    return out
+
+
 INSTANCES = 5  # copies of each contender, taking turns (``rotating``); coprime with the 4 batches
 
 
 def rotating(build: Callable[[], Any], batches: Sequence[Any], instances: int = INSTANCES) -> Callable[[int], None]:
-    """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``. Two
-    identical contenders can differ by 1-3% for their whole life; copies taking turns average that away, and
+    """``step(i)``: copy ``i % instances`` of what ``build`` returns updates on ``batches[i % len(batches)]``. Copies
+    taking turns average away the 1-3% two identical contenders can differ by for their whole life;
     ``bootstrap_ci(..., copies=...)`` counts them (with ``inner=1``, repetition ``r`` is copy ``r % instances``)."""
     updates = [build().update for _ in range(instances)]
     k = len(batches)
@@ -527,6 +567,11 @@ def bootstrap_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
+def paired(num: Sequence[float], den: Sequence[float], copies: int = 1, **extra) -> dict:
+    """``{"ratio": paired_ratio, "ci": bootstrap_ci, **extra}`` of ``num`` over ``den``."""
+    return {"ratio": paired_ratio(num, den), "ci": bootstrap_ci(num, den, copies=copies), **extra}
+
+
 def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000,
                   seed: int = 0) -> tuple[float, tuple[float, float]]:
     """sum(num) / sum(den) over every repetition's paired segments, and its 95% bootstrap interval (repetitions,
@@ -551,10 +596,5 @@ def ratio_of_sums(num: list[list[float]], den: list[list[float]], n: int = 2000,
 
 def summed_over_ranks(samples: dict[str, list[float]]) -> dict[str, list[float]]:
     """Each block's samples (CPU seconds) summed over the ranks (a collective); ``samples`` without a group."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return samples
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, samples)
+    every = gathered(samples)
     return {name: [sum(block) for block in zip(*(rank[name] for rank in every), strict=True)] for name in samples}

@@ -1,25 +1,21 @@
-"""Instructions per update, counted by valgrind's callgrind: the learner's own work against the hand-written loop's.
+"""Where case a's update goes: instructions per update under callgrind, or (``--profile``) stages, calls and ops.
 
-    python benchmarks/instructions.py                          # PPO, DQN, SAC: ~30 min on 2 cores
-    python benchmarks/instructions.py --workloads ppo --reps 2
+    python benchmarks/instructions.py                          # PPO, DQN, SAC under valgrind: ~30 min on 2 cores
+    python benchmarks/instructions.py --profile stages,counts  # thread CPU per stage; Python calls and aten ops
+    python benchmarks/instructions.py --profile overhead       # the learners' fixed cost with a near-free loss
 
-Case a of ``run.py`` times the learner to about ±1%, but two identical copies of a contender differ by 1-3% in
-time on a shared host; the instructions a block of updates executes do not depend on the host's load (the A/A twin
-lands within a few tenths of a percent). Instructions are not time (cache misses, mispredictions and stalls are not
-counted): read these ratios beside case a's, not instead of them. The script starts itself again under
-``valgrind --tool=callgrind --instr-atstart=no``; a four-line C helper (compiled with gcc against
-``callgrind.h``) switches instrumentation on around each block of ``--updates`` updates and dumps its count. The
-contenders are case a's (five copies each, taking turns) with the hand loop's twin; after ``--warmup`` updates per
-copy the blocks take turns in ``harness.order_for``'s order, the garbage collector running between repetitions.
-Reported: the median ratio over paired blocks and their range. Needs valgrind (with its headers) and gcc; writes
-``results/instructions.json``.
+Needs valgrind and gcc unless ``--profile``; writes ``results/instructions.json``. Method and reading:
+benchmarks/README.md, "Instructions per update" and "Where the time goes".
 """
 from __future__ import annotations
 
+import collections
+import cProfile
 import ctypes
 import gc
 import glob
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -31,7 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("RL_WARNINGS", "False")
 
+import common
 import harness
+import torch
 
 HELPER = r"""
 #include <valgrind/callgrind.h>
@@ -50,12 +48,7 @@ _TRIGGER = "desc: Trigger: Client Request: "
 
 def _child(lib: str, name: str, reps: int, updates: int, warmup: int) -> None:
     """Under valgrind: build the contenders of one workload and count each block of updates."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import common
-
-    harness.set_one_thread()
+    harness.set_one_thread(quiet=True)
     helper = ctypes.CDLL(lib)
     batches = common.make_batches(name)
     builders = common.case_a_contenders(name)
@@ -81,25 +74,9 @@ def _child(lib: str, name: str, reps: int, updates: int, warmup: int) -> None:
         gc.enable()
 
 
-def _counts(folder: str) -> dict[str, list[int]]:
-    """Instructions of each dumped block, by contender key, in repetition order."""
-    found: dict[str, dict[int, int]] = {}
-    for path in glob.glob(os.path.join(folder, "callgrind.out.*")):
-        block = total = None
-        with open(path) as f:
-            for line in f:
-                if line.startswith(_TRIGGER):
-                    block = line[len(_TRIGGER):].strip()
-                elif line.startswith("totals:"):
-                    total = int(line.split()[1])
-        if block is not None and total is not None:  # the dump at exit has another trigger
-            key, rep = block.rsplit(":", 1)
-            found.setdefault(key, {})[int(rep)] = total
-    return {key: [by_rep[r] for r in sorted(by_rep)] for key, by_rep in found.items()}
-
-
 def measure(name: str, reps: int, updates: int, warmup: int, lib: str, timeout_s: int) -> dict[str, list[float]]:
     """Instructions per update of each contender on workload ``name``, one sample per repetition."""
+    found: dict[str, dict[int, int]] = {}
     with tempfile.TemporaryDirectory() as folder:
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={folder}/callgrind.out.%p",
                sys.executable, os.path.abspath(__file__), "--child", lib, "--workloads", name,
@@ -107,7 +84,18 @@ def measure(name: str, reps: int, updates: int, warmup: int, lib: str, timeout_s
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
             raise RuntimeError(f"the callgrind run of {name} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        counts = _counts(folder)
+        for path in glob.glob(os.path.join(folder, "callgrind.out.*")):
+            block = total = None
+            with open(path) as f:
+                for line in f:
+                    if line.startswith(_TRIGGER):
+                        block = line[len(_TRIGGER):].strip()
+                    elif line.startswith("totals:"):
+                        total = int(line.split()[1])
+            if block is not None and total is not None:  # the dump at exit has another trigger
+                key, rep = block.rsplit(":", 1)
+                found.setdefault(key, {})[int(rep)] = total
+    counts = {key: [by_rep[r] for r in sorted(by_rep)] for key, by_rep in found.items()}
     if sorted(counts) != sorted(CONTENDERS) or any(len(v) != reps for v in counts.values()):
         raise RuntimeError(f"expected {reps} blocks of each of {sorted(CONTENDERS)}, found "
                            f"{ {k: len(v) for k, v in counts.items()} }")
@@ -115,12 +103,9 @@ def measure(name: str, reps: int, updates: int, warmup: int, lib: str, timeout_s
 
 
 def rows_for(name: str, per_update: dict[str, list[float]]) -> list[dict]:
-    """Each contender against its baseline: the median ratio over paired blocks and their range.
-
-    A few nearly deterministic blocks make a bootstrap interval no more than their range, so the
-    range is what is reported, and ``within_goal`` says whether all of it lies within case a's
-    goal: a statement about instructions, not about time.
-    """
+    """Each contender against its baseline: the median ratio over paired blocks and their range (a few nearly
+    deterministic blocks make a bootstrap interval no more than it); ``within_goal``: all of it within case a's
+    goal, a statement about instructions, not about time."""
     rows = []
     for key, (label, base, goal) in CONTENDERS.items():
         if base is None:
@@ -137,14 +122,207 @@ def rows_for(name: str, per_update: dict[str, list[float]]) -> list[dict]:
     return rows
 
 
-def _report(name: str, per_update: dict[str, list[float]], rows: list[dict], reps: int, updates: int) -> str:
-    lines = [f"-- {name}: instructions per update (median of {reps} blocks of {updates})"]
-    lines += [f"   {CONTENDERS[key][0]:30s} {statistics.median(per_update[key]) / 1e6:9.3f} M" for key in CONTENDERS]
-    for row in rows:
-        lo, hi = row["range"]
-        lines.append(f"   {row['contender']:30s} / hand: {row['ratio']:.4f} (blocks {lo:.4f}-{hi:.4f}, "
-                     f"{row['extra_per_update'] / 1e3:+.0f} k)  goal {row['goal']}  within: {row['within_goal']}")
-    return "\n".join(lines)
+def count(args) -> int:
+    """Every workload counted under valgrind (one process each, ``os.cpu_count()`` at once)."""
+    missing = [tool for tool in ("valgrind", "gcc") if shutil.which(tool) is None]
+    if missing:
+        print(f"benchmarks/instructions.py needs {' and '.join(missing)} (Debian: apt install valgrind gcc); "
+              "nothing was measured.", file=sys.stderr)
+        return 2
+    started, machine = time.time(), harness.machine()  # the code as it is when the counting starts
+    names = args.workloads.split(",")
+    with tempfile.TemporaryDirectory() as build:
+        lib, source = os.path.join(build, "callgrind_blocks.so"), os.path.join(build, "callgrind_blocks.c")
+        with open(source, "w") as f:
+            f.write(HELPER)
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", lib, source], check=True)
+
+        def one(name: str) -> dict[str, list[float]] | Exception:
+            try:
+                per_update = measure(name, args.reps, args.updates, args.warmup, lib, 2400)
+            except (RuntimeError, subprocess.TimeoutExpired) as err:  # the other workloads still count
+                print(f"-- {name}: failed: {err}", flush=True)
+                return err
+            harness.show(rows_for(name, per_update))
+            return per_update
+
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # one valgrind process per workload
+            measured = dict(zip(names, pool.map(one, names), strict=True))
+    counted = {name: value for name, value in measured.items() if not isinstance(value, Exception)}
+    result = {"rows": [row for name, value in counted.items() for row in rows_for(name, value)],
+              "per_update": counted, "failed": [name for name in names if name not in counted],
+              "reps": args.reps, "updates": args.updates, "warmup": args.warmup,
+              "seconds": round(time.time() - started), "machine": machine,
+              "valgrind": subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()}
+    harness.write_result(args.out, result)
+    return 1 if result["failed"] else 0
+
+
+# ---- the profile (--profile): printed, not stored ----------------------------------------------------
+
+
+class NullLoss(torch.nn.Module):
+    """The real loss's parameters and output keys, with a near-free forward: every loss entry is
+    ``c + 0 * sum(p.sum())``, so backward reaches every parameter (clip and Adam do their full work)."""
+
+    def __init__(self, real: torch.nn.Module, name: str):
+        super().__init__()
+        self.real, self.template = real, real(common.make_batch(name)).detach().clone()
+        self.params = [p for p in real.parameters() if p.requires_grad]
+
+    def forward(self, td):
+        zero = torch.stack([p.sum() for p in self.params]).sum() * 0.0
+        out = self.template.clone(recurse=False)
+        for k in out.keys():
+            if isinstance(k, str) and k.startswith("loss"):
+                out.set(k, out.get(k) + zero)
+        return out
+
+
+def contenders(name: str, null: bool = False) -> dict:
+    """Case a's contenders but the twin, one copy each, on the real loss or (``null``) on ``NullLoss``."""
+    loss = (lambda n: NullLoss(common.make_loss(n)[0], n)) if null else (lambda n: common.make_loss(n)[0])
+    built = common.case_a_contenders(name, loss)
+    return {label.removesuffix(".update"): built[label]() for label in built if "twin" not in label}
+
+
+STAGES = ("batch checks", "forward", "sum losses", "backward", "detach output", "clip", "set grad_norm",
+          "non-finite check", "optimizer step", "zero_grad", "rest + wrappers")
+HAND_STAGES = ("forward", "sum losses", "backward", "clip", "optimizer step", "zero_grad")
+
+
+def _stage_steps(name: str):
+    """Per contender, ``run(td) -> {stage: CPU ns}`` for one update. The learners run their real ``update``, its
+    methods and module functions wrapped by a ``StageClock``; "rest + wrappers" is the total beyond the timed
+    stages (bookkeeping, freeing the update's locals on return, the clock's reads), for the hand loops too."""
+    import fabric_learner.learner as learner_module
+
+    def hand(h, backward, clip):
+        forward = h.module if hasattr(h, "module") else h.loss
+
+        def update(td, marks):  # its locals (the output, the graph) are freed on return, inside the total
+            marks.append(time.thread_time_ns())
+            out = forward(td)
+            marks.append(time.thread_time_ns())
+            loss = common.summed_loss(out)
+            marks.append(time.thread_time_ns())
+            backward(h, loss)
+            marks.append(time.thread_time_ns())
+            clip(h)
+            marks.append(time.thread_time_ns())
+            h.opt.step()
+            marks.append(time.thread_time_ns())
+            h.opt.zero_grad()
+            marks.append(time.thread_time_ns())
+
+        def run(td):
+            marks, t = [], time.thread_time_ns()
+            update(td, marks)
+            total = time.thread_time_ns() - t
+            stages = dict(zip(HAND_STAGES, (b - a for a, b in zip(marks, marks[1:]))))
+            return {**stages, "rest + wrappers": total - sum(stages.values())}
+        return run
+
+    def learner(lr):
+        for td in common.make_batches(name, count=2):
+            lr.update(td)  # past the one-time coverage check
+        clock = harness.StageClock(ns=time.thread_time_ns)
+        for attr, stage in (("_forward", "forward"), ("_backward", "backward"), ("_clip_gradients", "clip"),
+                            ("_refuse_step", "non-finite check"), ("_optimizer_step", "optimizer step")):
+            object.__setattr__(lr, attr, clock.wrap(stage, getattr(lr, attr)))
+        lr._torch_optimizer.zero_grad = clock.wrap("zero_grad", lr._torch_optimizer.zero_grad)
+        functions = {"check_batch": "batch checks", "total_loss": "sum losses", "detached": "detach output",
+                     "reported_norm": "set grad_norm", "set_entry": "set grad_norm"}
+
+        def run(td):
+            originals = {f: getattr(learner_module, f) for f in functions}
+            for f, stage in functions.items():
+                setattr(learner_module, f, clock.wrap(stage, originals[f]))
+            clock.ns = {}
+            t = time.thread_time_ns()
+            try:
+                lr.update(td)
+            finally:
+                total = time.thread_time_ns() - t
+                for f, fn in originals.items():
+                    setattr(learner_module, f, fn)
+            return {**clock.ns, "rest + wrappers": total - sum(clock.ns.values())}
+        return run
+
+    c = contenders(name)
+    return {"hand torchrl loop": hand(c["hand torchrl loop"], lambda h, loss: loss.backward(),
+                                      lambda h: torch.nn.utils.clip_grad_norm_(h.params, h.clip)),
+            "hand Fabric loop": hand(c["hand Fabric loop"], lambda h, loss: h.fabric.backward(loss),
+                                     lambda h: h.fabric.clip_gradients(h.module, h.opt, max_norm=h.clip)),
+            "LocalLearner": learner(c["LocalLearner"]), "FabricLearner(cpu,1)": learner(c["FabricLearner(cpu,1)"])}
+
+
+def profile(parts: set[str], workloads: list[str]) -> None:
+    """``stages``: median thread CPU µs of each stage over 300 updates, the contenders alternating update by update;
+    ``overhead``: µs per update with ``NullLoss``, 15 interleaved repetitions of 20; ``counts``: exact Python calls
+    (cProfile) and aten operations per update over 50, with the operations the learner adds by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    for name in workloads:
+        batches = common.make_batches(name)
+        print(f"-- {name}: {common.WORKLOAD_DESC[name]}")
+        if "stages" in parts:
+            steps = _stage_steps(name)
+            samples = {c: {s: [] for s in STAGES} for c in steps}
+            for i in range(310):
+                for c in harness.order_for(i, list(steps)):
+                    for stage, ns in steps[c](batches[i % len(batches)]).items():
+                        if i >= 10:
+                            samples[c][stage].append(ns / 1e3)
+            med = {c: {s: harness.median(v) for s, v in st.items() if v} for c, st in samples.items()}
+            totals = {c: sum(med[c].values()) for c in steps}
+            print("stages, median CPU µs per call\n" + harness.table(
+                ("stage", *steps), [(s, *(f"{med[c][s]:.1f}" if s in med[c] else "-" for c in steps)) for s in STAGES]
+                + [("sum of stages", *(f"{totals[c]:.1f}" for c in steps)),
+                   ("vs hand torchrl", *(f"{totals[c] - totals['hand torchrl loop']:+.1f}" for c in steps))]))
+        if "overhead" in parts:
+            cpu = {}
+            wall = harness.interleaved({label: (lambda i, c=c: c.update(batches[i % len(batches)]))
+                                        for label, c in contenders(name, null=True).items()},
+                                       reps=15, inner=20, warmup=20, cpu=cpu)
+            rows = []
+            for clock, s in (("cpu", cpu), ("wall", wall)):
+                for stat, agg in (("min", min), ("median", harness.median)):
+                    hand = agg(s["hand torchrl loop"])
+                    rows.append((clock, stat, *(f"{agg(xs) * 1e6:.0f} ({(agg(xs) - hand) * 1e6:+.0f})" for xs in s.values())))
+            print("near-free loss: µs per update (against the hand torchrl loop), 15 blocks of 20\n"
+                  + harness.table(("clock", "statistic", *wall), rows))
+        if "counts" in parts:
+            rows = {}
+            for label, m in contenders(name).items():
+                if label == "hand Fabric loop":
+                    continue
+                for i in range(5):
+                    m.update(batches[i % 4])
+                pr = cProfile.Profile()
+                pr.enable()
+                for i in range(50):
+                    m.update(batches[i % 4])
+                pr.disable()
+                with CountOps() as counter:
+                    for i in range(50):
+                        m.update(batches[i % 4])
+                rows[label] = (pstats.Stats(pr).total_calls / 50, counter.ops)
+            hand_calls, hand_ops = rows["hand torchrl loop"]
+            for label, (calls, ops) in rows.items():
+                extra = {op: (ops[op] - hand_ops[op]) / 50 for op in set(ops) | set(hand_ops) if ops[op] != hand_ops[op]}
+                print(f"   {label:28s} Python calls {calls:8.1f} ({calls - hand_calls:+6.1f})   aten ops "
+                      f"{sum(ops.values()) / 50:6.1f} ({(sum(ops.values()) - sum(hand_ops.values())) / 50:+5.1f})"
+                      + (f"   {dict(sorted(extra.items()))}" if extra else ""))
 
 
 def parser():
@@ -154,8 +332,7 @@ def parser():
     p.add_argument("--updates", type=int, default=harness.INSTANCES,
                    help="updates per block, a multiple of the copies (default: one per copy)")
     p.add_argument("--warmup", type=int, default=2, help="updates per copy before counting (default 2)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="workloads counted at once")
-    p.add_argument("--timeout", type=int, default=2400, help="seconds allowed per workload's run")
+    p.add_argument("--profile", help="instead of counting instructions, any of stages,overhead,counts (printed)")
     p.add_argument("--child", help="the helper library: count one workload, under valgrind")
     return p
 
@@ -165,44 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.updates % harness.INSTANCES:
         p.error(f"--updates must be a multiple of the {harness.INSTANCES} copies, so that every block "
-                     "holds each copy equally often")
+                "holds each copy equally often")
     if args.child:
-        _child(args.child, args.workloads, args.reps, args.updates, args.warmup)
-        return 0
-    missing = [tool for tool in ("valgrind", "gcc") if shutil.which(tool) is None]
-    if missing:
-        print(f"benchmarks/instructions.py needs {' and '.join(missing)} (Debian: apt install valgrind gcc); "
-              "nothing was measured.", file=sys.stderr)
-        return 2
-    started, machine = time.time(), harness.machine()  # the code as it is when the counting starts
-    names = args.workloads.split(",")
-    with tempfile.TemporaryDirectory() as build:
-        lib = os.path.join(build, "callgrind_blocks.so")
-        source = os.path.join(build, "callgrind_blocks.c")
-        with open(source, "w") as f:
-            f.write(HELPER)
-        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", lib, source], check=True)
-
-        def one(name: str) -> dict[str, list[float]] | Exception:
-            try:
-                per_update = measure(name, args.reps, args.updates, args.warmup, lib, args.timeout)
-            except (RuntimeError, subprocess.TimeoutExpired) as err:  # the other workloads still count
-                print(f"-- {name}: failed: {err}", flush=True)
-                return err
-            print(_report(name, per_update, rows_for(name, per_update), args.reps, args.updates), flush=True)
-            return per_update
-
-        with ThreadPoolExecutor(args.jobs) as pool:  # one valgrind process per workload
-            measured = dict(zip(names, pool.map(one, names), strict=True))
-    counted = {name: value for name, value in measured.items() if not isinstance(value, Exception)}
-    result = {"rows": [row for name, value in counted.items() for row in rows_for(name, value)],
-              "per_update": counted, "failed": [name for name in names if name not in counted],
-              "reps": args.reps, "updates": args.updates, "warmup": args.warmup,
-              "seconds": round(time.time() - started), "machine": machine,
-              "valgrind": subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()}
-    harness.write_result(args.out, result)
-    print(f"wrote {args.out} ({result['seconds']} s)")
-    return 1 if result["failed"] else 0
+        return _child(args.child, args.workloads, args.reps, args.updates, args.warmup) or 0
+    if args.profile:
+        harness.set_one_thread(quiet=True)
+        return profile(set(args.profile.split(",")), args.workloads.split(",")) or 0
+    return count(args)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,8 @@
     python benchmarks/learning.py run --algo sac --contender learner --seed 1 --frames 4000   # a smoke run
     PYTHONPATH=.:/work/mpl python benchmarks/learning.py report              # summary, curves, docs/results.md
 
-Contenders on HalfCheetah-v5 with the recipe's hyper-parameters (docs/results.md): ``torchrl`` (torchrl's own loop
-by hand, one process, ``learning_loops.py``), ``learner`` (``examples/ppo_mujoco.py``; SAC: torchrl's
-``SACTrainer`` through ``learner_trainer``, ``examples/sac_mujoco.py``), ``ddp`` and ``fsdp`` (the same on 2 CPU
-ranks, each rank collecting its own batch: the same total frames in half the updates) and ``ddp_split`` (PPO:
-2 ranks sharing the recipe's batch, advantages standardised over both: the recipe's own updates).
-
-A run records at every batch the frames so far (all ranks), the seconds since it started and the returns of the
-episodes that ended; from them the final return (mean of the last 10), the curve, and the first second at which
-it reaches ``THRESHOLD``. A completed run writes ``results/learning/<algo>-<contender>-s<seed>.json`` with its
-provenance and each segment's ``host_probe``; ``--frames`` below the full length makes a smoke run, written
-under the temporary folder (or ``--out-dir``), never into ``results/learning``. ``report`` rebuilds
-``results/learning.json``, ``docs/learning_<algo>.png`` and the table of ``docs/results.md`` from the run files.
+Contenders, measures and verdicts: docs/results.md. ``--frames`` below the full length makes a smoke run, never
+written into ``results/learning``.
 """
 
 from __future__ import annotations
@@ -28,6 +18,8 @@ import glob
 import os
 import resource
 import shlex
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
 
 import harness  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 ALGOS = ("ppo", "sac")
 CONTENDERS = ("torchrl", "learner", "ddp", "fsdp", "ddp_split")
@@ -76,6 +71,124 @@ def _all_runs() -> int:
     return sum(len(CONTENDERS_OF[a]) for a in ALGOS) * len(SEEDS)
 
 
+# ---- the "torchrl" contender: torchrl's sota loops by hand, over the recipes' own pieces -------------
+
+
+def ppo_loop(args, record) -> dict:
+    """torchrl's PPO recipe loop (as ``tests/test_ppo_recipe.py`` rewrites it) for ``args.frames`` frames (whole
+    batches), each batch recorded before its updates; returns its counts."""
+    import ppo_mujoco as recipe
+
+    torch.manual_seed(args.seed)
+    actor, critic = recipe.make_models(recipe.make_env(args.env))
+    loss_module, gae = recipe.make_loss(actor, critic)
+    optims = [torch.optim.Adam(net.parameters(), lr=args.lr, eps=1e-5) for net in (actor, critic)]
+    env = recipe.make_env(args.env)
+    env.set_seed(args.seed)  # the collector resets it on creation
+    collector = recipe.Collector(env, actor, frames_per_batch=args.frames_per_batch, total_frames=-1,
+                                 max_frames_per_traj=-1, auto_register_policy_transforms=False)
+    torch.manual_seed(collector.set_seed(args.seed, static_seed=False))  # as the Trainer's seed= on one rank
+    buffer = recipe.TensorDictReplayBuffer(storage=recipe.LazyTensorStorage(args.frames_per_batch),
+                                           sampler=recipe.SamplerWithoutReplacement(), batch_size=args.minibatch)
+    batches = args.frames // args.frames_per_batch
+    total = batches * args.epochs * (args.frames_per_batch // args.minibatch)
+    frames = updates = 0
+    try:
+        for i, data in enumerate(collector):
+            frames += data.numel()
+            record(frames, data)
+            for _ in range(args.epochs):
+                with torch.no_grad():
+                    data = gae(data)
+                buffer.extend(data.reshape(-1))
+                for minibatch in buffer:
+                    lr = args.lr * (1 - updates / total) if args.anneal_lr else args.lr
+                    for optim in optims:
+                        for group in optim.param_groups:
+                            group["lr"] = lr
+                    out = loss_module(minibatch)
+                    (out["loss_objective"] + out["loss_entropy"]).backward()
+                    out["loss_critic"].backward()
+                    for optim in optims:
+                        optim.step()
+                        optim.zero_grad()
+                    updates += 1
+            if i + 1 == batches:
+                break
+    finally:
+        collector.shutdown()
+    return {"frames": frames, "updates": updates, "world_size": 1}
+
+
+def sac_loop(args, recorder, *, budget_s: float = float("inf"), checkpoint: Path | None = None) -> dict:
+    """torchrl's SAC recipe loop (``sota-implementations/sac/sac.py``) for ``args.frames`` frames; returns its counts
+    and ``finished``. Past ``budget_s`` it stops after a batch and saves at ``checkpoint`` all that continues it,
+    from which a later call resumes (the environments start new episodes)."""
+    import sac_mujoco as recipe
+    from torchrl.objectives import group_optimizers
+
+    cfg = recipe.RECIPE
+    torch.manual_seed(args.seed)
+    env = recipe.make_env(args.env, args.envs)
+    actor, qvalue = recipe.make_models(env)
+    loss_module, target_updater = recipe.make_loss(actor, qvalue)
+    env.set_seed(args.seed)
+    collector = recipe.make_collector(env, actor, args.init_random_frames, {**cfg, "frames_per_batch": args.frames_per_batch})
+    torch.manual_seed(collector.set_seed(args.seed, static_seed=False))
+    buffer = recipe.make_buffer(args.frames + args.frames_per_batch)
+    optimizer = group_optimizers(
+        recipe.make_optimizer(list(loss_module.actor_network_params.flatten_keys().values())),
+        recipe.make_optimizer(list(loss_module.qvalue_network_params.flatten_keys().values())),
+        torch.optim.Adam([loss_module.log_alpha], lr=3.0e-4))
+    batches = args.frames // args.frames_per_batch
+    num_updates = int(args.frames_per_batch * cfg["utd_ratio"])
+    frames = updates = done_batches = 0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        loss_module.load_state_dict(state["loss"])
+        optimizer.load_state_dict(state["optimizer"])
+        buffer.load_state_dict(state["buffer"])
+        recorder.load_state_dict(state["recorder"])
+        frames, updates, done_batches = state["frames"], state["updates"], state["batches"]
+        collector.init_random_frames = max(0, args.init_random_frames - frames)  # the warm-up left
+        collector.set_seed(args.seed + done_batches, static_seed=False)
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+    start = time.perf_counter()
+    finished = done_batches >= batches
+    try:
+        for data in collector:
+            if finished:
+                break
+            data = data.reshape(-1)
+            frames += data.numel()
+            recorder.record(frames, data)
+            buffer.extend(data)
+            if frames >= args.init_random_frames:
+                for _ in range(num_updates):
+                    loss_td = loss_module(buffer.sample())
+                    (loss_td["loss_actor"] + loss_td["loss_qvalue"] + loss_td["loss_alpha"]).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    target_updater.step()
+                    updates += 1
+            done_batches += 1
+            finished = done_batches >= batches
+            if finished:
+                break
+            if time.perf_counter() - start > budget_s and checkpoint is not None:
+                checkpoint.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"loss": loss_module.state_dict(), "optimizer": optimizer.state_dict(),
+                            "buffer": buffer.state_dict(), "recorder": recorder.state_dict(), "frames": frames,
+                            "updates": updates, "batches": done_batches, "torch_rng": torch.get_rng_state(),
+                            "numpy_rng": np.random.get_state()}, str(checkpoint) + ".tmp")
+                os.replace(str(checkpoint) + ".tmp", checkpoint)
+                break
+    finally:
+        collector.shutdown()
+    return {"frames": frames, "updates": updates, "world_size": 1, "finished": finished}
+
+
 # ---- one run ---------------------------------------------------------------------------------------
 
 
@@ -93,26 +206,16 @@ class Recorder:
         return self.offset + time.perf_counter() - self.start
 
     def record(self, frames: int, batch) -> None:
-        import torch.distributed as dist
-
         done = batch.get(("next", "done"))
         returns = batch.get(("next", "episode_reward"))[done].tolist()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            every: list = [None] * dist.get_world_size()
-            dist.all_gather_object(every, returns)
-            returns = [r for rank in every for r in rank]
+            returns = [r for rank in harness.gathered(returns) for r in rank]
         self.points.append([int(frames), self.seconds(), [float(r) for r in returns]])
 
-    def hook(self, trainer):
-        """The Trainer's ``pre_steps_log`` hook: the batch with the trainer's global frame count."""
-        def log(batch):
-            self.record(trainer.collected_frames, batch)
-            return {}
-        return log
+    def hook(self, trainer):  # the Trainer's pre_steps_log: the batch with the trainer's global frame count
+        return lambda batch: self.record(trainer.collected_frames, batch) or {}
 
-    def budget_hook(self, trainer, budget_s: float):
-        """A ``post_steps`` hook asking the Trainer to stop (it then saves its checkpoint) past ``budget_s``
-        seconds of this segment."""
+    def budget_hook(self, trainer, budget_s: float):  # post_steps: stop (and checkpoint) past budget_s seconds
         def check():
             if time.perf_counter() - self.start > budget_s:
                 trainer.request_stop(f"this segment's time budget of {budget_s:.0f} s is spent")
@@ -126,18 +229,11 @@ class Recorder:
         self.points, self.offset = state["points"], state["seconds"]
 
 
-def _launch(contender: str) -> dict:
-    if contender == "learner":
-        return {"accelerator": "cpu", "devices": 1, "strategy": "auto"}
-    return {"accelerator": "cpu", "devices": 2, "strategy": contender.split("_")[0]}
-
-
 def _train(algo: str, contender: str, seed: int, frames: int, opts, recorder: Recorder, partial: Path) -> dict:
-    """Runs one contender to its end, or (SAC) to the end of this segment's budget; returns its counts and
-    ``finished``, and the learner (to close) where there is one."""
-    import learning_loops
-
+    """One contender to its end, or (SAC) this segment's budget: its counts, ``finished``, its learner if any."""
     budget_s = opts.max_hours * 3600
+    launch = {"accelerator": "cpu", "devices": 1, "strategy": "auto"} if contender == "learner" else \
+        {"accelerator": "cpu", "devices": 2, "strategy": contender.split("_")[0]}
     if algo == "ppo":
         import ppo_mujoco
 
@@ -147,8 +243,8 @@ def _train(algo: str, contender: str, seed: int, frames: int, opts, recorder: Re
                      "--minibatch", str(ppo_mujoco.RECIPE["minibatch"] // 2), "--advantage-norm", "global"]
         args = ppo_mujoco.parse_args(argv)
         if contender == "torchrl":
-            return {**learning_loops.ppo_loop(args, recorder.record), "finished": True}
-        learner, trainer, _ = ppo_mujoco.build(args, _launch(contender))
+            return {**ppo_loop(args, recorder.record), "finished": True}
+        learner, trainer, _ = ppo_mujoco.build(args, launch)
     else:
         import sac_mujoco
 
@@ -159,8 +255,7 @@ def _train(algo: str, contender: str, seed: int, frames: int, opts, recorder: Re
             argv += ["--init-random-frames", str(opts.init_random_frames)]
         args = sac_mujoco.parse_args(argv)
         if contender == "torchrl":
-            return learning_loops.sac_loop(args, recorder, budget_s=budget_s, checkpoint=partial / "loop.pt")
-        launch = _launch(contender)
+            return sac_loop(args, recorder, budget_s=budget_s, checkpoint=partial / "loop.pt")
         rank = int(os.environ.get("LOCAL_RANK", 0))  # the ranks FabricLearner starts have it from the start
         trainer = sac_mujoco.build(args, functools.partial(FabricLearner, **launch), world=launch["devices"], rank=rank,
                                    save_trainer_file=str(partial / "trainer"))
@@ -179,13 +274,9 @@ def _cpu_seconds() -> float:
 
 
 def host_probe(repeats: int = 3) -> dict:
-    """Seconds of two fixed pieces of one-thread work, the median of ``repeats``: 600 Adam updates of a
-    PPO-sized MLP on 64 samples, and 5,000 HalfCheetah-v5 steps. Run after a run's clock has stopped, it
-    measures the host the run had, so seconds of runs on different hosts (sessions) can be read against it."""
-    import statistics
-
+    """Seconds of two fixed pieces of one-thread work, the median of ``repeats``: 600 Adam updates of a PPO-sized
+    MLP on 64 samples, and 5,000 HalfCheetah-v5 steps: the host a run had, so runs of different hosts compare."""
     import gymnasium as gym
-    import torch
 
     def updates() -> float:
         net = torch.nn.Sequential(torch.nn.Linear(17, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
@@ -224,21 +315,9 @@ def _partial_folder(out_dir: Path, name: str) -> Path:
     return out_dir / "partial" / name
 
 
-def _check_resumable(partial: Path) -> None:
-    """A stopped run continues only on the code it started on; else ``SystemExit`` before anything runs."""
-    meta = partial / "run.json"
-    if not meta.exists():
-        return
-    started = harness.read_json(meta)
-    now = {"git_head": harness.git_head(), "code_dirty": harness.git_dirty(*CODE)}
-    if started != now:
-        raise SystemExit(f"{partial} holds a run started on {started}; the code is now {now}. Nothing was run: check "
-                         f"out {started['git_head']} (clean) to continue it, or delete {partial} to start again.")
-
-
 def run(opts) -> Path | None:
-    """One (algo, contender, seed) run, or one segment of a SAC run (``--max-hours``); rank 0 writes its result
-    file when the run completes and returns its path (``None`` on other ranks and for a segment)."""
+    """One (algo, contender, seed) run, or one segment of a SAC run (``--max-hours``); rank 0 writes the result
+    file when the run completes and returns its path. A stopped run continues only on the code it started on."""
     if opts.contender not in CONTENDERS_OF[opts.algo]:
         raise SystemExit(f"the contender {opts.contender!r} has no {opts.algo.upper()} run; nothing was run. "
                          f"{opts.algo.upper()}'s contenders: {', '.join(CONTENDERS_OF[opts.algo])}.")
@@ -254,8 +333,11 @@ def run(opts) -> Path | None:
                          "which docs/results.md reads; nothing was run. Leave --out-dir out, or run the full length.")
     name = run_name(opts.algo, opts.contender, opts.seed)
     partial = _partial_folder(out_dir, name)
-    _check_resumable(partial)
     code = {"git_head": harness.git_head(), "code_dirty": harness.git_dirty(*CODE)}  # what this segment runs
+    started = harness.read_json(partial / "run.json") if (partial / "run.json").exists() else code
+    if started != code:
+        raise SystemExit(f"{partial} holds a run started on {started}; the code is now {code}. Nothing was run: check "
+                         f"out {started['git_head']} (clean) to continue it, or delete {partial} to start again.")
     segment = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_start": list(os.getloadavg()),
                "git_head": code["git_head"]}
     start = time.perf_counter()
@@ -267,11 +349,8 @@ def run(opts) -> Path | None:
     rank = 0
     if learner is not None:
         rank = learner.global_rank
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            cpu = [None] * dist.get_world_size()
-            dist.all_gather_object(cpu, _cpu_seconds())
+            cpu = harness.gathered(_cpu_seconds())
         learner.close()
     if rank != 0:
         return None
@@ -299,13 +378,10 @@ def run(opts) -> Path | None:
     path = out_dir / f"{name}.json"
     harness.write_json(path, result, indent=None)
     if partial.exists():
-        import shutil
-
         shutil.rmtree(partial)
     print(f"{path}: {result['frames']} frames, {result['updates']} updates in {result['seconds']:.0f} s over "
-          f"{len(segments)} segment(s) (CPU {result['cpu_seconds']:.0f} s, load {result['load_start'][0]:.2f} -> "
-          f"{result['load_end'][0]:.2f}); final return {result['final_return']}, threshold "
-          f"{THRESHOLD[opts.algo]:.0f} reached at {result['seconds_to_threshold']} s", flush=True)
+          f"{len(segments)} segment(s); final return {result['final_return']}, threshold {THRESHOLD[opts.algo]:.0f} "
+          f"reached at {result['seconds_to_threshold']} s", flush=True)
     return path
 
 
@@ -325,8 +401,7 @@ def curve(points: list[list]) -> list[tuple[int, float, float]]:
 
 
 def measures(result: dict) -> dict:
-    """The final return, the episode count, and the seconds and frames at which the running mean first
-    reaches the threshold (``None``: never)."""
+    """The final return, the episodes, the seconds and frames at which the running mean first reaches the threshold."""
     points = curve(result["points"])
     reached = next((p for p in points if p[2] >= result["threshold"]), None)
     episodes = sum(len(p[2]) for p in result["points"])
@@ -335,12 +410,8 @@ def measures(result: dict) -> dict:
             "frames_to_threshold": None if reached is None else reached[0]}
 
 
-# ---- plan ------------------------------------------------------------------------------------------
-
-
 def plan(results_dir: Path = RESULTS_DIR, max_hours: float = 1.75) -> list[tuple[str, int]]:
-    """The full runs without a result file, each with its estimated seconds; printed with their commands (a SAC
-    run longer than ``max_hours`` takes that command more than once, and one begun says how far it got)."""
+    """The full runs without a result file, each with its estimated seconds, printed with their commands."""
     missing = [(run_name(a, c, s), ESTIMATE_S[a, c]) for a in ALGOS for s in SEEDS for c in CONTENDERS_OF[a]
                if not (results_dir / f"{run_name(a, c, s)}.json").exists()]
     for name, est in missing:
@@ -372,9 +443,12 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def _round(x, nd=1):
+    return None if x is None else round(x, nd)
+
+
 def summarize(runs: list[dict]) -> dict:
-    """The summary ``report`` writes: every run's measures and provenance, a row per (algo, contender),
-    and the verdicts (seed-paired ratios, their bootstrap intervals, ``harness.decide``)."""
+    """What ``report`` writes: every run's measures and provenance, a row per (algo, contender), the verdicts."""
     by = {run_name(r["algo"], r["contender"], r["seed"]): r for r in runs}
     entries = {name: {k: r[k] for k in ("algo", "contender", "seed", "frames", "updates", "world_size", "seconds",
                                          "cpu_seconds", "final_return", "seconds_to_threshold", "frames_to_threshold",
@@ -402,24 +476,10 @@ def summarize(runs: list[dict]) -> dict:
             "runs": entries, "rows": rows, "verdicts": verdicts(entries)}
 
 
-def _round(x, nd=1):
-    return None if x is None else round(x, nd)
-
-
-def _paired(entries: dict, algo: str, num: str, den: str, key: str):
-    pairs = []
-    for seed in SEEDS:
-        a, b = entries.get(run_name(algo, num, seed)), entries.get(run_name(algo, den, seed))
-        if a and b:
-            pairs.append((seed, a[key], b[key]))
-    return pairs
-
-
 def verdicts(entries: dict) -> list[dict]:
-    """Final return learner / torchrl (at least ``FINAL_GOAL``) and seconds to the threshold, 2 ranks / 1
-    process (at most ``WALL_GOAL``; a run that never reaches it counts as infinitely slow), per algorithm;
-    for ``ddp_split`` (added after the first DDP run) also its final return / the learner's. Each: the median
-    of the seed-paired ratios with ``harness.bootstrap_ci``'s interval, decided by ``harness.decide``."""
+    """Final return learner / torchrl (at least ``FINAL_GOAL``), seconds to the threshold 2 ranks / 1 process (at
+    most ``WALL_GOAL``; never reaching it is infinitely slow), ddp_split's final return / the learner's: seed-paired
+    median ratios with ``harness.bootstrap_ci``'s interval, decided by ``harness.decide``."""
     out = []
     specs = [("final return, learner / torchrl loop", "learner", "torchrl", "final_return", FINAL_GOAL, True)]
     specs += [(f"seconds to the threshold, {c} 2 ranks / learner 1 process", c, "learner", "seconds_to_threshold",
@@ -430,7 +490,8 @@ def verdicts(entries: dict) -> list[dict]:
         for what, num, den, key, goal, at_least in specs:
             if num not in CONTENDERS_OF[algo]:
                 continue
-            pairs = _paired(entries, algo, num, den, key)
+            pairs = [(seed, entries[run_name(algo, num, seed)][key], entries[run_name(algo, den, seed)][key])
+                     for seed in SEEDS if run_name(algo, num, seed) in entries and run_name(algo, den, seed) in entries]
             row = {"algo": algo, "what": what, "goal": goal, "at_least": at_least, "seeds": [p[0] for p in pairs]}
             if len(pairs) < 2:
                 out.append({**row, "ratio": None, "ci": None, "verdict": f"{len(pairs)} paired seed(s): not decided"})
@@ -493,8 +554,7 @@ def page_section(text: str) -> str:
 
 
 def check_page(text: str, summary: dict) -> list[str]:
-    """What is wrong with a docs/results.md text against a stored summary: empty when its generated section is
-    exactly the one ``render_section`` writes from it (so every number it shows is the summary's)."""
+    """What is wrong with a docs/results.md text: nothing when its section is exactly ``render_section(summary)``."""
     try:
         shown = page_section(text)
     except ValueError as err:

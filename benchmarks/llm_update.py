@@ -4,29 +4,39 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/llm_update.py --quick    # tiny models: does it run? (~2.5 min)
     .venv/bin/python benchmarks/llm_update.py --strategy ddp --parts speed # against hand DDP; --reps N: more or fewer
 
-torchrl's ``GRPOLoss`` (token mean) over ``common.grpo_loss``'s Qwen2 (random weights, seed 0), AdamW (lr 1e-5),
-clipping at 1.0, 2 micro-batches per optimizer step on each rank of chats of different lengths
-(``fabric_learner.testing.grpo_batch``), different on each rank, the same for both contenders. ``learner``:
-``FabricLearner(strategy="fsdp", devices=2, grad_accum_steps=2, clip_grad_norm=1.0)``; ``hand``: ``HandLoop``
-(``fully_shard`` per decoder layer, then the model, the learner's token normalisation by hand; DDP with
-``--strategy ddp``). Both take the same step: their pre-clip gradient norms must agree at every step, else the
-ratio is invalid. Parts (``--parts``, each its own launches; benchmarks/README.md): ``speed`` (tokens/s, learner /
-hand, goal >= 0.97 in wall and CPU time), ``memory`` (peak per rank over the pre-model baseline, <= 1.05),
-``capped`` (training under ``RLIMIT_AS``, as ``fsdp_capped.py``), ``batching`` (four ways to cut the same
-long-tailed batches, ``Cut``). Writes ``results/llm_update.json``. ``--quick``: its numbers say nothing.
+Parts (speed, memory, capped, batching), each its own launches, and their goals: benchmarks/README.md, "LLM
+post-training". Writes ``results/llm_update.json``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
+import gc
 import os
 import statistics
 import time
+from datetime import timedelta
 
 import harness
-from common import grpo_loss, grpo_params
+import torch
+import torch.distributed as dist
+from common import SumLoss, grpo_loss, grpo_params, summed_loss
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torchrl.modules.llm import TransformersWrapper  # noqa: F401  (every contender's imports, before a baseline)
+from torchrl.objectives.llm import GRPOLoss  # noqa: F401
+from transformers import Qwen2ForCausalLM  # noqa: F401
+
+from fabric_learner import FabricLearner, LocalLearner
+from fabric_learner.llm import pack_sequences, sample_lengths, share_of_rank, update_by_tokens
+from fabric_learner.llm.batching import _groups
+from fabric_learner.llm.packing import attention_crossover, packed_rows
+from fabric_learner.testing import grpo_batch, tiny_tokenizer
 
 LR, CLIP, ACCUM = 1e-5, 1.0, 2
 CONTENDERS = ("learner", "hand")
@@ -67,10 +77,6 @@ QUICK = Mode(hidden=64, layers=2, samples=2, reply_words=(3, 12), pairs=1, copie
 def make_pairs(loss, rank: int, mode: Mode, words: tuple[int, int]) -> list[tuple]:
     """This rank's ``mode.pairs`` optimizer steps of 2 micro-batches of ``mode.samples`` chats with replies of
     ``words`` lengths; log-probs from ``loss``'s (unsharded) policy."""
-    import torch
-
-    from fabric_learner.testing import grpo_batch
-
     g = torch.Generator().manual_seed(1000 + rank)
     return [tuple(grpo_batch(loss.actor_network, torch.randint(*words, (mode.samples,), generator=g).tolist(),
                              seed=100 * rank + 10 * p + m) for m in range(ACCUM)) for p in range(mode.pairs)]
@@ -81,21 +87,11 @@ def trained_tokens(batch) -> int:
     return sum(int(mask.sum()) for mask in batch.get(("masks", "all_assistant_mask"), as_list=True))
 
 
-def all_tokens(batch) -> int:
-    return sum(int(tokens.numel()) for tokens in batch.get(("tokens", "full"), as_list=True))
-
-
 class LearnerSteps:
     """One optimizer step (``ACCUM`` calls) per ``update(pair)``: ``FabricLearner`` on 2 CPU ranks under
     ``strategy``, or ``LocalLearner`` for "one_process"; ``norms`` holds each step's pre-clip gradient norm."""
 
     def __init__(self, loss, strategy: str):
-        from datetime import timedelta
-
-        import torch
-
-        from fabric_learner import FabricLearner, LocalLearner
-
         optimizer = functools.partial(torch.optim.AdamW, lr=LR)
         self.learner = LocalLearner(loss, optimizer, grad_accum_steps=ACCUM, clip_grad_norm=CLIP) \
             if strategy == "one_process" else FabricLearner(
@@ -118,21 +114,13 @@ class HandLoop:
     the gradients scaled by ``world_size / total``, clipped, stepped, zeroed: the learner's normalisation."""
 
     def __init__(self, loss, model, strategy: str):
-        import torch
-        import torch.distributed as dist
-        from common import SumLoss, summed_loss
-
         self.world = dist.get_world_size()
         if strategy == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
             self.total, self.no_sync = lambda batch: summed_loss(loss(batch)), functools.partial(_unsynced, model)
         else:
-            from torch.nn.parallel import DistributedDataParallel
-
             ddp = DistributedDataParallel(SumLoss(loss))
             self.total, self.no_sync = ddp, ddp.no_sync
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -140,9 +128,6 @@ class HandLoop:
         self.norms = []
 
     def update(self, pair) -> None:
-        import torch
-        import torch.distributed as dist
-
         count = 0
         for i, batch in enumerate(pair):
             with self.no_sync() if i < len(pair) - 1 else contextlib.nullcontext():
@@ -160,8 +145,6 @@ class HandLoop:
         self.opt.zero_grad(set_to_none=True)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -180,10 +163,6 @@ def build(kind: str, loss, model, strategy: str):
     """Contender ``kind`` ("learner", "hand", "one_process") on ``loss`` and its ``model``."""
     if kind != "hand":
         return LearnerSteps(loss, "one_process" if kind == "one_process" else strategy)
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     if not dist.is_initialized():  # no learner has made the group
         dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     return HandLoop(loss, model, strategy)
@@ -191,30 +170,14 @@ def build(kind: str, loss, model, strategy: str):
 
 def _floats(norms) -> list[float]:
     """Gradient norms as floats (a sharded norm is gathered: every rank calls this alike)."""
-    from torch.distributed.tensor import DTensor
-
     return [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
 
 
-def _import_everything() -> None:
-    """What every contender imports, loaded before a worker takes its baseline, so it is not counted."""
-    from torch.distributed.fsdp import fully_shard  # noqa: F401
-    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
-    from torchrl.modules.llm import TransformersWrapper  # noqa: F401
-    from torchrl.objectives.llm import GRPOLoss  # noqa: F401
-    from transformers import Qwen2ForCausalLM  # noqa: F401
-
-    from fabric_learner import FabricLearner, LocalLearner  # noqa: F401
-    from fabric_learner.testing import grpo_batch, tiny_tokenizer  # noqa: F401
-
-    harness.set_one_thread()
-    tiny_tokenizer()
+def _rel_gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
 def speed_worker(mode: Mode, strategy: str, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     harness.set_one_thread()
     rank = int(os.environ["RANK"])
     pairs = make_pairs(grpo_loss(mode.hidden, mode.layers)[0], rank, mode, mode.reply_words)
@@ -228,40 +191,26 @@ def speed_worker(mode: Mode, strategy: str, out: str) -> None:
     cpu: dict[str, list[float]] = {}
     samples = harness.interleaved(contenders, reps=mode.reps, inner=1, warmup=mode.warmup, sync=dist.barrier, cpu=cpu)
     norms = {kind: [_floats(copy.norms) for copy in built[kind]] for kind in CONTENDERS}
-    gap = max(abs(a - b) / max(abs(b), 1e-12) for la, lb in zip(norms["learner"], norms["hand"], strict=True)
-              for a, b in zip(la, lb, strict=True))
     harness.write_gathered(out, {
         "rank": rank, "samples_s": samples, "cpu_s": harness.summed_over_ranks(cpu),
         "trained_tokens": [[trained_tokens(b) for b in pair] for pair in pairs],
-        "all_tokens": [[all_tokens(b) for b in pair] for pair in pairs], "grad_norm_max_rel_gap": gap,
+        "all_tokens": [[sum(int(t.numel()) for t in b.get(("tokens", "full"), as_list=True)) for b in pair]
+                       for pair in pairs],
+        "grad_norm_max_rel_gap": max(_rel_gap(a, b) for a, b in zip(norms["learner"], norms["hand"], strict=True)),
         "grad_norms": norms, "threads": torch.get_num_threads(), "n_params": grpo_params(mode.hidden, mode.layers)})
     for contender in built["learner"] + built["hand"][:1]:  # the learners, then the group if still there
         contender.close()
 
 
-def memory_worker(kind: str, mode: Mode, strategy: str, out: str) -> None:
-    _import_everything()
-    rank = int(os.environ["RANK"])
-    baseline = harness.status_mib("VmRSS")  # imports done, model not built yet
-    loss, model = grpo_loss(mode.big_hidden, mode.big_layers)
-    pairs = make_pairs(loss, rank, mode, mode.big_reply_words)
-    contender = build(kind, loss, model, strategy)
-    for step in range(mode.memory_updates):
-        contender.update(pairs[step % len(pairs)])
-    result = {"rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": harness.status_mib("VmHWM") - baseline}
-    harness.write_gathered(out, {**result, "n_params": grpo_params(mode.big_hidden, mode.big_layers)})
-    contender.close()
-
-
-def capped_worker(kind: str, mode: Mode, strategy: str, cap_copies: float, out: str) -> None:
-    _import_everything()
-    count = grpo_params(mode.big_hidden, mode.big_layers)  # before the baseline: what it loads is then counted in
+def big_worker(part: str, kind: str, mode: Mode, strategy: str, cap_copies: float, out: str) -> None:
+    """One rank (or the one process) of the memory or the capped part: ``mode.memory_updates`` steps of the large
+    model, after every contender's imports; its peak over its pre-model memory, or trained under the cap."""
+    harness.set_one_thread()
+    tiny_tokenizer()
     rank = int(os.environ.get("RANK", 0))
-    result = {"kind": kind, "rank": rank, "baseline_vmsize_mib": harness.status_mib("VmSize")}
     built = []
 
     def steps():
-        result.update(harness.cap_address_space(result["baseline_vmsize_mib"], count, cap_copies))
         loss, model = grpo_loss(mode.big_hidden, mode.big_layers)
         pairs = make_pairs(loss, rank, mode, mode.big_reply_words)
         built.append(build(kind, loss, model, strategy))
@@ -269,8 +218,20 @@ def capped_worker(kind: str, mode: Mode, strategy: str, cap_copies: float, out: 
             built[0].update(pairs[step % len(pairs)])
             yield step
 
-    harness.train_under_cap(result, steps())
-    harness.finish_capped(out, result)
+    if part == "memory":
+        baseline = harness.status_mib("VmRSS")  # imports done, model not built yet
+        for _ in steps():
+            pass
+        harness.write_gathered(out, {**harness.peak(baseline), "n_params": grpo_params(mode.big_hidden, mode.big_layers)})
+    else:
+        count = grpo_params(mode.big_hidden, mode.big_layers)  # before the baseline: what it loads is then counted in
+        result = {"kind": kind, "rank": rank, "baseline_vmsize_mib": harness.status_mib("VmSize")}
+
+        def capped():
+            result.update(harness.cap_address_space(result["baseline_vmsize_mib"], count, cap_copies))
+            yield from steps()
+
+        harness.train_capped(out, result, capped())
     for contender in built:
         contender.close()
 
@@ -281,21 +242,14 @@ CUTS = ("fixed", "budget", "balanced", "packed")
 PAD_GOAL = {"budget": 0.15, "balanced": 0.15, "packed": 0.03}
 SPEEDUP_GOAL = 1.5  # tokens/s over the fixed-size micro-batches'
 MEMORY_ROUNDS = 3  # measured steps per contender for the peak memory (median)
+LAW = ("follow a long-tailed law: words drawn log-normal with median ``median_words`` and sigma ``sigma``, clipped "
+       "to ``words`` (with the chat template and a 2-6 word prompt, about 3 tokens a word: samples of about 15 to 500 "
+       "tokens).")
 
 
 @dataclasses.dataclass(frozen=True)
 class Cut:
-    """The batching part's sizes. Reply lengths follow a long-tailed law: words drawn log-normal with median
-    ``median_words`` and sigma ``sigma``, clipped to ``words`` (with the chat template and a 2-6 word prompt,
-    about 3 tokens a word: samples of about 15 to 500 tokens).
-
-    Four contenders, ``FabricLearner(strategy="fsdp")`` on 2 ranks, one launch: ``fixed`` (halves by sample count,
-    micro-batches of ``fixed`` samples in the drawn order: torchrl's grpo-sync recipe), ``budget``
-    (``update_by_tokens``), ``balanced`` (``share_of_rank`` by tokens, then ``update_by_tokens``), ``packed`` (the
-    same with ``pack_sequences``); ``max_tokens`` is the fixed contender's largest micro-batch. Reported: the pad
-    fraction, tokens/s (paired against ``fixed``), a step's peak resident memory over the size before it (median
-    of 3 rotated rounds, worst rank), the slowest rank's tokens over the mean; the four must take the same step.
-    """
+    """The batching part's sizes; reply lengths ``LAW``."""
 
     hidden: int = 256
     layers: int = 4
@@ -313,17 +267,13 @@ QUICK_CUT = Cut(hidden=128, layers=2, samples=16, reps=4, warmup=1)
 
 
 def reply_words(cut: Cut, seed: int) -> list[int]:
-    """One global batch's reply lengths in words, from the law stated on :class:`Cut`."""
-    import torch
-
+    """One global batch's reply lengths in words, from ``LAW``."""
     drawn = (torch.randn(cut.samples, generator=torch.Generator().manual_seed(seed)) * cut.sigma).exp() * cut.median_words
     return [int(w) for w in drawn.round().clamp(*cut.words)]
 
 
 def shares(kind: str, batch, rank: int):
     """This rank's part of the global ``batch``: halves by sample count, or by tokens (``balanced``, ``packed``)."""
-    from fabric_learner.llm import share_of_rank
-
     if kind in ("balanced", "packed"):
         return share_of_rank(batch, rank, 2)
     half = len(batch) // 2
@@ -335,9 +285,6 @@ def processed_tokens(kind: str, share_lengths: list[list[int]], cut: Cut, max_to
     """The tokens each rank's forward runs on in one step: padded (or packed: rows times their width, as the
     model's hook lays them out) micro-batches, plus the empty work of a rank with fewer micro-batches (its
     shortest sample, once per missing micro-batch)."""
-    from fabric_learner.llm.batching import _groups
-    from fabric_learner.llm.packing import packed_rows
-
     sizes = []
     for lengths in share_lengths:
         groups = [list(range(i, min(i + cut.fixed, len(lengths)))) for i in range(0, len(lengths), cut.fixed)] \
@@ -356,13 +303,6 @@ class CutSteps:
     ``kind`` says: ``fixed`` micro-batches in the drawn order, or ``update_by_tokens`` (``packed``: packed)."""
 
     def __init__(self, kind: str, cut: Cut, max_tokens: int):
-        from datetime import timedelta
-
-        import torch
-
-        from fabric_learner import FabricLearner
-        from fabric_learner.llm import pack_sequences
-
         loss, _ = grpo_loss(cut.hidden, cut.layers)
         if kind == "packed":
             pack_sequences(loss.actor_network)
@@ -373,8 +313,6 @@ class CutSteps:
         self.norms = []
 
     def update(self, share) -> None:
-        from fabric_learner.llm import update_by_tokens
-
         if self.kind == "fixed":
             for i in range(0, len(share), self.fixed):
                 out = self.learner.update(share[i:i + self.fixed])
@@ -385,9 +323,6 @@ class CutSteps:
 
 def _fresh_peak() -> None:
     """The heap's free memory handed back (glibc ``malloc_trim``), then VmHWM started afresh (``clear_refs`` 5)."""
-    import ctypes
-    import ctypes.util
-
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
@@ -395,14 +330,6 @@ def _fresh_peak() -> None:
 
 
 def batching_worker(cut: Cut, out: str) -> None:
-    import gc
-
-    import torch.distributed as dist
-
-    from fabric_learner.llm import sample_lengths
-    from fabric_learner.llm.packing import attention_crossover
-    from fabric_learner.testing import grpo_batch
-
     harness.set_one_thread()
     rank = int(os.environ["RANK"])
     policy = grpo_loss(cut.hidden, cut.layers)[0].actor_network
@@ -439,6 +366,14 @@ def cut_of(args) -> Cut:
     return dataclasses.replace(cut, reps=args.reps) if args.reps else cut
 
 
+# ---- the parts (run from the command) ---------------------------------------------------------------
+
+
+def _worker_argv(args, part: str, *extra: str) -> list[str]:
+    return [__file__, "--worker", part, "--strategy", args.strategy, *(["--quick"] if args.quick else []),
+            "--cap-copies", str(args.cap_copies), *(["--reps", str(args.reps)] if args.reps else []), *extra]
+
+
 def part_batching(args, mode: Mode) -> dict:
     cut, start = cut_of(args), time.monotonic()
     ranks = harness.launch(_worker_argv(args, "batching"), ranks=2, timeout_s=1800, what="batching part", **MALLOC)
@@ -458,38 +393,23 @@ def part_batching(args, mode: Mode) -> dict:
             "slowest_processed_over_mean": statistics.mean(max(p) / (sum(p) / len(p)) for p in processed),
             "tokens_per_s": statistics.median(t / s for t, s in zip(rep_tokens, times)),
             "median_step_s": statistics.median(times), "peak_step_mib": max(r["peak_step_mib"][kind] for r in ranks)}
-    for kind in CUTS:
-        row = rows[kind]
+    for kind, row in rows.items():
         row["speedup"] = harness.paired_ratio(r0["samples_s"]["fixed"], r0["samples_s"][kind])
         row["speedup_ci"] = harness.bootstrap_ci(r0["samples_s"]["fixed"], r0["samples_s"][kind])
         row["memory_ratio"] = row["peak_step_mib"] / rows["fixed"]["peak_step_mib"]
         if kind != "fixed":
             row.update(pad_met=row["pad_fraction"] <= PAD_GOAL[kind], memory_met=row["memory_ratio"] <= 1.0,
                        speed_verdict=harness.verdict(row["speedup_ci"], SPEEDUP_GOAL, at_least=True))
-        print(f"batching: {kind:8s} pad {row['pad_fraction']:6.1%}  tokens/s {row['tokens_per_s']:8.0f} "
-              f"(x{row['speedup']:.2f} [{row['speedup_ci'][0]:.2f}, {row['speedup_ci'][1]:.2f}] of fixed)  "
-              f"peak step {row['peak_step_mib']:7.1f} MiB (x{row['memory_ratio']:.2f})  slowest rank's tokens / mean "
-              f"{row['slowest_rank_over_mean']:.3f}", flush=True)
-    gap = max(abs(a - b) / max(abs(b), 1e-12) for kind in CUTS
-              for a, b in zip(r0["grad_norms"][kind], r0["grad_norms"]["fixed"], strict=True))
-    print(f"batching: {r0['n_params'] / 1e6:.1f}M parameters, max_tokens {max_tokens}; the four take the same step "
-          f"(pre-clip grad norms within {gap:.1e}) ({seconds:.0f} s)", flush=True)
+    gap = max(_rel_gap(r0["grad_norms"][kind], r0["grad_norms"]["fixed"]) for kind in CUTS)
+    harness.show({"batching": rows, "max_tokens": max_tokens, "grad_norm_max_rel_gap": gap})
     return {"what": "GRPO steps on the same long-tailed global batches, 2 FSDP ranks, four ways of cutting them",
-            "law": " ".join(Cut.__doc__.split("Reply lengths ")[1].split("\n\n")[0].split()),
-            "settings": dataclasses.asdict(cut), "n_params": r0["n_params"], "max_tokens": max_tokens,
+            "law": LAW, "settings": dataclasses.asdict(cut), "n_params": r0["n_params"], "max_tokens": max_tokens,
             "tokens_per_step": [sum(x) for x in r0["lengths"]], "rows": rows, "grad_norm_max_rel_gap": gap,
             "seconds": seconds, "ranks": ranks}
 
 
-# ---- the parts (run from the command) ---------------------------------------------------------------
-
-
-def _worker_argv(args, part: str, *extra: str) -> list[str]:
-    return [__file__, "--worker", part, "--strategy", args.strategy, *(["--quick"] if args.quick else []),
-            "--cap-copies", str(args.cap_copies), *(["--reps", str(args.reps)] if args.reps else []), *extra]
-
-
 def part_speed(args, mode: Mode) -> dict:
+    """Trained tokens/s over both ranks, learner / hand, paired, in wall and CPU time (met when both are)."""
     start = time.monotonic()
     ranks = harness.launch(_worker_argv(args, "speed"), ranks=2, timeout_s=1200, what="speed part")
     seconds = time.monotonic() - start
@@ -499,49 +419,40 @@ def part_speed(args, mode: Mode) -> dict:
     rep_tokens = [per_pair[(mode.warmup + r) % mode.pairs] for r in range(mode.reps)]
     tokens_per_s = {k: statistics.median(t / s for t, s in zip(rep_tokens, samples[k])) for k in CONTENDERS}
     # tokens/s learner / hand = hand's time / learner's time, repetition by repetition
-    wall, cpu_r = ((harness.paired_ratio(x["hand"], x["learner"]),
-                    harness.bootstrap_ci(x["hand"], x["learner"], copies=mode.copies)) for x in (samples, cpu))
-    wall_met, cpu_met = (harness.decide(ci, TOKENS_GOAL, at_least=True) for _, ci in (wall, cpu_r))
-    met = wall_met if wall_met is cpu_met else (False if False in (wall_met, cpu_met) else None)
+    wall, cpu_r = (harness.paired(x["hand"], x["learner"], copies=mode.copies) for x in (samples, cpu))
+    met, text = harness.both(wall["ci"], cpu_r["ci"], TOKENS_GOAL, at_least=True, detail=(
+        f" (wall {wall['ci'][0]:.3f}-{wall['ci'][1]:.3f}, cpu {cpu_r['ci'][0]:.3f}-{cpu_r['ci'][1]:.3f})"))
     gap = max(r["grad_norm_max_rel_gap"] for r in ranks)
-    text = f"invalid: the contenders' gradient norms differ by {gap:.1e}" if gap > SAME_STEP else \
-        harness.verdict(wall[1], TOKENS_GOAL, at_least=True) if wall_met is cpu_met else \
-        ("NOT met" if met is False else "undecided") + (f" (wall {wall[1][0]:.3f}-{wall[1][1]:.3f}, "
-                                                        f"cpu {cpu_r[1][0]:.3f}-{cpu_r[1][1]:.3f})")
-    print(f"speed: {ranks[0]['n_params'] / 1e6:.1f}M parameters, {statistics.mean(per_pair):.0f} trained tokens a step; "
-          f"tokens/s learner {tokens_per_s['learner']:.0f}, hand {tokens_per_s['hand']:.0f}; learner / hand {wall[0]:.3f} "
-          f"[{wall[1][0]:.3f}, {wall[1][1]:.3f}] wall, {cpu_r[0]:.3f} [{cpu_r[1][0]:.3f}, {cpu_r[1][1]:.3f}] cpu "
-          f"(goal >= {TOKENS_GOAL}): {text}; pre-clip grad norms agree within {gap:.1e} ({seconds:.0f} s)", flush=True)
-    return {"what": "trained tokens per second over 2 ranks, one optimizer step (2 micro-batches per rank) per sample",
-            "n_params": ranks[0]["n_params"], "tokens_per_step": per_pair,
-            "all_tokens_per_step": [sum(sum(r["all_tokens"][p]) for r in ranks) for p in range(mode.pairs)],
-            "median_step_s": {k: statistics.median(samples[k]) for k in CONTENDERS}, "tokens_per_s": tokens_per_s,
-            "ratio": wall[0], "ci": wall[1], "cpu_ratio": cpu_r[0], "cpu_ci": cpu_r[1], "goal": TOKENS_GOAL,
-            "met": False if gap > SAME_STEP else met, "verdict": text, "grad_norm_max_rel_gap": gap,
-            "same_step": gap <= SAME_STEP, "seconds": seconds, "samples_s": samples, "cpu_s": cpu, "ranks": ranks}
+    if gap > SAME_STEP:
+        met, text = False, f"invalid: the contenders' gradient norms differ by {gap:.1e}"
+    result = {"what": "trained tokens per second over 2 ranks, one optimizer step (2 micro-batches per rank) per sample",
+              "n_params": ranks[0]["n_params"], "tokens_per_step": per_pair,
+              "all_tokens_per_step": [sum(sum(r["all_tokens"][p]) for r in ranks) for p in range(mode.pairs)],
+              "median_step_s": {k: statistics.median(samples[k]) for k in CONTENDERS}, "tokens_per_s": tokens_per_s,
+              "ratio": wall["ratio"], "ci": wall["ci"], "cpu_ratio": cpu_r["ratio"], "cpu_ci": cpu_r["ci"],
+              "goal": TOKENS_GOAL, "met": met, "verdict": text, "grad_norm_max_rel_gap": gap,
+              "same_step": gap <= SAME_STEP, "seconds": seconds, "samples_s": samples, "cpu_s": cpu, "ranks": ranks}
+    harness.show({k: result[k] for k in ("tokens_per_s", "ratio", "ci", "cpu_ratio", "cpu_ci", "verdict", "same_step")})
+    return result
 
 
 def part_memory(args, mode: Mode) -> dict:
-    def launch(kind: str) -> dict:
-        ranks = harness.launch(_worker_argv(args, "memory", "--kind", kind), ranks=2, what=f"memory part, {kind}", **MALLOC)
-        return {"ranks": ranks, "worst_peak_mib": max(r["peak_over_baseline_mib"] for r in ranks)}
-
-    runs = harness.rotated(CONTENDERS, mode.repeats, launch, lambda r: f"worst-rank peak {r['worst_peak_mib']:8.1f} MiB")
+    """Peak memory per rank over the pre-model baseline, learner / hand, decided on the range over launches."""
+    runs, median = harness.peak_launches(CONTENDERS, mode.repeats, lambda kind: _worker_argv(
+        args, "memory", "--kind", kind), ranks=2, **MALLOC)
     peaks = {k: [r["worst_peak_mib"] for r in runs if r["kind"] == k] for k in CONTENDERS}
-    median = {k: statistics.median(v) for k, v in peaks.items()}
-    ratio = median["learner"] / median["hand"]
     span = (min(peaks["learner"]) / max(peaks["hand"]), max(peaks["learner"]) / min(peaks["hand"]))
     n = runs[0]["ranks"][0]["n_params"]
     result = {"what": f"peak resident memory over the pre-model baseline, worst of 2 ranks, {mode.memory_updates} "
                       "optimizer steps", "n_params": n, "copy_mib": n * 4 / 2**20, "median_peak_mib": median,
-              "ratio": ratio, "range": span, "goal": MEMORY_GOAL, "met": harness.decide(span, MEMORY_GOAL),
-              "verdict": harness.verdict(span, MEMORY_GOAL), "runs": runs}
-    print(f"memory: {n / 1e6:.1f}M parameters; learner / hand {ratio:.3f} (launches {span[0]:.3f}-{span[1]:.3f}, "
-          f"goal <= {MEMORY_GOAL}): {result['verdict']}", flush=True)
+              "ratio": median["learner"] / median["hand"], "range": span, "goal": MEMORY_GOAL,
+              "met": harness.decide(span, MEMORY_GOAL), "verdict": harness.verdict(span, MEMORY_GOAL), "runs": runs}
+    harness.show({k: result[k] for k in ("median_peak_mib", "ratio", "range", "verdict")})
     return result
 
 
 def part_capped(args, mode: Mode) -> dict:
+    """The large model under ``RLIMIT_AS``: one process must fail to allocate, the sharded contenders train."""
     runs = [harness.launch_capped(kind, _worker_argv(args, "capped", "--kind", kind),
                                   1 if kind == "one_process" else 2, **MALLOC) for kind in CAPPED_KINDS]
     trained = harness.capped_summary(runs, mode.memory_updates)
@@ -576,10 +487,8 @@ def main(argv=None) -> None:
     mode = dataclasses.replace(QUICK if args.quick else FULL, **({"reps": args.reps} if args.reps else {}))
     if args.worker == "speed":
         return speed_worker(mode, args.strategy, args.out)
-    if args.worker == "memory":
-        return memory_worker(args.kind, mode, args.strategy, args.out)
-    if args.worker == "capped":
-        return capped_worker(args.kind, mode, args.strategy, args.cap_copies, args.out)
+    if args.worker in ("memory", "capped"):
+        return big_worker(args.worker, args.kind, mode, args.strategy, args.cap_copies, args.out)
     if args.worker == "batching":
         return batching_worker(cut_of(args), args.out)
     parts = [x for x in args.parts.split(",") if x]

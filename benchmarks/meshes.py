@@ -1,17 +1,9 @@
 """GRPO on a Qwen2-architecture model: the 2 x 2 mesh (tensor parallel x FSDP2) against FSDP2 on 4 ranks and one process.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/meshes.py            # ~5 min on 2 busy cores
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/meshes.py --quick    # ~1.5 min: does it run?
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/meshes.py --quick    # ~1.5 min: does it run? (numbers say nothing)
 
-Three contenders train the same optimizer steps of torchrl's ``GRPOLoss`` over ``common.grpo_loss``'s Qwen2 at a
-larger size, AdamW (lr 1e-5), clipping at 1.0; a step's global batch is ``chats`` chats of different lengths
-(``grpo_batch``, one chat at a time, so a rank builds only its share): ``one_process`` (``LocalLearner``, the whole
-batch), ``fsdp4`` (``FabricLearner(strategy="fsdp", devices=4)``, a quarter each) and ``mesh``
-(``examples/grpo_tensor_parallel.strategy()``: 2 data-parallel x 2 tensor-parallel ranks, each data-parallel pair
-half of the chats). Each runs in its own launch, ``repeats`` times, rotated. Reported: a rank's peak resident
-memory over the pre-model baseline (worst rank), the wall time of an optimizer step (median, rank 0, barriers
-around each) and its CPU seconds summed over the ranks. 4 ranks on fewer cores share them: there the CPU time is
-the work done. Writes ``results/meshes.json``; ``--quick`` trains a tiny model (its numbers say nothing).
+Contenders, figures and when tensor parallelism pays: docs/meshes.md. Writes ``results/meshes.json``.
 """
 
 from __future__ import annotations
@@ -22,8 +14,20 @@ import os
 import statistics
 import sys
 import time
+from datetime import timedelta
 
 import harness
+import torch
+import torch.distributed as dist
+import torchrl.modules.llm  # every import done before a worker's baseline
+import torchrl.objectives.llm  # noqa: F401
+from common import grpo_loss, grpo_params
+from tensordict import lazy_stack
+from transformers import Qwen2ForCausalLM  # noqa: F401
+
+from fabric_learner import FabricLearner, LocalLearner
+from fabric_learner.sharding import data_parallel_rank
+from fabric_learner.testing import grpo_batch, tiny_tokenizer
 
 LR, CLIP = 1e-5, 1.0
 CONTENDERS = ("one_process", "fsdp4", "mesh")
@@ -47,28 +51,14 @@ QUICK = Mode(hidden=128, layers=2, chats=4, reply_words=(3, 10), warmup=1, steps
 
 def share(mode: Mode, policy, step: int, first: int, count: int):
     """Chats ``first .. first + count - 1`` of step ``step``'s global batch, each built alone (seeded by its index)."""
-    import torch
-    from tensordict import lazy_stack
-
-    from fabric_learner.testing import grpo_batch
-
     words = torch.randint(*mode.reply_words, (mode.chats,), generator=torch.Generator().manual_seed(1000 + step)).tolist()
     return lazy_stack([grpo_batch(policy, [words[i]], seed=100 * step + i).tensordicts[0]
                        for i in range(first, first + count)])
 
 
 def worker(kind: str, mode: Mode, out: str) -> None:
+    """One rank (or the one process): its chats of every step, its peak memory and its steps' wall and CPU time."""
     harness.set_one_thread()
-    import torch
-    import torch.distributed as dist
-    import torchrl.modules.llm  # every import done before the baseline
-    import torchrl.objectives.llm  # noqa: F401
-    from common import grpo_loss
-    from transformers import Qwen2ForCausalLM  # noqa: F401
-
-    from fabric_learner import FabricLearner, LocalLearner
-    from fabric_learner.testing import grpo_batch, tiny_tokenizer  # noqa: F401
-
     tiny_tokenizer()
     baseline = harness.status_mib("VmRSS")  # imports done, model not built yet
     loss, _ = grpo_loss(mode.hidden, mode.layers)
@@ -78,14 +68,11 @@ def worker(kind: str, mode: Mode, out: str) -> None:
     parts, index = {"one_process": (1, 0), "fsdp4": (4, rank), "mesh": (2, rank // 2)}[kind]
     count = mode.chats // parts
     with torch.no_grad():  # scored by the model before it is sharded, as every contender's
-        batches = [share(mode, loss.actor_network, step, index * count, count)
-                   for step in range(mode.warmup + mode.steps)]
+        batches = [share(mode, loss.actor_network, step, index * count, count) for step in range(mode.warmup + mode.steps)]
     optimizer = functools.partial(torch.optim.AdamW, lr=LR)
     if kind == "one_process":
         learner = LocalLearner(loss, optimizer, clip_grad_norm=CLIP)
     else:
-        from datetime import timedelta
-
         strategy = "fsdp"
         if kind == "mesh":
             sys.path.insert(0, os.path.join(harness.ROOT, "examples"))
@@ -95,8 +82,6 @@ def worker(kind: str, mode: Mode, out: str) -> None:
         learner = FabricLearner(loss, optimizer, strategy=strategy, devices=4, accelerator="cpu", clip_grad_norm=CLIP,
                                 timeout=timedelta(minutes=5))
         if kind == "mesh":
-            from fabric_learner.sharding import data_parallel_rank
-
             assert data_parallel_rank() == index, (data_parallel_rank(), index)
     sync = dist.barrier if dist.is_available() and dist.is_initialized() else (lambda: None)
     walls, cpus, norms = [], [], []
@@ -111,8 +96,7 @@ def worker(kind: str, mode: Mode, out: str) -> None:
             walls.append(wall)
             cpus.append(cpu)
     harness.write_gathered(out, {
-        "kind": kind, "rank": rank, "baseline_mib": baseline, "peak_over_baseline_mib": harness.status_mib("VmHWM") - baseline,
-        "step_wall_s": walls, "step_cpu_s": cpus, "grad_norms": norms,
+        "kind": kind, **harness.peak(baseline), "step_wall_s": walls, "step_cpu_s": cpus, "grad_norms": norms,
         "params": sum(p.numel() for p in loss.parameters()) if kind == "one_process" else None})
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -131,8 +115,6 @@ def summarise(launches: list[list[dict]]) -> dict:
 def parser():
     p = harness.parser(__doc__)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default=",".join(CONTENDERS), help="contenders, comma-separated")
-    p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--worker", choices=CONTENDERS, help="one rank of a contender's launch")
     return p
 
@@ -142,27 +124,21 @@ def main(argv=None) -> None:
     mode = QUICK if args.quick else FULL
     if args.worker:
         return worker(args.worker, mode, args.out)
-    from common import grpo_params
-
     harness.set_one_thread()
-    kinds = [k for k in CONTENDERS if k in args.only.split(",")]
     start, load = time.perf_counter(), os.getloadavg()
-    runs = harness.rotated(kinds, mode.repeats, lambda kind: {"ranks": harness.launch(
+    runs = harness.rotated(CONTENDERS, mode.repeats, lambda kind: {"ranks": harness.launch(
         [__file__, "--worker", kind, *(["--quick"] if args.quick else [])], ranks=None if kind == "one_process" else 4,
-        timeout_s=args.timeout, what=f"{kind} launch", **MALLOC)}, lambda r: "")
-    launches = {k: [r["ranks"] for r in runs if r["kind"] == k] for k in kinds}
+        timeout_s=900, what=f"{kind} launch", **MALLOC)}, lambda r: "")
+    launches = {k: [r["ranks"] for r in runs if r["kind"] == k] for k in CONTENDERS}
     results = {k: summarise(v) for k, v in launches.items()}
     n_params = grpo_params(mode.hidden, mode.layers)
-    print(f"GRPO, tiny_causal_lm hidden {mode.hidden} x {mode.layers} layers ({n_params / 1e6:.1f}M parameters), "
-          f"{mode.chats} chats a step, AdamW; load average before {load[0]:.1f}\n" + harness.table(
-              ("contender", "ranks", "peak MiB/rank (worst)", "step wall s", "step CPU s (all ranks)"),
-              [(k, r["ranks"], f"{r['peak_mib_worst_rank']:.0f}", f"{r['step_wall_s']:.3f}",
-                f"{r['step_cpu_s_all_ranks']:.3f}") for k, r in results.items()]))
-    out = args.out or os.path.join(harness.RESULTS, "meshes_quick.json" if args.quick else "meshes.json")
-    harness.write_result(out, {"settings": dataclasses.asdict(mode), "n_params": n_params, "results": results,
-                               "launches": launches, "load_average_before": load,
-                               "seconds": time.perf_counter() - start, "machine": harness.machine()})
-    print(f"wrote {out}")
+    print(harness.table(("contender", "ranks", "peak MiB/rank (worst)", "step wall s", "step CPU s (all ranks)"),
+                        [(k, r["ranks"], f"{r['peak_mib_worst_rank']:.0f}", f"{r['step_wall_s']:.3f}",
+                          f"{r['step_cpu_s_all_ranks']:.3f}") for k, r in results.items()]))
+    harness.write_result(args.out or os.path.join(harness.RESULTS, "meshes_quick.json" if args.quick else "meshes.json"),
+                         {"settings": dataclasses.asdict(mode), "n_params": n_params, "results": results,
+                          "launches": launches, "load_average_before": load, "seconds": time.perf_counter() - start,
+                          "machine": harness.machine()})
 
 
 if __name__ == "__main__":

@@ -2,13 +2,7 @@
 
     python benchmarks/remote_collection.py [--repeats 3] [--batches 30] [--step-ms 2] [--out ...]
 
-CartPole-v1 whose every step also sleeps ``--step-ms`` ms (``common.SleepPerStep``: a step that costs real time,
-as a simulator's); one ``LocalLearner`` (DQN, 64-unit Q-network, one update per batch, so learning never
-limits collection). Contenders, rotated within each repeat, each a fresh process: ``in-process`` (torchrl's
-``Collector`` in the learner's process, the synchronous Trainer loop) and ``remote-M`` (``RemoteCollectors(
-local=True)``: M ``fabric_learner.collect`` processes, asynchronous collection). 64 frames a batch, ``--batches``
-per collector; frames/s in steady state (first batch received to last; start-up reported apart), against its
-bound: M times the in-process rate or C cores / (CPU seconds per frame over the whole process tree).
+Contenders, rotated, each a fresh process, and the bound each is read against: docs/remote.md.
 """
 from __future__ import annotations
 
@@ -19,30 +13,38 @@ import statistics
 import time
 
 import harness
+import torch
+from common import SleepPerStep
+from tensordict.nn import TensorDictSequential
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.envs import GymEnv, StepCounter, TransformedEnv
+from torchrl.modules import MLP, EGreedyModule, QValueActor
+from torchrl.objectives import DQNLoss
+from torchrl.trainers import ReplayBufferTrainer
+
+from fabric_learner import AsyncCollection, LocalLearner, RemoteCollectors, Trainer, VersionedPolicy
 
 FRAMES_PER_BATCH = 64
+CONTENDERS = ("in-process", "remote-1", "remote-2", "remote-4")
 
 
 def make_env(step_ms: float):
     """CartPole-v1 whose steps sleep ``step_ms`` milliseconds each (importable by the collectors)."""
-    from common import SleepPerStep
-    from torchrl.envs import GymEnv, StepCounter, TransformedEnv
-
     return TransformedEnv(GymEnv("CartPole-v1"), SleepPerStep(step_ms / 1000)).append_transform(StepCounter(500))
 
 
 def tree_cpu_seconds() -> float:
     """CPU seconds of this process and every live descendant (driver, collectors, their nodes), from /proc."""
     parents, times = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(entry)] = int(fields[1])
-            times[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     mine, frontier = {os.getpid()}, [os.getpid()]
     while frontier:
         pid = frontier.pop()
@@ -54,16 +56,7 @@ def tree_cpu_seconds() -> float:
 
 
 def one_run(contender: str, batches: int, step_ms: float, port: int) -> dict:
-    import torch
-    from tensordict.nn import TensorDictSequential
-    from torchrl.collectors import Collector
-    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
-    from torchrl.modules import MLP, EGreedyModule, QValueActor
-    from torchrl.objectives import DQNLoss
-    from torchrl.trainers import ReplayBufferTrainer
-
-    from fabric_learner import AsyncCollection, LocalLearner, RemoteCollectors, Trainer, VersionedPolicy
-
+    """One contender's run in this process: its steady frames/s, start-up, CPU per frame and collectors' stats."""
     torch.manual_seed(0)
     env_fn = functools.partial(make_env, step_ms)
     spec = env_fn().action_spec
@@ -74,13 +67,11 @@ def one_run(contender: str, batches: int, step_ms: float, port: int) -> dict:
     explore = TensorDictSequential(qnet, EGreedyModule(spec, eps_init=0.1, eps_end=0.1))
     learner = LocalLearner(loss, functools.partial(torch.optim.Adam, lr=1e-3), policy=explore)
     collectors = 0 if contender == "in-process" else int(contender.split("-")[1])
-    if collectors:
-        collector = RemoteCollectors(env_fn, VersionedPolicy(copy.deepcopy(explore)), frames_per_batch=FRAMES_PER_BATCH,
-                                     collectors=collectors, address=f"127.0.0.1:{port}", local=True,
-                                     collector_kwargs={"auto_register_policy_transforms": False})
-    else:
-        collector = Collector(env_fn(), explore, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1,
-                              auto_register_policy_transforms=False)
+    collector = RemoteCollectors(env_fn, VersionedPolicy(copy.deepcopy(explore)), frames_per_batch=FRAMES_PER_BATCH,
+                                 collectors=collectors, address=f"127.0.0.1:{port}", local=True,
+                                 collector_kwargs={"auto_register_policy_transforms": False}) if collectors else \
+        Collector(env_fn(), explore, frames_per_batch=FRAMES_PER_BATCH, total_frames=-1,
+                  auto_register_policy_transforms=False)
     total = batches * FRAMES_PER_BATCH * max(collectors, 1)
     trainer = Trainer(learner=learner, collector=collector, total_frames=total, optim_steps_per_batch=1,
                       progress_bar=False, async_collection=AsyncCollection() if collectors else None)
@@ -105,7 +96,7 @@ def parser():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--step-ms", type=float, default=2.0)
-    p.add_argument("--contenders", default="in-process,remote-1,remote-2,remote-4")
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="of: " + ",".join(CONTENDERS))
     p.add_argument("--contender", help="one run of this contender, in this process (a child)")
     p.add_argument("--port", type=int, default=0, help="the child's driver port")
     return p
@@ -117,19 +108,13 @@ def main(argv=None) -> None:
         harness.set_one_thread()
         return harness.write_json(args.out, one_run(args.contender, args.batches, args.step_ms, args.port))
     names = args.contenders.split(",")
-    def launch(name: str) -> dict:  # spawned collectors inherit sys.path: they find this folder
-        return harness.launch([__file__, "--contender", name, "--batches", str(args.batches), "--step-ms",
-                               str(args.step_ms), "--port", str(harness.free_port())], what=name)
-
-    runs = harness.rotated(names, args.repeats, launch, lambda run: (
-        f"{run['steady_fps']:.0f} frames/s steady, start-up {run['startup_s']:.1f} s, "
-        f"{run['cpu_per_frame_ms']:.2f} ms CPU/frame"))
+    runs = harness.rotated(names, args.repeats, lambda name: harness.launch(
+        [__file__, "--contender", name, "--batches", args.batches, "--step-ms", args.step_ms, "--port",
+         harness.free_port()], what=name), lambda run: f"{run['steady_fps']:.0f} frames/s steady")
     for i, run in enumerate(runs):
         run["repeat"] = i // len(names)
-    summary = {}
-    inproc = [r for r in runs if r["contender"] == "in-process"]
-    base_fps = statistics.median(r["steady_fps"] for r in inproc)
-    cores = os.cpu_count() or 1
+    summary, cores = {}, os.cpu_count() or 1
+    base_fps = statistics.median(r["steady_fps"] for r in runs if r["contender"] == "in-process")
     for name in names:
         mine = [r for r in runs if r["contender"] == name]
         fps = statistics.median(r["steady_fps"] for r in mine)
@@ -140,12 +125,11 @@ def main(argv=None) -> None:
                          "vs_bound": fps / bound, "bound_is": "M x in-process" if m * base_fps <= cores / cpu_frame
                          else f"{cores} cores", "startup_s": statistics.median(r["startup_s"] for r in mine),
                          "cpu_per_frame_ms": 1000 * cpu_frame}
-        print(f"{name}: {fps:.0f} frames/s = {fps / base_fps:.2f} x in-process, {fps / bound:.2f} of its bound "
-              f"({summary[name]['bound_is']}), start-up {summary[name]['startup_s']:.1f} s", flush=True)
+    harness.show(summary)
     harness.write_result(args.out, {"config": {"step_ms": args.step_ms, "batches": args.batches, "repeats": args.repeats,
-                                             "frames_per_batch": FRAMES_PER_BATCH, "cores": cores},
-                                  "provenance": harness.provenance(), "machine": harness.machine(),
-                                  "summary": summary, "runs": runs})
+                                               "frames_per_batch": FRAMES_PER_BATCH, "cores": cores},
+                                    "provenance": harness.provenance(), "machine": harness.machine(),
+                                    "summary": summary, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -1,20 +1,17 @@
-"""The benchmark suite (every case beside its hand-written loop, in one command), and the list of every benchmark.
+"""The benchmark suite, every case beside its hand-written loop in one command; and the list of every benchmark.
 
     python benchmarks/run.py              # full mode (~11-13 min on 2 busy cores): results/latest.json and .png
     python benchmarks/run.py --quick      # ~2 min (make bench); --smoke: 2 repetitions, numbers meaningless
     python benchmarks/run.py --only a,d --workloads ppo --reps 61 --set inner=2   # some cases, settings changed
     python benchmarks/run.py --list       # every benchmark script and the stored results whose command runs it
 
-Cases (benchmarks/README.md, "What is compared"): a) one process, update(); b) DDP on 2 gloo ranks (this script's
-``--ddp-worker`` under torchrun); c) memory per rank, FSDP vs DDP (``fsdp_memory.py``; full mode or ``--only c``);
-d) save/load; e) get_weights of a 21M-parameter policy; f) updates/s per rank at 1 and 2 ranks; compile)
-``compile=True`` learners. Contenders take turns (``harness.interleaved``); ratio = learner median / hand median,
-paired = median of the per-repetition ratios with its bootstrap interval, which ``harness.decide`` reads. Any run
-but a full run of every case writes results/partial.json unless given ``--out``.
+The cases (a-f, compile) and how they are timed: benchmarks/README.md. Any run but a full run of every case
+writes results/partial.json unless given ``--out``.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import glob
 import os
@@ -37,6 +34,7 @@ from tensordict import TensorDict  # noqa: E402
 from fabric_learner import FabricLearner, LocalLearner  # noqa: E402
 
 TWIN = "A/A control: two identical loops; its distance from 1 is this run's noise floor"
+RAW = "raw TensorDict.from_module(policy).data.clone()"
 
 
 @dataclass(frozen=True)
@@ -66,10 +64,9 @@ SMOKE = Config(quick=True, reps=2, inner=2, warmup=1, ddp_reps=2, ddp_inner=2, d
 
 @dataclass
 class Row:
-    """One comparison: ``contender`` (a learner call) against ``baseline`` (hand-written), in ``measure`` (wall, or
-    process CPU time summed over the ranks in case b, which keeps its wall figures in ``wall_paired`` /
-    ``wall_ci``). ``ratio`` = ratio of medians, ``paired`` = median per-repetition ratio with its interval ``ci``
-    (the verdict's), ``cpu_ratio`` = ratio of medians in process CPU time."""
+    """``contender`` (a learner call) against ``baseline`` (hand-written), in ``measure`` (wall, or process CPU time
+    summed over the ranks in case b, which keeps its wall figures in ``wall_paired`` / ``wall_ci``): ``ratio`` of
+    medians, ``paired`` median per-repetition ratio with its interval ``ci`` (the verdict's), ``cpu_ratio``."""
 
     case: str
     workload: str
@@ -96,9 +93,8 @@ class Row:
 def compare(case: str, workload: str, samples_s: dict[str, list[float]], contender: str, baseline: str,
             goal: float | None, *, unit: str = "ms", note: str = "",
             cpu_s: dict[str, list[float]] | None = None, by_cpu: bool = False, copies: int = 1) -> Row:
-    """A Row from interleaved per-call samples in seconds (reported in ms), decided by ``harness.decide`` on the
-    bootstrap interval over ``copies`` copies. ``by_cpu`` (case b) reports CPU time and meets a goal only when the
-    CPU and the wall interval both do: CPU time alone would not see a cost spent waiting."""
+    """A Row from interleaved per-call samples in seconds (reported in ms). ``by_cpu`` (case b) reports CPU time and
+    meets a goal only when the CPU and the wall interval both do: CPU time alone would not see a cost spent waiting."""
     wall_c, wall_b = samples_s[contender], samples_s[baseline]
     c, b = (cpu_s[contender], cpu_s[baseline]) if by_cpu else (wall_c, wall_b)
     cm, bm = harness.median(c) * 1e3, harness.median(b) * 1e3
@@ -111,20 +107,16 @@ def compare(case: str, workload: str, samples_s: dict[str, list[float]], contend
     if by_cpu:
         wall_ci = harness.bootstrap_ci(wall_c, wall_b, copies=copies)
         extra = {"measure": "cpu", "wall_paired": harness.paired_ratio(wall_c, wall_b), "wall_ci": wall_ci}
-        wall_met = harness.decide(wall_ci, goal)
-        if met is not wall_met:
-            met = False if False in (met, wall_met) else None
-            text = ("NOT met" if met is False else "undecided") + (
-                f" (cpu interval {ci[0]:.2f}-{ci[1]:.2f}, wall {wall_ci[0]:.2f}-{wall_ci[1]:.2f}, vs {goal:.2f})")
+        if harness.decide(wall_ci, goal) is not met:
+            met, text = harness.both(ci, wall_ci, goal, detail=f" (cpu interval {ci[0]:.2f}-{ci[1]:.2f}, wall "
+                                     f"{wall_ci[0]:.2f}-{wall_ci[1]:.2f}, vs {goal:.2f})")
     return Row(case, workload, contender, baseline, unit, cm, bm, cm / bm, harness.paired_ratio(c, b), ci, cpu_ratio,
                goal, met, text, note, {contender: [x * 1e3 for x in wall_c], baseline: [x * 1e3 for x in wall_b]},
                cpu_samples, **extra)
 
 
-# ---- case a: one process, one thread, update() ---------------------------------------------------
-
-
 def case_a(cfg: Config) -> list[Row]:
+    """One process, one thread, ``update()``: case a's contenders, five copies each taking turns."""
     rows = []
     for name in cfg.workloads:
         batches, cpu = common.make_batches(name), {}
@@ -142,37 +134,34 @@ def case_a(cfg: Config) -> list[Row]:
     return rows
 
 
-# ---- cases b, e (DDP) and f: multi-rank launches of ddp_worker -------------------------------------
-
-
 def ddp_worker(cfg: Config, out: str) -> None:
     """One torchrun rank of cases b, e and f: ``FabricLearner(strategy="ddp")`` against a hand-written
-    ``DistributedDataParallel`` loop and its A/A twin (5 copies each, barrier around every block, same seeds and
-    per-rank batches), and ``get_weights()`` of the 21M policy against the raw clones; rank 0 writes the JSON."""
+    ``DistributedDataParallel`` loop and its A/A twin (5 copies each, same seeds, per-rank batches), and
+    ``get_weights()`` of the 21M policy against the raw clones; rank 0 writes the JSON."""
     import torch.distributed as dist
 
-    harness.setup()
+    harness.set_one_thread(quiet=True)
     results: dict = {"updates": {}, "get_weights": None}
     rank = int(os.environ.get("RANK", "0"))
     for name in cfg.workloads:
         batches = common.make_batches(name, seed=1 + 7919 * rank)
-        learners, hands = [], []
+        built: dict[str, list] = {"learner": [], "hand": [], "twin": []}
 
-        def built(kind, into):
-            into.append(FabricLearner(common.make_loss(name)[0], None, clip_grad_norm=common.CLIP, accelerator="cpu",
-                                      strategy="ddp") if kind == "learner" else common.HandDDP(common.make_loss(name)[0]))
-            return into[-1]
+        def build(kind):
+            loss = common.make_loss(name)[0]
+            built[kind].append(common.HandDDP(loss) if kind != "learner" else FabricLearner(
+                loss, None, clip_grad_norm=common.CLIP, accelerator="cpu", strategy="ddp"))
+            return built[kind][-1]
 
-        contenders = {"FabricLearner(ddp)": harness.rotating(lambda: built("learner", learners), batches),
-                      "hand DDP": harness.rotating(lambda: built("hand", hands), batches),
-                      "hand DDP (twin)": harness.rotating(lambda: built("hand", []), batches)}
+        contenders = {label: harness.rotating(functools.partial(build, kind), batches) for label, kind in
+                      (("FabricLearner(ddp)", "learner"), ("hand DDP", "hand"), ("hand DDP (twin)", "twin"))}
         cpu: dict[str, list[float]] = {}
         samples = harness.interleaved(contenders, reps=cfg.ddp_reps, inner=cfg.ddp_inner, warmup=cfg.warmup,
                                       sync=dist.barrier, cpu=cpu)
         same = None  # DQN is deterministic: each learner copy and its hand copy took the same steps
         if name == "dqn":
-            same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for copy, h in zip(learners, hands, strict=True)
-                       for a, b in zip(copy.loss_module.parameters(), h.ddp.module.loss.parameters(), strict=True))
+            same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for mine, h in zip(built["learner"], built["hand"], strict=True)
+                       for a, b in zip(mine.loss_module.parameters(), h.ddp.module.loss.parameters(), strict=True))
         results["updates"][name] = {"samples_s": samples, "cpu_s": harness.summed_over_ranks(cpu),
                                     "same_weights": same, "threads": torch.get_num_threads()}
     if cfg.gw_reps:
@@ -197,24 +186,19 @@ def raw_clones(policy) -> dict[str, Callable[[int], Any]]:
                 k: v.detach().clone() for k, v in policy.state_dict().items()}}
 
 
-RAW = "raw TensorDict.from_module(policy).data.clone()"
-
-
-def launch_ranks(nproc: int, cfg: Config, *, get_weights: bool) -> dict[str, Any]:
-    """``ddp_worker`` on ``nproc`` gloo ranks under torchrun, one thread each: rank 0's results."""
-    settings = {"ddp_reps": cfg.ddp_reps, "ddp_inner": cfg.ddp_inner, "warmup": cfg.warmup,
-                "gw_reps": cfg.gw_reps if get_weights else 0, "gw_inner": cfg.gw_inner}
-    return harness.launch([__file__, "--ddp-worker", "--workloads", ",".join(cfg.workloads), "--set",
-                           ",".join(f"{k}={v}" for k, v in settings.items())], ranks=nproc,
-                          timeout_s=cfg.ddp_timeout_s, what=f"{nproc}-rank launch")
-
-
 def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
                with_f: bool = True) -> tuple[list[Row], list[dict]]:
-    """One 2-rank launch (b, and e under DDP); in full mode for f also a 1-rank launch (quick mode takes case a's
-    single-process time as the 1-rank reference: a launch's start-up alone is ~30 s on 2 busy cores)."""
-    two = launch_ranks(2, cfg, get_weights=with_e)
-    one = launch_ranks(1, cfg, get_weights=False) if with_f and not cfg.quick else None
+    """One 2-rank launch of ``ddp_worker`` (b, and e under DDP); in full mode for f also a 1-rank launch (quick mode
+    takes case a's single-process time as the 1-rank reference: a launch's start-up alone is ~30 s here)."""
+    def ranks(nproc: int, get_weights: bool) -> dict:
+        settings = {"ddp_reps": cfg.ddp_reps, "ddp_inner": cfg.ddp_inner, "warmup": cfg.warmup,
+                    "gw_reps": cfg.gw_reps if get_weights else 0, "gw_inner": cfg.gw_inner}
+        return harness.launch([__file__, "--ddp-worker", "--workloads", ",".join(cfg.workloads), "--set",
+                               ",".join(f"{k}={v}" for k, v in settings.items())], ranks=nproc,
+                              timeout_s=cfg.ddp_timeout_s, what=f"{nproc}-rank launch")
+
+    two = ranks(2, with_e)
+    one = ranks(1, False) if with_f and not cfg.quick else None
     rows = []
     for name, res in two["updates"].items():
         note = ("2 gloo ranks, 1 thread each; process CPU time summed over the ranks (verdict: CPU and wall)"
@@ -250,10 +234,8 @@ def case_b_e_f(cfg: Config, single_rows: list[Row], *, with_e: bool = True,
     return rows, scaling
 
 
-# ---- cases d (checkpoints) and e (get_weights, one process) ---------------------------------------
-
-
 def case_d(cfg: Config) -> list[Row]:
+    """Checkpoints of PPO with MLP [1024]x3 and Adam's state: the learners' save/load against torch.save/load."""
     cells, batches = (1024, 1024, 1024), common.make_batches("ppo", count=2)
     hand = common.HandTorchrl(common.make_loss("ppo", cells=cells)[0])
     local = LocalLearner(common.make_loss("ppo", cells=cells)[0])
@@ -307,6 +289,7 @@ def case_d(cfg: Config) -> list[Row]:
 
 
 def case_e(cfg: Config) -> list[Row]:
+    """``get_weights()`` of the 21M policy in one process, against the raw clones."""
     loss, policy = common.make_loss("ppo_big_actor")
     local = LocalLearner(loss, policy=policy)
     fabric = FabricLearner(loss, policy=policy, accelerator="cpu", devices=1)
@@ -320,17 +303,17 @@ def case_e(cfg: Config) -> list[Row]:
             row("raw {k: v.detach().clone() for state_dict}", note="reference: the two raw calls")]
 
 
-# ---- HOOKS: ``fn(cfg) -> list[Row] | None`` (None: skipped); rows from ``compare`` or a ``Row`` built directly --
+# ---- HOOKS: ``fn(cfg) -> list[Row] | None`` (None: skipped) -------------------------------------------
 
 
 def case_c_fsdp_memory(cfg: Config) -> list[Row] | None:
-    """Case c: memory per rank of ``FabricLearner`` under FSDP vs DDP (``fsdp_memory.py``, 2 CPU ranks, the 21M
-    PPO loss): tensor state and peak RSS, again with glibc's mmap threshold fixed; goal-less (0.5 is ideal)."""
+    """Memory per rank of ``FabricLearner`` under FSDP vs DDP (``fsdp.py memory``, 2 CPU ranks, the 21M PPO loss):
+    tensor state and peak RSS, again with glibc's mmap threshold fixed; goal-less (0.5 is ideal)."""
     if cfg.quick and "c" not in cfg.explicit:
         return None
     got = {(strategy, threshold): harness.launch(
-        [os.path.join(HERE, "fsdp_memory.py"), "--strategy", strategy], timeout_s=cfg.ddp_timeout_s,
-        what=f"fsdp_memory.py --strategy {strategy}", **({"MALLOC_MMAP_THRESHOLD_": threshold} if threshold else {}))
+        [os.path.join(HERE, "fsdp.py"), "memory", "--strategy", strategy], timeout_s=cfg.ddp_timeout_s,
+        what=f"fsdp.py memory --strategy {strategy}", **({"MALLOC_MMAP_THRESHOLD_": threshold} if threshold else {}))
         for strategy, threshold in (("ddp", None), ("fsdp", None), ("ddp", "1048576"), ("fsdp", "1048576"))}
     rows = []
     for metric, key, threshold in (
@@ -347,9 +330,8 @@ def case_c_fsdp_memory(cfg: Config) -> list[Row] | None:
 
 
 def case_compile(cfg: Config) -> list[Row] | None:
-    """``LocalLearner``/``FabricLearner(compile=True).update`` against the eager hand loop (goal for PPO: 1.5x
-    faster, ratio <= 0.667) and against a hand ``torch.compile(loss)`` loop with fused Adam. Each contender first
-    takes two passes over the batches, which compile (their time goes into each row's note)."""
+    """``compile=True`` learners against the eager hand loop (goal for PPO: 1.5x faster, ratio <= 0.667) and against
+    a hand ``torch.compile(loss)`` loop with fused Adam; two passes over the batches first, which compile."""
     if cfg.quick and "compile" not in cfg.explicit:  # compiling alone takes 1-2 minutes here
         return None
     rows, base, hand_compiled = [], "hand torchrl loop", "hand torch.compile loop"
@@ -418,8 +400,8 @@ def fmt_scaling(scaling: list[dict]) -> str:
           num(s["total_speedup_2_vs_1"], "{:.2f}x"), s["efficiency_vs"]) for s in scaling])
 
 
-def plot(rows: list[Row], scaling: list[dict], path: str, title: str) -> None:
-    """Ratios with their goals (left), updates/s per rank (right), to ``path``."""
+def plot(rows: list[Row], scaling: list[dict], path: str, meta: dict) -> None:
+    """Ratios with their goals (left), updates/s per rank (right), to the PNG beside ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -451,32 +433,22 @@ def plot(rows: list[Row], scaling: list[dict], path: str, title: str) -> None:
         right.set_ylabel("updates / second / rank")
         right.legend(fontsize=8)
     right.set_title("case f: scaling, 1 thread per rank")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"fabric_learner benchmarks, {meta['mode']} mode, {meta['date']}, {meta['machine']['cpus']} CPUs "
+                 f"({meta['machine']['cpu']}), load {meta['loadavg_before'][0]:.1f}; torch {meta['machine']['torch']}",
+                 fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
     plt.close(fig)
+    print(f"wrote {os.path.splitext(path)[0]}.png")
 
 
-def _title(meta: dict[str, Any]) -> str:
-    return (f"fabric_learner benchmarks, {meta['mode']} mode, {meta['date']}, {meta['machine']['cpus']} CPUs "
-            f"({meta['machine']['cpu']}), load {meta['loadavg_before'][0]:.1f}; torch {meta['machine']['torch']}")
-
-
-def replot(path: str) -> int:
-    saved = harness.read_json(path)
-    rows = [Row(**{**r, "ci": tuple(r["ci"])}) for r in saved["rows"]]
-    print(fmt_table(rows) + ("\n\n" + fmt_scaling(saved["scaling"]) if saved["scaling"] else ""))
-    png = os.path.splitext(path)[0] + ".png"
-    plot(rows, saved["scaling"], png, _title(saved["meta"]))
-    print(f"wrote {png}")
-    return 0
+def tables(rows: list[Row], scaling: list[dict]) -> str:
+    return fmt_table(rows) + (f"\n\n{fmt_scaling(scaling)}" if scaling else "")
 
 
 def listing() -> dict[str, dict]:
     """Every benchmark script (all of benchmarks/*.py but the harness and the shared workloads): its docstring's
     first line and, by path, the stored results under results/ whose ``command`` runs it."""
-    import ast
-
     scripts = {os.path.basename(p): {"what": (ast.get_docstring(ast.parse(open(p).read())) or "").split("\n")[0],
                                      "results": {}}
                for p in sorted(glob.glob(os.path.join(HERE, "*.py")))
@@ -490,14 +462,6 @@ def listing() -> dict[str, dict]:
         script = os.path.basename(shlex.split(command)[1]) if command else "(no command)"
         scripts.setdefault(script, {"what": "", "results": {}})["results"][relative] = command
     return scripts
-
-
-def print_listing() -> int:
-    for script, entry in listing().items():
-        print(f"{script}: {entry['what']}")
-        for path, command in entry["results"].items():
-            print(f"    {path}: {command}")
-    return 0
 
 
 def parser():
@@ -536,16 +500,22 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if args.list:
-        return print_listing()
+        for script, entry in listing().items():
+            print(f"{script}: {entry['what']}" + "".join(f"\n    {path}: {command}"
+                                                         for path, command in entry["results"].items()))
+        return 0
     if args.replot:
-        return replot(args.replot)
+        saved = harness.read_json(args.replot)
+        rows = [Row(**{**r, "ci": tuple(r["ci"])}) for r in saved["rows"]]
+        print(tables(rows, saved["scaling"]))
+        return plot(rows, saved["scaling"], args.replot, saved["meta"]) or 0
     cfg = config(p, args)
     if args.ddp_worker:
         return ddp_worker(cfg, args.out)
     # any change to the full configuration (mode, --only, --workloads, --reps, --set) makes the run partial
     args.out = args.out or os.path.join(harness.RESULTS, "latest.json" if cfg == FULL else "partial.json")
     only = set(args.only.split(","))
-    harness.setup()
+    harness.set_one_thread(quiet=True)
     t0, load_before = time.perf_counter(), os.getloadavg()
     rows: list[Row] = []
     scaling: list[dict] = []
@@ -579,23 +549,20 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"mode": "smoke" if args.smoke else "quick" if cfg.quick else "full", "config": asdict(cfg),
             "machine": harness.machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
             "wall_s": total, "case_wall_s": timings, "skipped_hooks": skipped, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    table = fmt_table(rows)
     goals = [r for r in rows if r.goal is not None]
-    print(f"\n{table}" + (f"\n\n{fmt_scaling(scaling)}" if scaling else ""))
-    print(f"\ngoals: {sum(r.met is True for r in goals)} met, {sum(r.met is False for r in goals)} not met, "
-          f"{sum(r.met is None for r in goals)} undecided, of {len(goals)}"
+    print(f"\n{tables(rows, scaling)}\n\ngoals: {sum(r.met is True for r in goals)} met, "
+          f"{sum(r.met is False for r in goals)} not met, {sum(r.met is None for r in goals)} undecided, of {len(goals)}"
           + "".join(f"\n  {'NOT MET' if r.met is False else 'UNDECIDED'}: {r.case} {r.workload}: {r.contender} / "
                     f"{r.baseline} = {r.ratio:.3f} [{r.ci[0]:.3f}, {r.ci[1]:.3f}] vs {r.goal}"
-                    for r in goals if r.met is not True))
-    if skipped:
-        print(f"cases skipped (quick mode runs c and compile only when named with --only): {', '.join(skipped)}")
-    print(f"mode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> {meta['loadavg_after'][0]:.1f}, "
+                    for r in goals if r.met is not True)
+          + (f"\ncases skipped (quick mode runs c and compile only when named with --only): {', '.join(skipped)}"
+             if skipped else "")
+          + f"\nmode {meta['mode']}, {total:.0f}s, load average {load_before[0]:.1f} -> {meta['loadavg_after'][0]:.1f}, "
           f"{meta['machine']['cpus']} CPUs")
-    harness.write_result(args.out, {"meta": meta, "rows": [asdict(r) for r in rows], "scaling": scaling, "table": table,
-                                    "scaling_table": fmt_scaling(scaling) if scaling else ""})
-    png = os.path.splitext(args.out)[0] + ".png"
-    plot(rows, scaling, png, _title(meta))
-    print(f"wrote {args.out} and {png}")
+    harness.write_result(args.out, {"meta": meta, "rows": [asdict(r) for r in rows], "scaling": scaling,
+                                    "table": fmt_table(rows), "scaling_table": fmt_scaling(scaling) if scaling else ""})
+    print(f"wrote {args.out}")
+    plot(rows, scaling, args.out, meta)
     return 0
 
 

@@ -2,10 +2,7 @@
 
     python benchmarks/update_path.py        # prints one path a line, relative to the repository root
 
-Runs ``update()`` (after a warm-up call) under a profile hook recording the file of every Python function called,
-on the paths the README's table times: ``LocalLearner`` and ``FabricLearner`` on one CPU (PPO, DQN, SAC with
-stages, gradient accumulation), FSDP2 on one gloo rank and GRPO on a tiny language model; ``NOT_RUN`` is on the
-path too. tests/test_claims.py holds the published table to be no older than the last change to any of them.
+tests/test_claims.py holds the published tables to be no older than the last change to any of them.
 """
 from __future__ import annotations
 
@@ -15,71 +12,58 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RL_WARNINGS", "False")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-
 PACKAGE = os.path.join(ROOT, "fabric_learner") + os.sep
 # on the path but not run here: compile=True's wrapper (the table's compile rows), since compiling takes a minute
 NOT_RUN = ["fabric_learner/step/compile.py"]
 
 
-class Recorder:
-    """The package files of every Python call made while ``active``."""
-
-    def __init__(self) -> None:
-        self.files: set[str] = set()
-        self.active = False
-
-    def hook(self, frame, event, arg) -> None:
-        if self.active and event == "call":
-            name = frame.f_code.co_filename
-            if name.startswith(PACKAGE):
-                self.files.add(os.path.relpath(name, ROOT).replace(os.sep, "/"))
-
-    def updates(self, learner, batches) -> None:
-        learner.update(batches[0].clone())  # the warm-up: first-call set-up is not the step
-        self.active = True
-        try:
-            for batch in batches[1:]:
-                learner.update(batch.clone())
-        finally:
-            self.active = False
-
-
 def update_path() -> list[str]:
     import torch
+    from lightning.fabric.strategies import ModelParallelStrategy
     from rl_cases import make_batch, make_loss
 
     from fabric_learner import FabricLearner, LocalLearner, Stage, shard_loss
     from fabric_learner.testing import grpo_batch, grpo_example
 
+    files, active = set(), []
+
+    def hook(frame, event, arg) -> None:
+        if active and event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            files.add(os.path.relpath(frame.f_code.co_filename, ROOT).replace(os.sep, "/"))
+
+    def updates(learner, batches) -> None:
+        learner.update(batches[0].clone())  # the warm-up: first-call set-up is not the step
+        active.append(True)
+        try:
+            for batch in batches[1:]:
+                learner.update(batch.clone())
+        finally:
+            active.clear()
+
     torch.manual_seed(0)
-    recorder = Recorder()
-    sys.setprofile(recorder.hook)
+    sys.setprofile(hook)
     try:
         batches = {case: [make_batch(case, n=8, seed=s) for s in range(3)] for case in ("ppo", "dqn", "sac")}
         for case in ("ppo", "dqn"):
-            recorder.updates(LocalLearner(make_loss(case)[0], clip_grad_norm=1.0), batches[case])
-            recorder.updates(FabricLearner(make_loss(case)[0], clip_grad_norm=1.0, accelerator="cpu", devices=1),
-                             batches[case])
-        recorder.updates(LocalLearner(make_loss("ppo")[0], grad_accum_steps=2), batches["ppo"] * 2)
+            updates(LocalLearner(make_loss(case)[0], clip_grad_norm=1.0), batches[case])
+            updates(FabricLearner(make_loss(case)[0], clip_grad_norm=1.0, accelerator="cpu", devices=1), batches[case])
+        updates(LocalLearner(make_loss("ppo")[0], grad_accum_steps=2), batches["ppo"] * 2)
         adam = functools.partial(torch.optim.Adam, lr=1e-3)
         stages = [Stage("critic", "qvalue_network_params", adam, loss="loss_qvalue"),
                   Stage("actor", "actor_network_params", adam, loss="loss_actor"),
                   Stage("alpha", "log_alpha", adam, loss="loss_alpha")]
-        recorder.updates(LocalLearner(make_loss("sac")[0], None, stages=stages), batches["sac"])
+        updates(LocalLearner(make_loss("sac")[0], None, stages=stages), batches["sac"])
         loss, policy, _ = grpo_example()
-        recorder.updates(LocalLearner(loss), [grpo_batch(policy, [3, 5], seed=s) for s in range(3)])
-        from lightning.fabric.strategies import ModelParallelStrategy
-
+        updates(LocalLearner(loss), [grpo_batch(policy, [3, 5], seed=s) for s in range(3)])
         fsdp = ModelParallelStrategy(parallelize_fn=functools.partial(shard_loss, min_unit_numel=1))
         learner = FabricLearner(make_loss("ppo")[0], adam, strategy=fsdp, accelerator="cpu", devices=1)
-        recorder.updates(learner, batches["ppo"])
+        updates(learner, batches["ppo"])
         learner.close()
     finally:
         sys.setprofile(None)
-    return sorted(recorder.files | set(NOT_RUN))
+    return sorted(files | set(NOT_RUN))
 
 
 if __name__ == "__main__":

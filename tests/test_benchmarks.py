@@ -72,7 +72,7 @@ def test_every_stored_result_names_the_command_that_rewrites_it_and_its_script_p
 
 def test_a_command_with_an_argument_its_script_does_not_take_fails_to_parse(monkeypatch):
     with pytest.raises(SystemExit):
-        parsed("fsdp_peak.py", ["--repeats", "2", "--no-such-option"], monkeypatch)
+        parsed("fsdp.py", ["peak", "--repeats", "2", "--no-such-option"], monkeypatch)
     with pytest.raises(SystemExit):
         parsed("remote_learner.py", ["--workload", "sac"], monkeypatch)
     assert parsed("remote_learner.py", ["--workload", "grpo", "--inner", "2"], monkeypatch).inner == 2
@@ -97,9 +97,9 @@ def test_the_entry_lists_every_benchmark_and_every_stored_result_under_the_scrip
 def test_a_result_written_through_the_harness_names_the_command_that_wrote_it(tmp_path, monkeypatch):
     import harness
 
-    monkeypatch.setattr(sys, "argv", [os.path.join(BENCH, "fsdp_peak.py"), "--repeats", "2", "--out", "x y.json"])
+    monkeypatch.setattr(sys, "argv", [os.path.join(BENCH, "fsdp.py"), "peak", "--repeats", "2", "--out", "x y.json"])
     harness.write_result(tmp_path / "r.json", {"ratio": 0.5})
     assert json.load(open(tmp_path / "r.json")) == {
-        "command": "python benchmarks/fsdp_peak.py --repeats 2 --out 'x y.json'", "ratio": 0.5}
+        "command": "python benchmarks/fsdp.py peak --repeats 2 --out 'x y.json'", "ratio": 0.5}
     harness.write_result(tmp_path / "r.json", {"command": "python benchmarks/run.py", "ratio": 0.5})
     assert json.load(open(tmp_path / "r.json"))["command"] == "python benchmarks/run.py"

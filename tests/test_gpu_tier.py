@@ -157,7 +157,7 @@ def test_rays_pack_keeps_its_binaries_executable_and_leaves_out_the_libraries_no
     import tarfile
     import zipfile
 
-    import ray_pack
+    import gpu_tier
 
     wheel = tmp_path / "ray-0-cp312-cp312-manylinux2014_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
@@ -168,7 +168,7 @@ def test_rays_pack_keeps_its_binaries_executable_and_leaves_out_the_libraries_no
             info.external_attr = mode << 16
             zf.writestr(info, b"x" * 100)
     out = tmp_path / "ray.tar.xz"
-    assert ray_pack.pack(str(wheel), str(out)) == out.stat().st_size
+    assert gpu_tier.pack_ray(str(wheel), str(out)) == out.stat().st_size
     with tarfile.open(out) as tar:
         modes = {m.name: m.mode for m in tar.getmembers()}
     assert modes == {"ray/__init__.py": 0o644, "ray/core/src/ray/raylet/raylet": 0o755, "ray/dashboard/agent.py": 0o644}

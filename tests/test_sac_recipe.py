@@ -1,6 +1,6 @@
 """The SAC MuJoCo recipe on a learner (examples/sac_mujoco.py) acts as torchrl's own loop does.
 
-The reference is the benchmark's ``torchrl`` contender (benchmarks/learning_loops.py ``sac_loop``:
+The reference is the benchmark's ``torchrl`` contender (benchmarks/learning.py ``sac_loop``:
 torchrl's sota-implementations/sac/sac.py by hand); the recipe runs torchrl's ``SACTrainer`` through
 ``learner_trainer`` on a one-process ``FabricLearner``, as the benchmark's ``learner`` contender does.
 With the same seed, every batch collected after updates holds the same actions and observations,
@@ -20,7 +20,7 @@ from multiproc import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-import learning_loops
+import learning
 import sac_mujoco as recipe
 
 from fabric_learner import FabricLearner
@@ -43,7 +43,7 @@ class _Batches:
 
 def test_the_recipe_on_a_learner_collects_the_same_batches_as_torchrls_loop():
     loop = _Batches()
-    counts = learning_loops.sac_loop(recipe.parse_args(ARGV), loop)
+    counts = learning.sac_loop(recipe.parse_args(ARGV), loop)
 
     args = recipe.parse_args(ARGV)
     trainer = recipe.build(args, functools.partial(FabricLearner, accelerator="cpu", devices=1, strategy="auto"),
