@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fabric_learner.checkpoint import dcp_folder
 from fabric_learner.checkpoint.files import naming, read_learner_file
@@ -192,11 +193,20 @@ def save(learner, path) -> None:
     }
     try:
         dcp_folder.write_version(learner.fabric, path, learner.num_updates, lambda: (tensors, meta))
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException, raised on every rank
         raise RuntimeError(
-            f"Rank {dist.get_rank()}: save({path}) failed while the stages wrote their parts ({type(err).__name__}: "
-            f"{err}). {path}/LATEST still names the previous complete version, which loads as before; the learner "
-            "is unchanged. Fix the cause (disk space, permissions) and save again.") from err
+            f"Rank {dist.get_rank()}: save({path}) failed while the stages wrote their parts ({_what_failed(err)}). "
+            f"{path}/LATEST still names the previous complete version, which loads as before; the learner is "
+            "unchanged. Fix the cause (disk space, permissions) and save again.") from err
+
+
+def _what_failed(err: BaseException) -> str:
+    """A failed write in a line: each failing rank's error (DCP gathers them, with tracebacks, into one)."""
+    failures = getattr(err, "failures", None) if isinstance(err, CheckpointException) else None
+    if not failures:
+        return f"{type(err).__name__}: {err}"
+    return "; ".join(f"stage {rank} (rank {rank}): {type(failure[0]).__name__}: {failure[0]}"
+                     for rank, failure in sorted(failures.items()))
 
 
 # ---- load ------------------------------------------------------------------------------------------------
@@ -302,7 +312,7 @@ def _check_meta(meta: Mapping[str, Any], whole: WholeModel, path: Path) -> None:
     missing = sorted(set(whole.model_keys) - stored)
     unexpected = sorted(stored - ours)
     if missing or unexpected:
-        raise ValueError(f"The checkpoint at {path} holds another model than this learner's (missing here: "
+        raise ValueError(f"The checkpoint at {path} holds another model than this learner's (not in the checkpoint: "
                          f"{missing[:6]}; not in this model: {unexpected[:6]}); nothing was loaded. Load it into a "
                          "learner built over the same loss and policy as the one that saved it.")
     wrong = [f"{k}: {meta['shapes'][k]} vs {list(s)}" for k, s in whole.shapes.items()
