@@ -9,6 +9,7 @@ saves and loads checkpoints across layouts (2 stages, FSDP on 2 ranks, one proce
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -298,3 +299,44 @@ def test_decoder_split_chains_to_the_whole_model_for_qwen2_and_llama(family):
         logits = last(None, mask, inputs_embeds=hidden).logits
         torch.testing.assert_close(logits, model(ids, mask).logits, atol=1e-5, rtol=0)
     assert {n for n, _ in first.named_parameters()} == names[0]
+
+
+# ---- faults: a stage that raises or dies (a launch of its own: the process group does not survive it) ---------
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """The faults' launch (tests/workers/pipeline_faults.py), bounded at 3 minutes while its learners' collective
+    timeout is an hour: whatever it reports came from an announcement or a closed connection, not a timeout."""
+    out = tmp_path_factory.mktemp("pipeline_faults")
+    proc = launch(os.path.join(WORKERS, "pipeline_faults.py"), out, timeout=180)
+    assert proc.returncode == 0 and proc.leftovers == 0, proc.stdout[-6000:]
+    status = int((out / "stage1_status.txt").read_text())
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], status
+
+
+def test_a_stage_whose_loss_raises_is_named_on_every_stage_and_the_learner_stops(faults):
+    """Stage 1's loss raises a KeyError in the forward of micro-batch 1 while stage 0 waits on a transfer (whose
+    gloo wait has no timeout): stage 1 raises a RuntimeError naming its own error and where; stage 0 raises one
+    naming stage 1 and its error, read from stage 1's announcement. No stage stepped (weights and update count as
+    after the first update); the next update() is refused on both, naming the earlier failure."""
+    (rank0, rank1), _ = faults
+    assert rank1["raises"].startswith("RuntimeError: Rank 1 (stage 1): update() call 2 failed in this stage's forward "
+                                      "of micro-batch 1: KeyError: 'boom on purpose'. The other stages were told")
+    assert rank0["raises"].startswith("RuntimeError: Rank 0 (stage 0): update() call 2 stopped: stage 1 (rank 1) "
+                                      "failed in its forward of micro-batch 1 (KeyError: 'boom on purpose').")
+    for got in (rank0, rank1):
+        assert "No stage stepped its optimizer" in got["raises"] and "cannot go on" in got["raises"]
+        assert got["unchanged"] and got["num_updates"] == 1
+        assert got["again"].startswith("RuntimeError: This learner stopped in an earlier update(): Rank ")
+
+
+def test_a_stage_killed_mid_update_is_named_by_the_other_stage_as_a_dead_process(faults):
+    """A second learner in the same process group (the first one's failure is not read as its own): stage 1's
+    process is SIGKILLed in the forward of micro-batch 1; stage 0's update() raises at once, naming stage 1, the
+    closed connection and that no stage announced a failure, so that its process died."""
+    (rank0, _), status = faults
+    assert status == -signal.SIGKILL
+    assert rank0["dies"].startswith("RuntimeError: Rank 0 (stage 0): update() call 2 lost its connection to stage 1 "
+                                    "(rank 1) (a peer closed its connection), and no stage announced a failure: a "
+                                    "stage's process died or was killed."), rank0["dies"]
