@@ -178,11 +178,16 @@ class PipelineLearner(Learner):
     ``N`` ranks are the ``N`` stages (pipeline parallelism alone: no data parallelism in this version). Every
     rank calls ``update`` with the same batch; the step equals one process's on that batch (see the module).
     For torchrl's LLM losses (``GRPOLoss``, ``SFTLoss``, ...) over a ``TransformersWrapper`` given as ``policy=``.
+    ``save``/``load``/``checkpoint``/``load_checkpoint`` are the whole model's, in the layout every learner reads
+    (``pipeline.checkpoints``).
 
     Raises:
         ValueError, TypeError: before any rank starts, for a split that does not cover the model exactly once
             or settings this learner does not take; in ``update``, on every rank and before any stage runs, for a
-            batch the schedule cannot carry (fewer samples than micro-batches, or different batches on the ranks).
+            batch the schedule cannot carry (fewer samples than micro-batches, different batches on the ranks, or
+            one a stage cannot read).
+        RuntimeError: in ``update``, on every stage, when a stage fails mid-schedule (its loss raises, its process
+            dies), naming it (``pipeline.faults``); the learner then refuses further updates.
 
     Examples:
         On 2 ranks (``devices=2``) the stages train as docs/pipeline.md shows; what is refused is refused before
@@ -256,6 +261,8 @@ class PipelineLearner(Learner):
         transfers = dist.new_group(**({} if timeout is None else {"timeout": timeout}))
         object.__setattr__(self, "_transfers", transfers)
         object.__setattr__(self, "_watch", _faults.StageWatch(transfers.group_name, timeout))
+        # gloo's sends and receives wait without a timeout: watched (NCCL's waits do not block the host; untested)
+        self._watched = dist.get_backend(transfers) == "gloo"
         self._failure: str | None = None  # what stopped a schedule: the learner cannot go on
         _teardown.register(self, group_existed)
 
@@ -342,7 +349,7 @@ class PipelineLearner(Learner):
         numbers = torch.arange(len(micro_batches), device=self.fabric.device)
         runner.mode = "run"
         try:
-            with self._watch.watching():
+            with self._watch.watching() if self._watched else contextlib.nullcontext():
                 if stage == 0:
                     schedule.step(numbers, return_outputs=False)
                 elif stage == self.world_size - 1:
