@@ -8,12 +8,16 @@ the hidden states it received; the last one finishes the loss). The last stage b
 micro-batch's *sum* (the loss's mean times the tokens or samples it averaged over, see ``llm.counts``) with
 ``scale_grads=False``; after the schedule the gradients of every stage are divided by the batch's count, read
 on the last stage and shared with one all-reduce, then clipped by their norm over all stages, and each stage
-steps its own optimizer. See docs/pipeline.md.
+steps its own optimizer. A stage that fails is named on every stage at once (``pipeline.faults``); checkpoints
+are the whole model's, in the layout every learner reads (``pipeline.checkpoints``). See docs/pipeline.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,10 +28,13 @@ import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
+from fabric_learner.launch import call_order as _call_order
 from fabric_learner.launch import teardown as _teardown
 from fabric_learner.launch.build import DEFAULT_TIMEOUT, apply_collective_timeout, as_timeout, build_fabric, launch
 from fabric_learner.learner import Capabilities, Learner
 from fabric_learner.optim import OptimizerLike, build_optimizer, optimizer_params
+from fabric_learner.pipeline import checkpoints as _checkpoints
+from fabric_learner.pipeline import faults as _faults
 from fabric_learner.sharding.pipeline_split import Split, check_split, decoder_split
 from fabric_learner.step.output import as_tensordict, detached, total_loss
 from fabric_learner.step.parts import check_batch
@@ -97,6 +104,7 @@ class _StageRunner(nn.Module):
         self.padded: tuple[int, int] = (0, 0)  # [samples, length] every hidden state is sent as
         self.results: list[tuple[TensorDictBase, torch.Tensor]] = []  # last stage: (output, count) per micro-batch
         self.mode = "off"  # the hooks act only inside update(): "shape" (the shape pass) or "run" (the schedule)
+        self.failure: tuple[str, BaseException] | None = None  # where this stage's own code failed, and its error
         self._next = 0
         self._received: torch.Tensor | None = None
         model.register_forward_pre_hook(self._before_model, with_kwargs=True)
@@ -104,6 +112,7 @@ class _StageRunner(nn.Module):
 
     def start(self, micro_batches: list[TensorDictBase], padded: tuple[int, int]) -> None:
         self.micro_batches, self.padded, self.results, self._next = micro_batches, padded, [], 0
+        self.failure = None
 
     def shape_of(self, micro_batch: TensorDictBase) -> torch.Size:
         """The token ids' shape the policy gives the model for ``micro_batch`` (its tokenisation, no model run)."""
@@ -130,6 +139,9 @@ class _StageRunner(nn.Module):
             hidden = handoff.hidden
             samples, length = self.padded
             return F.pad(hidden, (0, 0, 0, length - hidden.shape[1], 0, samples - hidden.shape[0]))
+        except BaseException as err:  # torch wraps it; the learner names it (pipeline.faults)
+            self.failure = (f"forward of micro-batch {self._next - 1}", err)
+            raise
         finally:
             self._received = None
         output = as_tensordict(output) if type(output) is not TensorDict else output
@@ -166,11 +178,16 @@ class PipelineLearner(Learner):
     ``N`` ranks are the ``N`` stages (pipeline parallelism alone: no data parallelism in this version). Every
     rank calls ``update`` with the same batch; the step equals one process's on that batch (see the module).
     For torchrl's LLM losses (``GRPOLoss``, ``SFTLoss``, ...) over a ``TransformersWrapper`` given as ``policy=``.
+    ``save``/``load``/``checkpoint``/``load_checkpoint`` are the whole model's, in the layout every learner reads
+    (``pipeline.checkpoints``).
 
     Raises:
         ValueError, TypeError: before any rank starts, for a split that does not cover the model exactly once
             or settings this learner does not take; in ``update``, on every rank and before any stage runs, for a
-            batch the schedule cannot carry (fewer samples than micro-batches, or different batches on the ranks).
+            batch the schedule cannot carry (fewer samples than micro-batches, different batches on the ranks, or
+            one a stage cannot read).
+        RuntimeError: in ``update``, on every stage, when a stage fails mid-schedule (its loss raises, its process
+            dies), naming it (``pipeline.faults``); the learner then refuses further updates.
 
     Examples:
         On 2 ranks (``devices=2``) the stages train as docs/pipeline.md shows; what is refused is refused before
@@ -229,6 +246,8 @@ class PipelineLearner(Learner):
         stage, stages_n = fabric.global_rank, fabric.world_size
         # the whole policy's names, as get_weights() gives them (before the split removes the other stages')
         object.__setattr__(self, "_policy_names", list(TensorDict.from_module(policy).flatten_keys(".").keys()))
+        # ... and the whole loss's checkpoint layout, which every stage's checkpoint part belongs to
+        object.__setattr__(self, "_whole", _checkpoints.WholeModel.of(loss_module))
         strategy.split_fn(model, stage, stages_n)
         loss_module.to(fabric.device)
         self.optimizer = build_optimizer(optimizer, loss_module.parameters())
@@ -238,50 +257,107 @@ class PipelineLearner(Learner):
         object.__setattr__(self, "_schedules", {})
         self._hidden_size = None
         self._poison_gradients = False  # the window's loss is shared over the stages (_window_mark): same verdict
+        # the schedule's transfers get a group of their own: a failed schedule's unmatched transfers stay in it
+        transfers = dist.new_group(**({} if timeout is None else {"timeout": timeout}))
+        object.__setattr__(self, "_transfers", transfers)
+        object.__setattr__(self, "_watch", _faults.StageWatch(transfers.group_name, timeout))
+        # gloo's sends and receives wait without a timeout: watched (NCCL's waits do not block the host; untested)
+        self._watched = dist.get_backend(transfers) == "gloo"
+        self._failure: str | None = None  # what stopped a schedule: the learner cannot go on
         _teardown.register(self, group_existed)
 
     # ---- the step ---------------------------------------------------------------------------
 
     def update(self, batch: TensorDictBase) -> TensorDictBase:
-        """One optimizer step of every stage on ``batch`` (the same batch on every rank); see the class."""
+        """One optimizer step of every stage on ``batch`` (the same batch on every rank); see the class.
+
+        A batch a stage cannot cut or read is refused on every stage before any runs. A stage that fails during
+        the schedule (its loss raises, its process dies) is named on every stage at once (``pipeline.faults``),
+        and the learner cannot go on after it.
+        """
         if self._closed:
             raise RuntimeError("This learner is closed; build a new one to keep training.")
-        samples = check_batch(batch)
+        if self._failure is not None:
+            raise RuntimeError(f"This learner stopped in an earlier update(): {self._failure} It cannot go on: close "
+                               "it on every rank and build a new one (load a checkpoint into it to resume).")
+        micro_batches, padded = self._agreed_micro_batches(batch)
+        call = self.num_updates + self.skipped_updates + 1  # this update() call, counted as FabricLearner does
+        runner = self._runner
+        try:
+            self._run_schedule(micro_batches, padded)
+        except BaseException as err:
+            stopped = _faults.stopped(err, self._watch, self.stage, self.world_size, call, runner.failure)
+            self._failure = str(stopped)
+            if stopped is err:
+                raise
+            raise stopped from stopped.__cause__
+        try:
+            result = self._shared_result(runner.results)
+            state = self.__dict__
+            state["_window_results"] = [result]
+            return self._step(result.exclude("_count"))
+        except RuntimeError as err:
+            lost = _faults.lost_in_collective(err, self._watch, self.stage, call)
+            if lost is None:
+                raise
+            self._failure = str(lost)
+            raise lost from err
+
+    def _agreed_micro_batches(self, batch: TensorDictBase) -> tuple[list[TensorDictBase], tuple[int, int]]:
+        """``batch`` cut into the schedule's micro-batches and the hidden states' padded ``[samples, length]``,
+        once every stage has done the same (one all-reduce); raises on every stage otherwise, before any runs."""
         micro = self.strategy.microbatches
-        device = self.fabric.device
-        seen = torch.tensor([samples, -samples], device=device)
+        samples, micro_batches, padded, error = 0, [], (0, 0), None
+        try:
+            samples = check_batch(batch)
+            if samples >= micro:
+                cuts = torch.arange(samples).tensor_split(micro)
+                micro_batches = [batch[int(c[0]):int(c[-1]) + 1] for c in cuts]
+                shapes = [self._runner.shape_of(mb) for mb in micro_batches]  # the policy's tokenisation
+                padded = (max(s[0] for s in shapes), max(s[1] for s in shapes))
+        except Exception as err:  # noqa: BLE001 - every stage learns of it below, before any stage runs
+            error = err
+        failed = self.global_rank + 1 if error is not None else 0
+        seen = torch.tensor([failed, samples, -samples, *padded, -padded[0], -padded[1]], device=self.fabric.device)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-        if int(seen[0]) != -int(seen[1]):
-            raise ValueError(f"The ranks passed batches of {-int(seen[1])} to {int(seen[0])} samples: every pipeline "
-                             "stage must get the same batch. No stage ran; pass every rank the same batch.")
+        failed, most, fewest = int(seen[0]), int(seen[1]), -int(seen[2])
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError(f"Stage {failed - 1} (rank {failed - 1}) could not read this batch (its own error says "
+                             "why). No stage ran; pass every rank the same batch, holding what the loss reads.")
+        if most != fewest:
+            raise ValueError(f"The ranks passed batches of {fewest} to {most} samples: every pipeline stage must get "
+                             "the same batch. No stage ran; pass every rank the same batch.")
         if samples < micro:
             raise ValueError(f"A batch of {samples} samples cannot be cut into the schedule's {micro} micro-batches "
                              f"(at least one sample each). No stage ran; pass at least {micro} samples, or build "
                              "the strategy with fewer microbatches.")
-        cuts = torch.arange(samples).tensor_split(micro)
-        micro_batches = [batch[int(c[0]):int(c[-1]) + 1] for c in cuts]
+        if (int(seen[3]), int(seen[4])) != (-int(seen[5]), -int(seen[6])):
+            raise ValueError(f"The ranks' batches give tokens of shapes [{-int(seen[5])}, {-int(seen[6])}] to "
+                             f"[{int(seen[3])}, {int(seen[4])}] (the largest micro-batch): every pipeline stage must "
+                             "get the same batch. No stage ran; pass every rank the same batch.")
+        return micro_batches, padded
+
+    def _run_schedule(self, micro_batches: list[TensorDictBase], padded: tuple[int, int]) -> None:
+        """Every stage's part of the schedule over ``micro_batches``; the last stage's outputs in the runner."""
         runner = self._runner
-        shapes = [runner.shape_of(mb) for mb in micro_batches]
-        padded = (max(s[0] for s in shapes), max(s[1] for s in shapes))
         runner.start(micro_batches, padded)
         schedule = self._schedule(padded)
         self._torch_optimizer.zero_grad(set_to_none=True)
         stage = self.fabric.global_rank
-        numbers = torch.arange(micro, device=device)
+        numbers = torch.arange(len(micro_batches), device=self.fabric.device)
         runner.mode = "run"
         try:
-            if stage == 0:
-                schedule.step(numbers, return_outputs=False)
-            elif stage == self.world_size - 1:
-                schedule.step(target=numbers, return_outputs=False)
-            else:
-                schedule.step(return_outputs=False)
+            with self._watch.watching() if self._watched else contextlib.nullcontext():
+                if stage == 0:
+                    schedule.step(numbers, return_outputs=False)
+                elif stage == self.world_size - 1:
+                    schedule.step(target=numbers, return_outputs=False)
+                else:
+                    schedule.step(return_outputs=False)
         finally:
             runner.mode = "off"
-        result = self._shared_result(runner.results)
-        state = self.__dict__
-        state["_window_results"] = [result]
-        return self._step(result.exclude("_count"))
 
     def _schedule(self, padded: tuple[int, int]):
         """The stage and schedule for hidden states of ``padded`` ``[samples, length]`` (built once per shape)."""
@@ -296,7 +372,8 @@ class PipelineLearner(Learner):
         hidden = torch.empty(*padded, self._model_width(), dtype=dtype, device=device, requires_grad=True)
         inputs = torch.zeros(1, dtype=torch.long, device=device) if stage == 0 else hidden
         outputs = torch.empty((), dtype=dtype, device=device) if stage == stages_n - 1 else hidden
-        pipe_stage = PipelineStage(self._runner, stage, stages_n, device, input_args=inputs, output_args=outputs)
+        pipe_stage = PipelineStage(self._runner, stage, stages_n, device, input_args=inputs, output_args=outputs,
+                                   group=self._transfers)
         kind = Schedule1F1B if self.strategy.schedule == "1F1B" else ScheduleGPipe
         schedule = kind(pipe_stage, self.strategy.microbatches, loss_fn=lambda output, target: output,
                         scale_grads=self.strategy.scale_grads)
@@ -377,6 +454,9 @@ class PipelineLearner(Learner):
         if self._closed:
             return
         self._closed = True
+        self._watch.close()
+        if self._failure is None and dist.is_initialized():  # a failed schedule's transfers may still be posted
+            dist.destroy_process_group(self._transfers)
         _teardown.close(self)
 
     def get_weights(self, *, cpu_offload: bool = True) -> TensorDictBase:
@@ -410,8 +490,48 @@ class PipelineLearner(Learner):
             out.set(tuple(key.split(".")), value if cpu_offload else value.to(self.fabric.device))
         return out
 
-    def save(self, path, blocking: bool = True):
-        raise NotImplementedError("save() across pipeline stages is not available yet.")
+    # ---- checkpoints (collectives): the whole model's, see pipeline.checkpoints -------------------------
 
-    def load(self, path) -> None:
-        raise NotImplementedError("load() across pipeline stages is not available yet.")
+    def _collective(self, name: str) -> contextlib.AbstractContextManager:
+        """Checks, before the call's first collective, that every rank is making this same call."""
+        return _call_order.collective_call(name, self.global_rank, self.world_size, self._watch.timeout)
+
+    def save(self, path: str | os.PathLike, blocking: bool = True) -> Future | None:
+        """Write the whole model's sharded checkpoint folder at ``path``; every rank calls it.
+
+        The layout FSDP writes (``checkpoint.dcp_folder``), under the whole model's names: each stage writes its
+        own parameters and optimizer moments, rank 0 the whole model's ``meta.json``; ``LATEST`` switches to the
+        new version only once every stage's part is on disk, so a save that fails or dies mid-write leaves the
+        previous checkpoint current. LocalLearner, DDP and FSDP learners load it, and this learner loads theirs.
+        ``blocking=False`` saves synchronously too and returns a finished future.
+
+        Raises:
+            FileExistsError: ``path`` holds something this package did not write (nothing is written).
+            ValueError: the stages' optimizers have different param groups or settings (nothing is written).
+            RuntimeError: a stage failed to write its part (``LATEST`` still names the previous version).
+        """
+        with self._collective("save"):
+            self.wait_for_save()
+            _checkpoints.save(self, path)
+        return None if blocking else self._track_save(path, None)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint of the whole model written by any learner (folder or file); every rank calls it.
+
+        Each stage reads only its own part. Every stage checks it (the model's keys and shapes, the optimizer's
+        parameters and groups, the counters) and the stages share their verdicts before any changes anything:
+        a checkpoint refused on one stage is refused on all, and nothing changes.
+        """
+        with self._collective("load"):
+            self.wait_for_save()
+            _checkpoints.load(self, path)
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The whole model's checkpoint on every rank, as ``LocalLearner.checkpoint()`` has it (a collective)."""
+        with self._collective("checkpoint"):
+            return _checkpoints.checkpoint(self)
+
+    def load_checkpoint(self, checkpoint) -> None:
+        """Restore a whole model's checkpoint (any learner's ``checkpoint()``) into every stage (a collective)."""
+        with self._collective("load_checkpoint"):
+            _checkpoints.load_checkpoint(self, checkpoint)
