@@ -179,8 +179,10 @@ def measure(args) -> None:
     from fabric_learner import RemoteLearner
     from fabric_learner.remote import learner as remote_module
 
-    # logical CPUs for scheduling only (the contenders take turns on the machine's cores)
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    # logical CPUs for scheduling only (the contenders take turns on the machine's cores); the ranks at the
+    # controller's priority, as the embedded runtime starts them (Ray's default, 15 nicer, favours torchrun's ranks)
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             _system_config={"worker_niceness": 0})
     plan, many = Plan(args), args.many
     calls, per_call = plan.calls, args.inner * plan.steps
     learner = RemoteLearner(make_loss(args), optimizer(args.workload), strategy=args.strategy, num_learners=RANKS,
@@ -333,7 +335,8 @@ def cartpole(args) -> None:
 
     from fabric_learner import LocalLearner, RemoteLearner
 
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             _system_config={"worker_niceness": 0})
     adam = functools.partial(torch.optim.Adam, lr=3e-4)
     frames, minibatch, epochs = 512, 64, 4
     results = {}
