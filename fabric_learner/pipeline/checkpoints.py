@@ -41,8 +41,6 @@ from fabric_learner.checkpoint.validate import check_checkpoint, check_model_sta
 from fabric_learner.optim import optimizer_params
 from fabric_learner.step import rng as _rng
 
-__all__ = ["WholeModel", "checkpoint", "load", "load_checkpoint", "save"]
-
 
 @dataclass(frozen=True)
 class WholeModel:
