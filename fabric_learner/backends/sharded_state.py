@@ -144,7 +144,7 @@ def sharded_tensors(owner: ShardedLoss, raw, frozen: frozenset[str] = frozenset(
                 tensors[f"optim/{by_flat[fqn]}/{field}"] = value
             else:
                 scalars.setdefault(by_flat[fqn], {})[field] = value
-    groups = [{**_jsonable(g), "params": [by_flat[p] for p in g["params"]]} for g in optim["param_groups"]]
+    groups = [{**group_settings(g), "params": [by_flat[p] for p in g["params"]]} for g in optim["param_groups"]]
     return tensors, scalars, groups
 
 
@@ -194,7 +194,8 @@ def apply_loaded(owner: ShardedLoss, raw, tensors: dict[str, torch.Tensor], opti
     set_optimizer_state_dict(owner, raw, optim)
 
 
-def _jsonable(group: dict[str, Any]) -> dict[str, Any]:
+def group_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters as JSON keeps them (tensors as numbers, tuples as lists), without params."""
     out = {}
     for k, v in group.items():
         if k == "params":

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fabric_learner.backends.sharded_state import group_settings
 from fabric_learner.checkpoint import dcp_folder
 from fabric_learner.checkpoint.files import naming, read_learner_file
 from fabric_learner.checkpoint.frozen import frozen_keys
@@ -88,20 +89,6 @@ def _names(loss_module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
     return [by_id[id(p)] for p in optimizer_params(optimizer)]
 
 
-def _settings(group: Mapping[str, Any]) -> dict[str, Any]:
-    """A param group's hyper-parameters as JSON keeps them (tensors as numbers, tuples as lists)."""
-    out = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, torch.Tensor):
-            value = value.item() if value.numel() == 1 else value.tolist()
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[key] = value
-    return out
-
-
 def _stage_part(learner) -> dict[str, Any]:
     """This stage's model tensors (live, frozen ones left out), moments and groups by parameter name."""
     loss_module, optimizer = learner.loss_module, learner._torch_optimizer
@@ -125,7 +112,7 @@ def _merged_groups(per_stage: list[list[dict[str, Any]]], whole: WholeModel) -> 
     order = {n: i for i, n in enumerate(whole.param_names)}
     merged = []
     for i in range(counts[0]):
-        settings = [_settings(groups[i]) for groups in per_stage]  # compared as JSON keeps them
+        settings = [group_settings(groups[i]) for groups in per_stage]  # compared as JSON keeps them
         differing = sorted({k for s in settings for k in s if any(t.get(k) != s.get(k) for t in settings)})
         if differing:
             raise ValueError(f"Param group {i} has other hyper-parameters on different stages ({differing}); a "
@@ -185,7 +172,7 @@ def save(learner, path) -> None:
     meta = {
         "num_updates": learner.num_updates, "accum_step": learner._accum_step, "world_size": dist.get_world_size(),
         "model_keys": whole.model_keys, "param_names": list(whole.param_names),
-        "param_groups": [{**_settings(g), "params": g["params"]} for g in groups],
+        "param_groups": [{**group_settings(g), "params": g["params"]} for g in groups],
         "optim_scalars": {n: f for g in gathered for n, f in g["scalars"].items() if f},
         "shapes": {k: list(s) for k, s in whole.shapes.items()},
     }

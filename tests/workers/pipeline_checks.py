@@ -146,14 +146,17 @@ def checkpoints(out_dir, rank, foreign):
     fsdp.update(data[2][3 * rank:3 * rank + 3])
     got["fsdp_trained_further"] = state(fsdp)
 
+    def stages_from(name, path, batch):
+        """Fresh stages load ``path``, then train on ``batch``: their state after each, under ``name``."""
+        stages = pipeline(*build("grpo"))
+        learners.append(stages)
+        stages.load(path)
+        got[f"{name}_loaded"] = state(stages)
+        stages.update(batch)
+        got[f"{name}_trained_on"] = state(stages)
+
     # the stages load FSDP's checkpoint and train on as FSDP did
-    loss, policy = build("grpo")
-    stages = pipeline(loss, policy)
-    learners.append(stages)
-    stages.load(out / "fsdp.ckpt")
-    got["from_fsdp_loaded"] = state(stages)
-    stages.update(data[2])
-    got["from_fsdp_trained_on"] = state(stages)
+    stages_from("from_fsdp", out / "fsdp.ckpt", data[2])
 
     # one process's file (rank 0 trains and writes it), loaded by the stages
     if rank == 0:
@@ -165,13 +168,7 @@ def checkpoints(out_dir, rank, foreign):
         one.update(data[1])
         got["local_trained_on"] = state(one)
     dist.barrier()
-    loss, policy = build("grpo")
-    stages = pipeline(loss, policy)
-    learners.append(stages)
-    stages.load(out / "local.ckpt")
-    got["from_local_loaded"] = state(stages)
-    stages.update(data[1])
-    got["from_local_trained_on"] = state(stages)
+    stages_from("from_local", out / "local.ckpt", data[1])
     return (got if rank == 0 else {k: v for k, v in got.items() if isinstance(v, (str, list, type(None)))}), learners
 
 
