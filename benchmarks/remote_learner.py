@@ -165,6 +165,13 @@ def torchrl_ray(args, data):
     return execution, rb
 
 
+def start_ray(ray) -> None:
+    """Logical CPUs for scheduling only (the contenders take turns on the machine's cores); the ranks at the
+    controller's priority, as the embedded runtime starts them (Ray's default, 15 nicer, favours torchrun's ranks)."""
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             _system_config={"worker_niceness": 0})
+
+
 def timed(calls, per: int = 1) -> float:
     """Seconds per unit of ``calls()`` run once, over ``per`` units."""
     t0 = time.perf_counter()
@@ -179,10 +186,7 @@ def measure(args) -> None:
     from fabric_learner import RemoteLearner
     from fabric_learner.remote import learner as remote_module
 
-    # logical CPUs for scheduling only (the contenders take turns on the machine's cores); the ranks at the
-    # controller's priority, as the embedded runtime starts them (Ray's default, 15 nicer, favours torchrun's ranks)
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-             _system_config={"worker_niceness": 0})
+    start_ray(ray)
     plan, many = Plan(args), args.many
     calls, per_call = plan.calls, args.inner * plan.steps
     learner = RemoteLearner(make_loss(args), optimizer(args.workload), strategy=args.strategy, num_learners=RANKS,
@@ -335,8 +339,7 @@ def cartpole(args) -> None:
 
     from fabric_learner import LocalLearner, RemoteLearner
 
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-             _system_config={"worker_niceness": 0})
+    start_ray(ray)
     adam = functools.partial(torch.optim.Adam, lr=3e-4)
     frames, minibatch, epochs = 512, 64, 4
     results = {}
