@@ -246,10 +246,45 @@ def fabric_run(*args, devices=2, strategy="ddp"):
             f"--main-port={free_port()}", *args]
 
 
+def _unleased_ports() -> list[int]:
+    """Ports 20000-65535 outside the kernel's ephemeral range (Linux: 32768-60999) and Ray's worker ports (<20000)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except OSError:
+        low, high = 32768, 60999
+    return [port for port in range(20000, 65536) if not low <= port <= high]
+
+
+_PORTS, _PORT_COUNTER = _unleased_ports(), os.path.join(tempfile.gettempdir(), f"fabric-learner-test-ports-{os.getuid()}")
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server a test starts later (a store, a launcher's rendezvous), free now and handed out once.
+
+    A port that ``bind(0)`` picks comes from the ephemeral range, the range every outgoing connection's
+    source port is drawn from too: between this pick and the server's bind, any process's client could take
+    it (EADDRINUSE on CI, a test's setup lost). These come from outside that range, in turn from one counter
+    that every test process of this user shares (a locked file), so two picks, however concurrent, differ.
+    """
+    import fcntl
+
+    with open(_PORT_COUNTER, "a+") as counter:
+        fcntl.flock(counter, fcntl.LOCK_EX)
+        counter.seek(0)
+        last = int(counter.read() or -1)
+        for step in range(1, len(_PORTS) + 1):
+            port = _PORTS[(last + step) % len(_PORTS)]
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue  # held, or in TIME_WAIT
+            counter.seek(0)
+            counter.truncate()
+            counter.write(str((last + step) % len(_PORTS)))
+            return port
+    raise AssertionError("no free port outside the ephemeral range: every one is held")
 
 
 def elastic_exit_codes(stdout: str) -> dict[int, int]:

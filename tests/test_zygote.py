@@ -13,6 +13,7 @@ from multiproc import (
     WORKERS,
     elastic_exit_codes,
     forked_ranks,
+    free_port,
     launch,
     plain_python,
     proc_stat,
@@ -98,3 +99,18 @@ def test_a_relayed_rank_that_fails_fails_the_launch_and_its_peer_is_ended(tmp_pa
     assert "rank 1 fails on purpose" in proc.stdout
     codes = elastic_exit_codes(proc.stdout)  # rank 1's status, and rank 0 ended by torchrun's signal through the relay
     assert codes[1] == 1 and codes[0] != 0, (codes, proc.stdout[-3000:])
+
+
+def test_ports_handed_to_concurrent_test_processes_differ_and_none_is_one_a_client_socket_could_take(tmp_path):
+    """multiproc.free_port: a port ``bind(0)`` picked was once taken by another process's outgoing connection
+    before the test's store bound it (EADDRINUSE on CI); four processes drawing at once never share a port either."""
+    import subprocess
+    import sys
+
+    draw = "import multiproc; print(*[multiproc.free_port() for _ in range(200)])"
+    procs = [subprocess.Popen([sys.executable, "-c", draw], cwd=os.path.dirname(__file__), stdout=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    drawn = [int(port) for proc in procs for port in proc.communicate(timeout=60)[0].split()]
+    low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert len(drawn) == len(set(drawn)) == 800
+    assert not [port for port in drawn + [free_port()] if low <= port <= high or port < 20000]

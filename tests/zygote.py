@@ -52,7 +52,7 @@ import numpy  # noqa: E402
 import tensordict  # noqa: E402,F401
 import torch  # noqa: E402,F401
 import torchrl  # noqa: E402,F401
-from multiproc import pids, proc_stat, tagged_pids  # noqa: E402
+from multiproc import free_port, pids, proc_stat, tagged_pids  # noqa: E402
 
 import fabric_learner  # noqa: E402
 
@@ -69,12 +69,6 @@ class _Rank(BaseException):
 
     def __init__(self, request, rank, port, output):
         self.request, self.rank, self.port, self.output = request, rank, port, output
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _members(tag: str | None) -> list[int]:
@@ -135,7 +129,7 @@ def _manage(conn: socket.socket) -> None:
     if head == b"R":
         _relay(conn, fds)
     request = json.loads(head.decode() + conn.makefile().readline())
-    nproc, port, tag = request["nproc"], _free_port(), request["env"]["FL_RUN_ID"]
+    nproc, port, tag = request["nproc"], free_port(), request["env"]["FL_RUN_ID"]
     read, write = os.pipe()
     ranks = {}
     for rank in range(nproc):
