@@ -165,6 +165,13 @@ def torchrl_ray(args, data):
     return execution, rb
 
 
+def rank_buffer(batch_size: int):
+    """A rank's replay buffer for ``--many --workload dqn``: uniform sampling, ``batch_size`` rows a sample."""
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    return TensorDictReplayBuffer(storage=LazyTensorStorage(100_000), batch_size=batch_size)
+
+
 def start_ray(ray) -> None:
     """Logical CPUs for scheduling only (the contenders take turns on the machine's cores); the ranks at the
     controller's priority, as the embedded runtime starts them (Ray's default, 15 nicer, favours torchrun's ranks)."""
@@ -189,10 +196,15 @@ def measure(args) -> None:
     start_ray(ray)
     plan, many = Plan(args), args.many
     calls, per_call = plan.calls, args.inner * plan.steps
+    sampled = many and args.workload == "dqn"  # also K updates sampled from buffers beside the ranks
     learner = RemoteLearner(make_loss(args), optimizer(args.workload), strategy=args.strategy, num_learners=RANKS,
-                            clip_grad_norm=common.CLIP, **({} if many else {"max_in_flight": 2}))
+                            clip_grad_norm=common.CLIP, **({} if many else {"max_in_flight": 2}),
+                            **({"replay_buffer": functools.partial(rank_buffer, args.batch // RANKS)} if sampled else {}))
     for i in range(args.warmup):
         plan.call(learner, calls[i % len(calls)], i)
+    if sampled:
+        learner.extend(torch.cat(calls))
+        learner.update_from_buffer(plan.steps)
     stored = not many and args.workload != "grpo"
     if args.compiled:
         compiled_update, teardown = compiled_updater(learner)
@@ -200,7 +212,9 @@ def measure(args) -> None:
             compiled_update(calls[i % len(calls)])
     times = {k: [] for k in ("spmd", "remote", "remote_pipelined", "spmd_in_actors") if not (many and k == "remote_pipelined")}
     times.update({"remote_stored": []} if stored else {})
-    blocks = {k: [] for k in (("remote", "spmd_in_actors", "remote_ranks_own", "single_follow", "single_no_follow") if many
+    times.update({"from_buffer": []} if sampled else {})
+    blocks = {k: [] for k in (("remote", "spmd_in_actors", "remote_ranks_own", "single_follow", "single_no_follow",
+                               "from_buffer") if many
                               else ("remote", "spmd_in_actors", "remote_pipelined", "remote_stored", "remote_ranks_own",
                                     "remote_compiled"))}
     rank_shares = [[plan.share(b, r) for r in range(RANKS)] for b in calls]
@@ -257,6 +271,9 @@ def measure(args) -> None:
                         transfer = dict(learner.last_transfer)
                     got["remote"].append((time.perf_counter() - t0) / per_call)
                     got["remote_ranks_own"].append(ranks / per_call)
+                    if sampled:  # the same number of updates, each rank sampling its share from its own buffer
+                        got["from_buffer"].append(timed(lambda: [learner.update_from_buffer(plan.steps) for _ in order],
+                                                        per_call))
                 if many:  # update(batch), one step a call, following and not, in alternating blocks of 10
                     for follow in ((True, False) if block % 2 == 0 else (False, True)):
                         learner._follower = follower if follow else None
@@ -286,6 +303,8 @@ def measure(args) -> None:
             "seconds_per_block": blocks, "remote_over_spmd": paired(times["remote"], times["spmd"], goal=goal),
             "remote_over_spmd_in_actors": paired(blocks["remote"], blocks["spmd_in_actors"], goal=goal),
             "remote_over_its_ranks_own_time": paired(blocks["remote"], blocks["remote_ranks_own"]),
+            "from_buffer_over_spmd": sampled and paired(times["from_buffer"], times["spmd"], goal=goal),
+            "from_buffer_over_remote": sampled and paired(blocks["from_buffer"], blocks["remote"]),
             # what following (a check for buffers written, nothing run here) adds to the single-step path
             "single_step_follow_over_no_follow": paired(blocks["single_follow"], blocks["single_no_follow"])})
     else:
@@ -474,7 +493,8 @@ def parser():
     p.add_argument("--compiled", action="store_true",
                    help="also time update() through a Ray compiled graph over the same actors (a measurement)")
     p.add_argument("--many", action="store_true",
-                   help="many updates per call (update_minibatches: PPO 10 epochs x 8 minibatches, DQN 16 updates)")
+                   help="many updates per call (update_minibatches: PPO 10 epochs x 8 minibatches, DQN 16 updates, "
+                        "also update_from_buffer with buffers beside the ranks)")
     p.add_argument("--cartpole", type=int, metavar="N",
                    help="a hand-written PPO loop on CartPole-v1 for N iterations, local and remote (learning)")
     p.add_argument("--boundary", action="store_true", help="what crossing a process boundary costs, without Ray")

@@ -370,8 +370,14 @@ def ddpg(ddp):
     from fabric_learner.testing import ddpg_example
 
     loss, actor, _ = ddpg_example()
-    with remote(loss, policy=actor) as learner:
+    with remote(loss, policy=actor, replay_buffer=uniform_buffer) as learner:
         yield learner, actor
+
+
+def uniform_buffer():
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    return TensorDictReplayBuffer(storage=LazyTensorStorage(64), batch_size=4)
 
 
 def test_a_one_process_torchrl_trainer_drives_it_and_its_collector_acts_with_the_new_weights(ddpg):
@@ -426,6 +432,27 @@ def test_torchrls_ray_collector_on_the_same_runtime_feeds_it_and_collects_each_b
     collector.shutdown()
     assert ray.is_initialized() and learner.broken is None  # the collector leaves the learner's runtime running
     learner.update(seen[-1])
+
+
+def test_a_ray_collector_writes_into_the_ranks_buffers_and_the_ranks_train_on_what_it_wrote(ddpg):
+    """RLlib's off-policy layout: env runners write into buffers beside the learners, nothing crosses the script."""
+    from torchrl.collectors.distributed import RayCollector
+    from torchrl.envs import GymEnv
+
+    learner, actor = ddpg
+    collector = RayCollector([functools.partial(GymEnv, "Pendulum-v1")] * 2, actor, frames_per_batch=8,
+                             total_frames=32, num_collectors=2, replay_buffer=learner.replay_buffer,
+                             remote_configs={"num_cpus": 0.25},
+                             collector_kwargs={"auto_register_policy_transforms": False})
+    assert all(batch is None for batch in collector)  # the batches went to the ranks
+    collector.shutdown()
+    held = learner.call_on_ranks(lambda rank: rank.replay_buffer[:].select("observation", ("next", "reward")))
+    assert all(len(rows) > 0 for rows in held) and sum(len(rows) for rows in held) == len(learner.replay_buffer) >= 32
+    assert not torch.equal(held[0]["observation"][0], held[1]["observation"][0])  # each rank its own collector's
+    updates = learner.num_updates
+    out = learner.update_from_buffer(2)
+    assert learner.num_updates == updates + 2 and out["loss_actor"].shape == (2,) and learner.broken is None
+    assert learner.last_sampled["index"].shape == (2, 2, 4)
 
 
 def test_full_parameters_fills_the_loss_here_with_the_group_weights_and_sends_a_target_update_back(ddp, fsdp):
@@ -634,6 +661,72 @@ def test_k_off_policy_updates_in_one_call_equal_k_updates_of_one_process_and_bri
     assert_close_state(rank_models(ddp)[0], local.loss_module.state_dict())
     with pytest.raises(ValueError, match="whole minibatches"):
         ddp.update_minibatches(mine[:40], 16, shuffle=False)
+
+
+# ---- replay buffers beside the ranks ------------------------------------------------------------------
+
+
+def prioritized_buffer():
+    """Each rank's buffer: 32 rows, prioritized (alpha 0.7), 4 rows a sample, td_error its priority. beta=0 keeps the
+    importance weights at 1: torchrl's DQN divides by their sum, per rank under DDP, where one process divides by the
+    whole batch's (a different step, whatever the backend: see the DQN loop test above)."""
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    from fabric_learner.replay import prioritized_sampler
+
+    return TensorDictReplayBuffer(storage=LazyTensorStorage(32), sampler=prioritized_sampler(32, alpha=0.7, beta=0.0),
+                                  priority_key="td_error", batch_size=4)
+
+
+@pytest.fixture
+def buffered(ddp):
+    """DQN under DDP, a prioritized replay buffer beside each rank; closed after its test (the runtime's 2 CPUs hold
+    4 groups of 2 ranks at 0.25 CPU each, and the module keeps three)."""
+    loss, policy = make_loss("dqn")
+    with remote(loss, policy=policy, strategy="ddp", replay_buffer=prioritized_buffer) as learner:
+        yield learner
+
+
+def test_k_updates_sampled_beside_the_ranks_equal_one_process_on_the_same_rows_and_write_the_priorities_there(
+        buffered):
+    """Rank r's buffer holds the r-th half of the rows given; step i trains on the union of the ranks' i-th samples
+    (as LocalLearner on their concatenation), and each rank's priorities are (|td_error| + eps) ** alpha of its rows."""
+    with pytest.raises(ValueError, match="replay buffer is empty.*Nothing was changed"):  # every rank refuses alike
+        buffered.update_from_buffer(2)
+    assert buffered.num_updates == 0 and buffered.broken is None
+    local = local_dqn()
+    local.load_checkpoint(buffered.checkpoint())
+    data = make_batch("dqn", n=48, seed=990)
+    assert buffered.extend(data) == [24, 24]
+    halves = data.exclude("td_error").split(24)
+    start = buffered.num_updates
+    got = buffered.update_from_buffer(3)
+    drawn = buffered.last_sampled  # [step, rank, row]: storage indices, importance weights
+    assert drawn.shape == (3, 2, 4) and buffered.num_updates == start + 3
+    want, priority = [], {0: {}, 1: {}}
+    for step in range(3):
+        rows = [halves[r][drawn["index"][step, r]].update(drawn[step, r].select("priority_weight")) for r in range(2)]
+        sample = torch.cat(rows)
+        want.append(local.update(sample))
+        for r in range(2):
+            for i, err in zip(drawn["index"][step, r].tolist(), sample["td_error"][4 * r:4 * r + 4].reshape(-1)):
+                priority[r][i] = (err.abs() + 1e-8) ** 0.7  # the last step that drew a row sets its priority
+    torch.testing.assert_close(got["loss"], torch.stack([w["loss"] for w in want]), **TOL)
+    assert_close_state(rank_models(buffered)[0], local.loss_module.state_dict())
+    kept = buffered.call_on_ranks(lambda rank: torch.as_tensor(rank.replay_buffer.sampler._sum_tree[torch.arange(24)]))
+    for r in range(2):
+        rows = sorted(priority[r])
+        torch.testing.assert_close(kept[r][rows], torch.stack([priority[r][i] for i in rows]), **TOL)
+
+
+def test_a_learner_built_without_replay_buffers_refuses_to_fill_or_sample_them_changing_nothing(ddp):
+    before, updates = rank_models(ddp)[0], ddp.num_updates
+    with pytest.raises(RuntimeError, match="replay_buffer=f"):
+        ddp.update_from_buffer(2)
+    with pytest.raises(RuntimeError, match="replay_buffer=f"):
+        ddp.extend(make_batch("dqn", n=8))
+    assert ddp.num_updates == updates and ddp.broken is None
+    assert_close_state(rank_models(ddp)[0], before)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class LearnerRank:
         from fabric_learner.fabric import FabricLearner
 
         try:
-            payload, optimizer, options = cloudpickle.loads(sent)
+            payload, optimizer, options, buffer = cloudpickle.loads(sent)
         except (ImportError, AttributeError) as err:
             raise type(err)(
                 f"This rank cannot rebuild the loss sent to it: {err}. Its classes must be importable on every node "
@@ -67,6 +67,8 @@ class LearnerRank:
                                          options.get("timeout", 1800.0))
         loss, policy = built(payload)
         self.learner = FabricLearner(loss, optimizer, policy=policy, devices=1, num_nodes=self.world_size, **options)
+        if buffer is not None:  # beside the learner, where call_on_ranks(fn) finds it
+            self.learner.replay_buffer = _replay_buffer(buffer)
         return {"pid": os.getpid(), "sharded": self.learner.capabilities.sharded}
 
     # ---- the contract, on this rank -----------------------------------------------------------
@@ -120,6 +122,49 @@ class LearnerRank:
             new, in_place = _written(leaves, _leaves(share))
             written = (packed(share.select(*new)), in_place) if new else None
         return packed(out), learner.num_updates, learner.skipped_updates, float(share.batch_size[0]), written, seconds
+
+    def extend(self, rows) -> int:
+        """Add ``rows`` to this rank's replay buffer (the controller's share, or a collector's batch); its length."""
+        self._thread = threading.get_ident()
+        buffer = self.learner.replay_buffer
+        buffer.extend(unpacked(rows))
+        return len(buffer)
+
+    def buffer_write_count(self) -> int:
+        return self.learner.replay_buffer.write_count
+
+    def buffer_length(self) -> int:
+        return len(self.learner.replay_buffer)
+
+    def update_from_buffer(self, num_updates: int) -> tuple[Any, int, int, float, Any, float, Any]:
+        """``num_updates`` updates, each on a sample of this rank's buffer, the priorities written back after each.
+
+        Answers as :meth:`update`, the output stacked over the steps, plus what the sampler added to the
+        samples (``index``, and ``priority_weight`` where it weighs them), ``[num_updates, buffer batch]``.
+        Every rank learns the smallest buffer's length first, so an empty one makes every rank refuse
+        alike (one raising alone would leave its peers in a collective).
+        """
+        import torch.distributed as dist
+
+        self._thread = threading.get_ident()
+        learner, buffer = self.learner, self.learner.replay_buffer
+        length = torch.tensor([len(buffer)])
+        dist.all_reduce(length, op=dist.ReduceOp.MIN)
+        if length.item() == 0:
+            raise ValueError("A learner rank's replay buffer is empty, so no rank sampled or stepped. Fill every "
+                             "rank's buffer first (learner.extend(batch), or a collector writing into "
+                             "learner.replay_buffer). Nothing was changed.")
+        outs, drawn, seconds = [], [], 0.0
+        for _ in range(num_updates):
+            sample = buffer.sample()
+            start = time.perf_counter()
+            outs.append(learner.update(sample))
+            seconds += time.perf_counter() - start
+            if getattr(buffer, "priority_key", None) in sample.keys():  # DQN's td_error, as the loss wrote it
+                buffer.update_tensordict_priority(sample)
+            drawn.append(sample.select("index", "priority_weight", strict=False))
+        return (packed(torch.stack(outs)), learner.num_updates, learner.skipped_updates, float(buffer.batch_size),
+                None, seconds, torch.stack(drawn))
 
     def get_weights(self):
         self._thread = threading.get_ident()
@@ -203,6 +248,19 @@ class LearnerRank:
             return "idle"
         stack = traceback.extract_stack(frame)[-3:]
         return " <- ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in reversed(stack))
+
+
+def _replay_buffer(factory):
+    """The buffer ``factory()`` builds on this rank, refused unless each of its samples is a TensorDict of a
+    fixed size (the ranks' samples must be equal for their mean gradient to be the whole sample's)."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    buffer = factory()
+    if not isinstance(buffer, TensorDictReplayBuffer) or not isinstance(buffer.batch_size, int):
+        raise TypeError(f"replay_buffer must build a TensorDictReplayBuffer with an int batch_size (each rank's "
+                        f"sample, the same on every rank), got {type(buffer).__name__} with batch_size "
+                        f"{getattr(buffer, 'batch_size', None)!r}. Nothing was started.")
+    return buffer
 
 
 def _plain(value: torch.Tensor):

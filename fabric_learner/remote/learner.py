@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -31,6 +31,9 @@ from fabric_learner.remote.faults import CONTINUE, RESTART, LearnerLostError, Le
 # Under Ray's own limit for inlined arguments (max_direct_call_object_size, 100 KiB by default), with room for the
 # share's keys and pickle framing, so that Ray never moves a share this learner counted as inline.
 INLINE_BYTES = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024)) - 8 * 1024
+# the ranks' replay buffers are in no checkpoint (as a script's own buffer is in no learner checkpoint)
+EMPTY_BUFFERS = (" The new ranks' replay buffers start empty: extend() them, or let the collectors refill them, "
+                 "before update_from_buffer().")
 GRACE_S = 10.0  # after one rank raised, how long the others may take to answer before the group counts as stuck
 
 
@@ -83,6 +86,10 @@ class RemoteLearner(Learner):
         follow (bool): ``True`` (default): the loss given here (and ``policy``) holds the group's weights
             whenever this process runs its modules, fetched on first use after an update
             (``remote.following``); ``False`` for programs that publish weights themselves.
+        replay_buffer (callable, optional): ``f() -> TensorDictReplayBuffer``, called on each rank: a
+            buffer beside every rank (``rank_learner.replay_buffer`` there), filled by ``extend(data)``
+            or by collectors writing into ``learner.replay_buffer``, sampled by ``update_from_buffer(K)``;
+            not in checkpoints (a rebuilt group's buffers start empty).
 
     Raises:
         TypeError, ValueError: a bad argument or a loss that cannot be sent, before anything starts.
@@ -101,6 +108,17 @@ class RemoteLearner(Learner):
         ...     weights = learner.get_weights()                # plain tensors in this process
         ...     pending = learner.update(batch, wait=False)    # collect the next batch meanwhile
         ...     out, version = pending.result(), pending.policy_version
+
+        Off-policy, a replay buffer beside each rank, sampled there (priorities written there too):
+
+        >>> from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+        >>> def buffer():  # called on each rank: 4 of each update's 8 samples come from each rank
+        ...     return TensorDictReplayBuffer(storage=LazyTensorStorage(10_000), batch_size=4)
+        >>> with RemoteLearner(loss, policy=net, num_learners=2,
+        ...                    replay_buffer=buffer) as learner:  # doctest: +SKIP
+        ...     lengths = learner.extend(batch)                # rank r takes the r-th half of the rows
+        ...     outs = learner.update_from_buffer(16)          # 16 updates in one call, outputs stacked
+        ...     # or: RayCollector(..., replay_buffer=learner.replay_buffer) writes into the ranks' buffers
 
         What cannot work on the ranks is refused before anything starts:
 
@@ -134,6 +152,7 @@ class RemoteLearner(Learner):
         max_in_flight: int = 2,
         on_lost_rank: str = "raise",
         follow: bool = True,
+        replay_buffer: Callable[[], Any] | None = None,
     ) -> None:
         nn.Module.__init__(self)
         payload = _payload(loss_module, policy)
@@ -153,6 +172,10 @@ class RemoteLearner(Learner):
             raise ValueError("num_cpus_per_learner and num_gpus_per_learner must be >= 0.")
         if not isinstance(follow, bool):
             raise TypeError(f"follow must be True or False, got {follow!r}.")
+        if replay_buffer is not None and not callable(replay_buffer):
+            raise TypeError(f"replay_buffer must be a factory f() -> TensorDictReplayBuffer, called on each rank (a "
+                            f"buffer object would be copied, not shared), got {type(replay_buffer).__name__}. Nothing "
+                            "was started.")
         object.__setattr__(self, "loss_module", loss_module if isinstance(loss_module, nn.Module) else None)
         object.__setattr__(self, "policy", policy)
         self.num_learners = num_learners
@@ -176,13 +199,15 @@ class RemoteLearner(Learner):
         self.on_lost_rank = on_lost_rank
         self._last_save: tuple[str, int] | None = None  # (path, num_updates) of the last save(): where a rebuild starts
         self._follower = None  # the loss here following the group's weights (remote/following.py)
+        self._rank_buffers = replay_buffer is not None
+        self.last_sampled: TensorDictBase | None = None  # [updates, ranks, sample]: what update_from_buffer drew
         accelerator = "cuda" if num_gpus_per_learner > 0 else "cpu"
         options = {"strategy": strategy, "accelerator": accelerator, "precision": precision,
                    "clip_grad_norm": clip_grad_norm, "grad_accum_steps": grad_accum_steps,
                    "on_nonfinite": on_nonfinite, "compile": compile, "stages": stages,
                    # the ranks' collectives wait longer than the controller, which so names a silent rank first
                    "timeout": 2 * float(timeout)}
-        sent = _pickled((payload, optimizer, options))
+        sent = _pickled((payload, optimizer, options, replay_buffer))
         self._build = (sent, num_cpus_per_learner, num_gpus_per_learner, setup_timeout)  # kept for a rebuild
         self._embedded = _runtime.join(address)
         try:
@@ -291,7 +316,8 @@ class RemoteLearner(Learner):
         err.lost_updates = lost
         err.args = (f"{err} The group was ended and, as on_lost_rank='rebuild' asks, a new one was built from {start}, "
                     f"at update {self.num_updates} (num_updates is back there): the {lost} update(s) since, and this "
-                    "call's, were not kept. The learner is usable: call update() again with the next batch.",)
+                    f"call's, were not kept.{EMPTY_BUFFERS if self._rank_buffers else ''} The learner is usable: call "
+                    "update() again with the next batch.",)
 
     def _end_group(self) -> None:
         import ray
@@ -392,6 +418,72 @@ class RemoteLearner(Learner):
             shares, order = [batch[r] for r in rows], torch.cat(rows)
         extra = (minibatch_size // ranks, epochs, shuffle, seed, normalize_advantage)
         return self._submit(batch, shares, True, "update_minibatches", extra, wait, order)
+
+    # ---- replay buffers beside the ranks ------------------------------------------------------------
+
+    @property
+    def replay_buffer(self):
+        """The ranks' replay buffers (``replay_buffer=``) as one writer: torchrl's ``RayCollector(...,
+        replay_buffer=learner.replay_buffer)`` gives each collector a client writing into one rank's buffer
+        (collector ``i`` into rank ``i % num_learners``), so its batches never cross this process."""
+        from fabric_learner.remote.buffers import RankBuffers
+
+        self._check_buffers("replay_buffer")
+        return RankBuffers(self._actors)
+
+    def extend(self, data: TensorDictBase) -> list[int]:
+        """Add ``data``'s rows to the ranks' replay buffers, rank ``r`` taking the ``r``-th contiguous part (as
+        ``update(data)`` deals it); returns each buffer's length.
+
+        Raises:
+            RuntimeError: the learner was built without ``replay_buffer=`` (nothing sent).
+            ValueError: ``data`` has fewer rows than there are ranks (nothing sent).
+        """
+        self._check_buffers("extend()")
+        if not isinstance(data, TensorDictBase) or data.batch_dims < 1 or data.batch_size[0] < self.num_learners:
+            raise ValueError(f"extend() deals the rows of a TensorDict over the {self.num_learners} ranks' buffers: it "
+                             f"needs at least {self.num_learners} rows. Nothing was sent.")
+        self._settle()
+        parts = torch.arange(data.batch_size[0]).tensor_split(self.num_learners)
+        refs = [actor.extend.remote(packed(data[rows])) for actor, rows in zip(self._actors, parts)]
+        return self._gather(refs, "extend()")
+
+    def update_from_buffer(self, num_updates: int = 1) -> TensorDictBase:
+        """``num_updates`` updates in one call, each rank sampling its share of every step from its own buffer.
+
+        Step ``i`` trains on the union of the ranks' ``i``-th samples (each the buffer's ``batch_size``),
+        as ``LocalLearner.update`` on their concatenation, rank order, would; what the loss writes under
+        the buffer's ``priority_key`` (DQN's ``td_error``) updates that rank's priorities after each step.
+        ``last_sampled`` holds what the samplers drew, ``[num_updates, num_learners, batch_size]``: each
+        rank's storage ``index`` and, from a prioritized sampler, the ``priority_weight`` the loss used.
+        Returns every step's combined output, stacked.
+
+        Raises:
+            RuntimeError: the learner was built without ``replay_buffer=`` (nothing sent).
+            ValueError: a bad ``num_updates``, or ``grad_accum_steps > 1`` (nothing sent); a rank's buffer is
+                empty (raised by every rank before any samples or steps: nothing changed).
+        """
+        self._check_buffers("update_from_buffer()")
+        if isinstance(num_updates, bool) or not isinstance(num_updates, int) or num_updates < 1:
+            raise ValueError(f"num_updates must be an integer >= 1, got {num_updates!r}. Nothing was sent.")
+        if self.grad_accum_steps != 1:
+            raise ValueError("update_from_buffer() steps the optimizer on every sample; this learner accumulates "
+                             f"grad_accum_steps={self.grad_accum_steps}: sample bigger batches instead. Nothing was sent.")
+        self._settle()
+        answers = self._call("update_from_buffer", num_updates, what="update_from_buffer()")
+        self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]
+        self._moved()
+        self.last_rank_seconds = [float(a[5]) for a in answers]
+        self.last_sampled = torch.stack([a[6] for a in answers], dim=1)
+        if self._follower is not None:
+            self._follower.after_update()
+        return combine([a[0] for a in answers], [a[3] for a in answers])
+
+    def _check_buffers(self, what: str) -> None:
+        self._check_usable()
+        if not self._rank_buffers:
+            raise RuntimeError(f"{what} needs replay buffers beside the ranks: build the learner with "
+                               "replay_buffer=f, f() -> TensorDictReplayBuffer (called on each rank). Nothing was sent.")
 
     def _submit(self, batch, shares, write_back: bool, method: str, extra: tuple, wait: bool, order=None):
         """Send each rank its share for ``method`` (``update`` or ``update_minibatches``); see :meth:`update`."""
