@@ -265,26 +265,30 @@ def free_port() -> int:
     A port that ``bind(0)`` picks comes from the ephemeral range, the range every outgoing connection's
     source port is drawn from too: between this pick and the server's bind, any process's client could take
     it (EADDRINUSE on CI, a test's setup lost). These come from outside that range, in turn from one counter
-    that every test process of this user shares (a locked file), so two picks, however concurrent, differ.
+    that every test process of this user shares (a locked file), so two picks, however concurrent, differ
+    (until the counter comes round again, some 17,000 picks later).
     """
     import fcntl
 
     with open(_PORT_COUNTER, "a+") as counter:
         fcntl.flock(counter, fcntl.LOCK_EX)
         counter.seek(0)
-        last = int(counter.read() or -1)
+        text = counter.read().strip()
+        last = int(text) if text.isdigit() else -1
         for step in range(1, len(_PORTS) + 1):
             port = _PORTS[(last + step) % len(_PORTS)]
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
-                    s.bind(("127.0.0.1", port))
+                    s.bind(("", port))  # every address, as the servers bind: held on any of them is held
                 except OSError:
                     continue  # held, or in TIME_WAIT
             counter.seek(0)
             counter.truncate()
             counter.write(str((last + step) % len(_PORTS)))
             return port
-    raise AssertionError("no free port outside the ephemeral range: every one is held")
+    raise AssertionError(f"no free port among {len(_PORTS)} outside the ephemeral range (/proc/sys/net/ipv4/"
+                         "ip_local_port_range): every one is held, or the range leaves none from 20000 up. Narrow the "
+                         "ephemeral range (sysctl net.ipv4.ip_local_port_range='32768 60999').")
 
 
 def elastic_exit_codes(stdout: str) -> dict[int, int]:

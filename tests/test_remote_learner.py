@@ -444,6 +444,8 @@ def test_a_ray_collector_writes_into_the_ranks_buffers_and_the_ranks_train_on_wh
                              total_frames=32, num_collectors=2, replay_buffer=learner.replay_buffer,
                              remote_configs={"num_cpus": 0.25},
                              collector_kwargs={"auto_register_policy_transforms": False})
+    with pytest.raises(ValueError, match="1 collectors cannot fill the replay buffers of 2 learner ranks"):
+        learner.replay_buffer.clients(1)
     assert all(batch is None for batch in collector)  # the batches went to the ranks
     collector.shutdown()
     held = learner.call_on_ranks(lambda rank: rank.replay_buffer[:].select("observation", ("next", "reward")))
@@ -691,7 +693,8 @@ def test_k_updates_sampled_beside_the_ranks_equal_one_process_on_the_same_rows_a
         buffered):
     """Rank r's buffer holds the r-th half of the rows given; step i trains on the union of the ranks' i-th samples
     (as LocalLearner on their concatenation), and each rank's priorities are (|td_error| + eps) ** alpha of its rows."""
-    with pytest.raises(ValueError, match="replay buffer is empty.*Nothing was changed"):  # every rank refuses alike
+    with pytest.raises(ValueError, match=r"rank 0 could not sample its replay buffer \(it is empty\), so no rank "
+                                         r"took step 0 of 2; 0 step\(s\) were taken"):  # every rank refuses alike
         buffered.update_from_buffer(2)
     assert buffered.num_updates == 0 and buffered.broken is None
     local = local_dqn()
@@ -717,6 +720,13 @@ def test_k_updates_sampled_beside_the_ranks_equal_one_process_on_the_same_rows_a
     for r in range(2):
         rows = sorted(priority[r])
         torch.testing.assert_close(kept[r][rows], torch.stack([priority[r][i] for i in rows]), **TOL)
+    # rank 1 alone cannot sample: both ranks refuse that step (neither waits in its collectives), nothing moves
+    buffered.call_on_ranks(lambda rank: rank.global_rank == 1 and rank.replay_buffer.empty())
+    before = rank_models(buffered)[0]
+    with pytest.raises(ValueError, match=r"rank 1 could not sample its replay buffer, so no rank took step 0"):
+        buffered.update_from_buffer(1)
+    assert buffered.num_updates == start + 3 and buffered.broken is None
+    assert_close_state(rank_models(buffered)[0], before)
 
 
 def test_a_learner_built_without_replay_buffers_refuses_to_fill_or_sample_them_changing_nothing(ddp):

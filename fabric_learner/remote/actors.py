@@ -141,26 +141,33 @@ class LearnerRank:
 
         Answers as :meth:`update`, the output stacked over the steps, plus what the sampler added to the
         samples (``index``, and ``priority_weight`` where it weighs them), ``[num_updates, buffer batch]``.
-        Every rank learns the smallest buffer's length first, so an empty one makes every rank refuse
-        alike (one raising alone would leave its peers in a collective).
+        Before each step the ranks agree that every one of them drew its sample (an empty buffer, a
+        sampler with nothing left): otherwise every rank raises alike, where one raising alone would
+        leave its peers in the step's collectives. A later step's error leaves the earlier steps taken.
         """
-        import torch.distributed as dist
+        from fabric_learner.collectives import all_reduce
 
         self._thread = threading.get_ident()
         learner, buffer = self.learner, self.learner.replay_buffer
-        length = torch.tensor([len(buffer)])
-        dist.all_reduce(length, op=dist.ReduceOp.MIN)
-        if length.item() == 0:
-            raise ValueError("A learner rank's replay buffer is empty, so no rank sampled or stepped. Fill every "
-                             "rank's buffer first (learner.extend(batch), or a collector writing into "
-                             "learner.replay_buffer). Nothing was changed.")
+        key = getattr(buffer, "priority_key", None)
         outs, drawn, seconds = [], [], 0.0
-        for _ in range(num_updates):
-            sample = buffer.sample()
+        for step in range(num_updates):
+            try:
+                sample, failed = (buffer.sample(), None) if len(buffer) else (None, "it is empty")
+            except Exception as err:  # noqa: BLE001 - told to every rank below, raised with its cause here
+                sample, failed = None, f"{type(err).__name__}: {err}"
+            first = int(all_reduce(torch.tensor(self.rank if failed else self.world_size), "min", group=None))
+            if first < self.world_size:  # the lowest failing rank, named by every rank
+                cause = f" ({failed})" if first == self.rank else ""
+                raise ValueError(
+                    f"Learner rank {first} could not sample its replay buffer{cause}, so no rank took step {step} of "
+                    f"{num_updates}; {step} step(s) were taken before it. Fill every rank's buffer first "
+                    "(learner.extend(batch), or collectors writing into learner.replay_buffer, at least one per "
+                    "rank).") from None
             start = time.perf_counter()
             outs.append(learner.update(sample))
             seconds += time.perf_counter() - start
-            if getattr(buffer, "priority_key", None) in sample.keys():  # DQN's td_error, as the loss wrote it
+            if key is not None and key in sample.keys(include_nested=True):  # DQN's td_error, as the loss wrote it
                 buffer.update_tensordict_priority(sample)
             drawn.append(sample.select("index", "priority_weight", strict=False))
         return (packed(torch.stack(outs)), learner.num_updates, learner.skipped_updates, float(buffer.batch_size),

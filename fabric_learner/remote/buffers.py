@@ -27,9 +27,16 @@ class RankBuffers:
         return RankBufferClient(self._actors[index % len(self._actors)])
 
     def clients(self, num_clients: int) -> list[RankBufferClient]:
-        """One writer per collector, dealt over the ranks in turn (collector ``i`` to rank ``i % num_learners``)."""
-        if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
-            raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}.")
+        """One writer per collector, dealt over the ranks in turn (collector ``i`` to rank ``i % num_learners``).
+
+        Refuses fewer collectors than ranks: a rank without one would never be filled, and every
+        ``update_from_buffer`` would fail on its empty buffer.
+        """
+        ranks = len(self._actors)
+        if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < ranks:
+            raise ValueError(f"{num_clients!r} collectors cannot fill the replay buffers of {ranks} learner ranks: "
+                             f"start at least {ranks} (a multiple of {ranks} fills them evenly), or fill the others "
+                             "with learner.extend(batch). Nothing was started.")
         return [self.client(i) for i in range(num_clients)]
 
     def __len__(self) -> int:
@@ -49,13 +56,15 @@ class RankBufferClient:
 
         from fabric_learner.remote._wire import packed
 
-        return ray.get(self._actor.extend.remote(packed(data.to("cpu") if data.device is not None else data)))
+        return ray.get(self._actor.extend.remote(packed(data.to("cpu"))))  # a collector's leaves may be on its GPU
 
     def add(self, data) -> int:
         return self.extend(data.unsqueeze(0))
 
     @property
     def write_count(self) -> int:
+        """Rows written into this client's rank's buffer (torchrl's collectors compare it with their
+        ``init_random_frames``: per rank here, where a single shared buffer counts them all)."""
         import ray
 
         return ray.get(self._actor.buffer_write_count.remote())

@@ -32,8 +32,8 @@ from fabric_learner.remote.faults import CONTINUE, RESTART, LearnerLostError, Le
 # share's keys and pickle framing, so that Ray never moves a share this learner counted as inline.
 INLINE_BYTES = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024)) - 8 * 1024
 # the ranks' replay buffers are in no checkpoint (as a script's own buffer is in no learner checkpoint)
-EMPTY_BUFFERS = (" The new ranks' replay buffers start empty: extend() them, or let the collectors refill them, "
-                 "before update_from_buffer().")
+EMPTY_BUFFERS = (" The new ranks' replay buffers start empty: extend() them, or start new collectors on "
+                 "learner.replay_buffer (the old ones' clients wrote into the lost ranks), before update_from_buffer().")
 GRACE_S = 10.0  # after one rank raised, how long the others may take to answer before the group counts as stuck
 
 
@@ -445,14 +445,15 @@ class RemoteLearner(Learner):
                              f"needs at least {self.num_learners} rows. Nothing was sent.")
         self._settle()
         parts = torch.arange(data.batch_size[0]).tensor_split(self.num_learners)
-        refs = [actor.extend.remote(packed(data[rows])) for actor, rows in zip(self._actors, parts)]
+        refs = [actor.extend.remote(packed(data[rows].to("cpu"))) for actor, rows in zip(self._actors, parts)]
         return self._gather(refs, "extend()")
 
     def update_from_buffer(self, num_updates: int = 1) -> TensorDictBase:
         """``num_updates`` updates in one call, each rank sampling its share of every step from its own buffer.
 
         Step ``i`` trains on the union of the ranks' ``i``-th samples (each the buffer's ``batch_size``),
-        as ``LocalLearner.update`` on their concatenation, rank order, would; what the loss writes under
+        as ``LocalLearner.update`` on their concatenation, rank order, would (a loss that normalises by
+        importance weights, torchrl's DQN with ``beta > 0``, does so per rank, as under DDP); what the loss writes under
         the buffer's ``priority_key`` (DQN's ``td_error``) updates that rank's priorities after each step.
         ``last_sampled`` holds what the samplers drew, ``[num_updates, num_learners, batch_size]``: each
         rank's storage ``index`` and, from a prioritized sampler, the ``priority_weight`` the loss used.
@@ -460,8 +461,10 @@ class RemoteLearner(Learner):
 
         Raises:
             RuntimeError: the learner was built without ``replay_buffer=`` (nothing sent).
-            ValueError: a bad ``num_updates``, or ``grad_accum_steps > 1`` (nothing sent); a rank's buffer is
-                empty (raised by every rank before any samples or steps: nothing changed).
+            ValueError: a bad ``num_updates``, or ``grad_accum_steps > 1`` (nothing sent); a rank could not
+                sample its buffer (empty, or its sampler raised): every rank raises before that step, the
+                steps before it kept and counted in ``num_updates``. A step's own error (a non-finite loss)
+                also leaves the earlier steps taken and counted.
         """
         self._check_buffers("update_from_buffer()")
         if isinstance(num_updates, bool) or not isinstance(num_updates, int) or num_updates < 1:
@@ -470,7 +473,15 @@ class RemoteLearner(Learner):
             raise ValueError("update_from_buffer() steps the optimizer on every sample; this learner accumulates "
                              f"grad_accum_steps={self.grad_accum_steps}: sample bigger batches instead. Nothing was sent.")
         self._settle()
-        answers = self._call("update_from_buffer", num_updates, what="update_from_buffer()")
+        try:
+            answers = self._call("update_from_buffer", num_updates, what="update_from_buffer()")
+        except (LearnerLostError, LearnerTimeoutError):
+            raise
+        except Exception:  # a step that failed after others were taken: those stay taken, counted here too
+            if self._broken is None:
+                self.num_updates, self.skipped_updates = self._call("call", _counters, what="update counters")[0]
+                self._moved()
+            raise
         self.num_updates, self.skipped_updates = answers[0][1], answers[0][2]
         self._moved()
         self.last_rank_seconds = [float(a[5]) for a in answers]
@@ -761,6 +772,10 @@ class PendingUpdate:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+def _counters(rank_learner) -> tuple[int, int]:
+    return rank_learner.num_updates, rank_learner.skipped_updates
 
 
 def combine(outputs: list[Any], weights: list[float]) -> TensorDictBase:
