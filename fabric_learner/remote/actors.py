@@ -143,20 +143,28 @@ class LearnerRank:
         samples (``index``, and ``priority_weight`` where it weighs them), ``[num_updates, buffer batch]``.
         Before each step the ranks agree that every one of them drew its sample (an empty buffer, a
         sampler with nothing left): otherwise every rank raises alike, where one raising alone would
-        leave its peers in the step's collectives. A later step's error leaves the earlier steps taken.
+        leave its peers in the step's collectives. torchrl's random and prioritized samplers draw
+        whenever the buffer holds a row, so with them the ranks agree before the first step only. A
+        later step's error leaves the earlier steps taken.
         """
+        from torchrl.data.replay_buffers.samplers import PrioritizedSampler, RandomSampler
+
         from fabric_learner.collectives import all_reduce
+        from fabric_learner.replay import TorchPrioritizedSampler
 
         self._thread = threading.get_ident()
         learner, buffer = self.learner, self.learner.replay_buffer
         key = getattr(buffer, "priority_key", None)
+        # these draw whenever the buffer holds a row: agreeing before the first step is enough (spares a collective a step)
+        once = type(buffer.sampler) in (RandomSampler, PrioritizedSampler, TorchPrioritizedSampler)
         outs, drawn, seconds = [], [], 0.0
         for step in range(num_updates):
             try:
                 sample, failed = (buffer.sample(), None) if len(buffer) else (None, "it is empty")
             except Exception as err:  # noqa: BLE001 - told to every rank below, raised with its cause here
                 sample, failed = None, f"{type(err).__name__}: {err}"
-            first = int(all_reduce(torch.tensor(self.rank if failed else self.world_size), "min", group=None))
+            mine = self.rank if failed else self.world_size
+            first = int(all_reduce(torch.tensor(mine), "min", group=None)) if step == 0 or not once else mine
             if first < self.world_size:  # the lowest failing rank, named by every rank
                 cause = f" ({failed})" if first == self.rank else ""
                 raise ValueError(
