@@ -121,8 +121,15 @@ def spmd(args) -> None:
         call(learner, shares[i % len(shares)], i, plan.many, RANKS)
     samples = harness.blocks(lambda i: call(learner, shares[i % len(shares)], i % len(shares), plan.many, RANKS),
                              args.blocks, args.inner, torch.distributed.barrier)
+    out = [s / plan.steps for s in samples]
+    if args.many and args.workload == "dqn":  # also the same updates, each rank sampling its own buffer
+        buffer = rank_buffer(args.batch // RANKS)
+        buffer.extend(torch.cat(shares))
+        sampled = harness.blocks(lambda i: [learner.update(buffer.sample()) for _ in range(plan.steps)],
+                                 args.blocks, args.inner, torch.distributed.barrier)
+        out = {"calls": out, "sampled": [s / plan.steps for s in sampled]}
     if learner.global_rank == 0:
-        harness.write_json(args.spmd_out, [s / plan.steps for s in samples])
+        harness.write_json(args.spmd_out, out)
     learner.close()
 
 
@@ -212,7 +219,7 @@ def measure(args) -> None:
             compiled_update(calls[i % len(calls)])
     times = {k: [] for k in ("spmd", "remote", "remote_pipelined", "spmd_in_actors") if not (many and k == "remote_pipelined")}
     times.update({"remote_stored": []} if stored else {})
-    times.update({"from_buffer": []} if sampled else {})
+    times.update({"from_buffer": [], "spmd_sampled": []} if sampled else {})
     blocks = {k: [] for k in (("remote", "spmd_in_actors", "remote_ranks_own", "single_follow", "single_no_follow",
                                "from_buffer") if many
                               else ("remote", "spmd_in_actors", "remote_pipelined", "remote_stored", "remote_ranks_own",
@@ -253,7 +260,10 @@ def measure(args) -> None:
                                          str(args.batch), "--blocks", str(args.blocks), "--inner", str(args.inner),
                                          "--warmup", str(args.warmup), "--strategy", args.strategy, "--hidden",
                                          str(args.hidden), "--layers", str(args.layers)], 600, "the SPMD program")
-                    times["spmd"].append(harness.median(harness.read_json(path)))
+                    got = harness.read_json(path)
+                    times["spmd"].append(harness.median(got["calls"] if sampled else got))
+                    if sampled:
+                        times["spmd_sampled"].append(harness.median(got["sampled"]))
                 continue
             got = {k: [] for k in blocks}
             for block in range(args.blocks):
@@ -304,6 +314,8 @@ def measure(args) -> None:
             "remote_over_spmd_in_actors": paired(blocks["remote"], blocks["spmd_in_actors"], goal=goal),
             "remote_over_its_ranks_own_time": paired(blocks["remote"], blocks["remote_ranks_own"]),
             "from_buffer_over_spmd": sampled and paired(times["from_buffer"], times["spmd"], goal=goal),
+            # against the SPMD ranks sampling their own buffers too: the comparison for update_from_buffer
+            "from_buffer_over_spmd_sampled": sampled and paired(times["from_buffer"], times["spmd_sampled"], goal=goal),
             "from_buffer_over_remote": sampled and paired(blocks["from_buffer"], blocks["remote"]),
             # what following (a check for buffers written, nothing run here) adds to the single-step path
             "single_step_follow_over_no_follow": paired(blocks["single_follow"], blocks["single_no_follow"])})
