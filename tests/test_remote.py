@@ -333,10 +333,16 @@ def test_a_rank_no_collector_connects_to_ends_the_run_on_every_rank_naming_the_a
 def run_slow_driver(out):
     """Learner rank 0's side of the directory, its driver slow to start: a collector joins build 0 and waits past its
     --wait (2 s) before the group is published."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
     from fabric_learner.remote.directory import Directory
 
-    port = free_port()
-    directory = Directory.host(f"127.0.0.1:{port}", world=1)  # no driver yet: the test publishes its group by hand
+    # bound to a port the system picks as it binds: a port picked free earlier was once taken before the bind (twice)
+    directory = Directory.serve(TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False),
+                                world=1)  # no driver yet: the test publishes its group by hand
+    port = directory.store.port
     directory.count("rank0", "epochs", add=1)
     collectors = Collectors(out, port, n=0)
     collectors.add("--learner-rank", "0", wait=2)

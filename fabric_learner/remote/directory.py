@@ -53,7 +53,12 @@ class Directory:
     def host(cls, address: str, world: int) -> Directory:
         """Serve the directory at ``address`` for a run of ``world`` learner ranks (learner rank 0)."""
         host, port = split_address(address)
-        store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        return cls.serve(TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)),
+                         world)
+
+    @classmethod
+    def serve(cls, store: TCPStore, world: int) -> Directory:
+        """Serve the directory on ``store``, a TCP store this process hosts (one bound to port 0: no pick-then-bind)."""
         run = uuid.uuid4().hex[:12]
         store.set(f"{run}/world", str(world))
         store.set(RUN_KEY, run)  # last: a client that reads the run finds its world
